@@ -1,0 +1,34 @@
+# Set-up and entry points. `make demo` and `make test` each create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+
+.PHONY: demo test bench clean
+
+# torch first, pinned: a bare `torch` requirement would pull several GB of CUDA wheels.
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml
+	$(PY) -m pip install --quiet -e '.[s3,gcs]'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m tierstore.demo
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/save_load.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

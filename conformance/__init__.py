@@ -1,0 +1,1 @@
+"""tierstore's conformance kit (placeholder, filled below)."""

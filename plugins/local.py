@@ -1,0 +1,187 @@
+"""Backends ``local`` (a POSIX directory, fsynced) and ``memory`` (a tmpfs directory, no fsync).
+
+Both keep the on-tier layout of the contract, so a checkpoint written without codecs loads with
+stock ``dcp.load(checkpoint_id=<tier root>/<id>)``. ``memory`` lives in ``/dev/shm`` by default:
+it survives a crashed process (not a rebooted node), which is what a RAM tier is for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import shutil
+import sys
+from typing import IO
+
+import tierstore
+from tierstore.kinds import Backend
+from tierstore.options import Option
+
+# Start writeback of every this-many bytes while the file is still being written, so that the
+# final fsync has little left to flush: write and disk flush overlap (about +20% on this disk).
+_WRITEBACK_CHUNK = 32 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class LocalWriteFile(io.RawIOBase):
+    """A file being written on a local disk: unbuffered writes, early writeback, fsync on close."""
+
+    def __init__(self, path: str, durable: bool):
+        super().__init__()
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                           0o644)
+        self._durable = durable
+        self._pos = 0
+        self._flushed_to = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data) -> int:  # bytes-like
+        view = memoryview(data).cast("B")
+        total = len(view)
+        done = 0
+        while done < total:
+            done += os.write(self._fd, view[done:])
+        self._pos += total
+        if self._durable and _sync_file_range and self._pos - self._flushed_to >= _WRITEBACK_CHUNK:
+            _sync_file_range(self._fd, self._flushed_to, self._pos - self._flushed_to,
+                             _SYNC_FILE_RANGE_WRITE)
+            self._flushed_to = self._pos
+        return total
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._durable:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            super().close()
+
+
+class LocalBackend(Backend):
+    """A directory on a local (or network) POSIX filesystem; files are fsynced, renames atomic."""
+
+    options = (
+        Option("path", str, required=True, expand=True,
+               description="directory of the tier; may use {rank}, {local_rank}, {node}"),
+        Option("fsync", bool, default=True,
+               description="fsync files and directories so a commit survives power loss"),
+    )
+    default_commit = "atomic"
+    supports_rename = True
+
+    def __init__(self, root: str, path: str | None = None, fsync: bool = True):
+        self.root = os.path.abspath(os.path.expanduser(path or root))
+        self.durable = fsync
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, path) if path else self.root
+
+    def check_reachable(self) -> str | None:
+        probe = self.root
+        while not os.path.exists(probe):
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        if not os.path.isdir(probe):
+            return f"{probe} exists and is not a directory"
+        if not os.access(probe, os.W_OK | os.X_OK):
+            return f"{probe} is not writable by this user (uid {os.getuid()})"
+        return None
+
+    def open_write(self, path: str) -> IO[bytes]:
+        return LocalWriteFile(self._abs(path), self.durable)  # type: ignore[return-value]
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return open(self._abs(path), "rb", buffering=0)
+
+    def size(self, path: str) -> int | None:
+        try:
+            st = os.stat(self._abs(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_size if not os.path.isdir(self._abs(path)) else None
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._abs(path)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(self._abs(path), exist_ok=True)
+
+    def delete(self, path: str) -> None:
+        target = self._abs(path)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            try:
+                os.remove(target)
+            except FileNotFoundError:
+                pass
+
+    def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
+        if replace:
+            os.replace(self._abs(src), self._abs(dst))
+            return
+        if os.path.lexists(self._abs(dst)):
+            raise FileExistsError(f"{self._abs(dst)} already exists")
+        os.rename(self._abs(src), self._abs(dst))
+
+    def sync_dir(self, path: str) -> None:
+        if not self.durable:
+            return
+        fd = os.open(self._abs(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def local_path(self, path: str) -> str | None:
+        return self._abs(path)
+
+
+class MemoryBackend(LocalBackend):
+    """A tmpfs directory (default ``/dev/shm/tierstore/{node}``): same format, no fsync."""
+
+    options = (
+        Option("path", str, default="/dev/shm/tierstore/{node}", expand=True,
+               description="tmpfs directory of the tier; may use {rank}, {local_rank}, {node}"),
+    )
+    durable = False
+
+    def __init__(self, root: str, path: str | None = None):
+        super().__init__(root, path, fsync=False)
+
+
+@tierstore.hookimpl
+def tierstore_register_backends(register):
+    register("local", LocalBackend)
+    register("memory", MemoryBackend)

@@ -1,0 +1,254 @@
+"""Loading and validating a store's configuration (TOML file or dict of the same shape).
+
+Validation is complete before anything is written: every key of every table is checked against
+the core's keys and the keys the chosen plugins declare; the first mistake is a ConfigError that
+names the file, line, table and key, and lists what would have been valid.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .dist import RankContext
+from .errors import ConfigError
+from .options import ConfigSource, Option, validate_table
+from .plugin_manager import PluginHost
+
+__all__ = ["StoreConfig", "TierConfig", "PluginChoice", "load_source", "validate_config",
+           "expand_placeholders"]
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]*$")
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+def _positive(value: Any) -> str | None:
+    return None if value >= 1 else f"must be at least 1, got {value}"
+
+
+def _str_list(value: Any) -> str | None:
+    if not all(isinstance(v, str) for v in value):
+        return f"must be a list of strings, got {value!r}"
+    return None
+
+
+STORE_OPTIONS: tuple[Option, ...] = (
+    Option("plugins", list, default=[], check=_str_list,
+           description="extra plugin modules to import, beside entry points"),
+    Option("staging", (str, dict), default="cpu",
+           description="staging plugin name, or a table with 'name' and its options"),
+    Option("commit", (str, dict), default=None,
+           description="commit protocol (default: each backend's own)"),
+    Option("overwrite", bool, default=False,
+           description="allow saving an id that already exists on a tier (replaces it)"),
+    Option("io_threads", int, default=4, check=_positive,
+           description="files written and read in parallel per rank and tier"),
+    Option("verify_on_load", bool, default=True,
+           description="check each file's checksum while dcp.load reads it"),
+)
+
+TIER_OPTIONS: tuple[Option, ...] = (
+    Option("name", str, required=True, description="unique name of the tier"),
+    Option("backend", str, required=True, description="persistence plugin"),
+    Option("every", int, default=1, check=_positive,
+           description="this tier takes saves whose step is a multiple of it"),
+    Option("keep", int, default=None, check=_positive,
+           description="keep the newest N complete checkpoints (default: all)"),
+    Option("codecs", list, default=[], check=_str_list, description="byte transforms, in order"),
+)
+
+TOP_LEVEL_OPTIONS: tuple[Option, ...] = (
+    Option("store", dict, default={}, description="store-wide settings"),
+    Option("tier", list, required=True, description="the tiers, fastest first"),
+)
+
+
+@dataclass(frozen=True)
+class PluginChoice:
+    """A chosen plugin of a store-wide kind (staging, commit) with its validated options."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One validated ``[[tier]]`` table. ``backend_options`` still holds placeholders."""
+
+    index: int
+    name: str
+    backend: str
+    every: int
+    keep: int | None
+    codecs: tuple[str, ...]
+    backend_options: dict[str, Any]
+
+    def expanded_options(self, ctx: RankContext, options: tuple[Option, ...]) -> dict[str, Any]:
+        """Backend options with ``{rank}``, ``{local_rank}``, ``{node}`` replaced for ``ctx``."""
+        out = dict(self.backend_options)
+        for opt in options:
+            if opt.expand and isinstance(out.get(opt.name), str):
+                out[opt.name] = expand_placeholders(out[opt.name], ctx)
+        return out
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """A whole validated configuration."""
+
+    plugins: tuple[str, ...]
+    staging: PluginChoice
+    commit: PluginChoice | None
+    overwrite: bool
+    io_threads: int
+    verify_on_load: bool
+    tiers: tuple[TierConfig, ...]
+    source: ConfigSource
+
+
+def load_source(config: Any) -> tuple[dict[str, Any], ConfigSource]:
+    """Read ``config`` (a path to a TOML file or a dict) into a dict and its source."""
+    if isinstance(config, dict):
+        return config, ConfigSource("<dict>")
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(
+                f"config file {str(path)!r} does not exist; pass the path of a TOML file "
+                f"(see README 'Configuration') or a dict of the same shape"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}; fix the syntax there") from None
+        return data, ConfigSource(str(path), text)
+    raise ConfigError(
+        f"tierstore.open() takes a path to a TOML file or a dict, got {type(config).__name__}"
+    )
+
+
+def expand_placeholders(value: str, ctx: RankContext) -> str:
+    """Replace ``{rank}``, ``{local_rank}`` and ``{node}`` in ``value``."""
+    values = ctx.placeholders()
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), value)
+
+
+def _check_placeholders(value: str, where: str, owner: str, key: str) -> None:
+    for name in _PLACEHOLDER.findall(value):
+        if name not in RankContext().placeholders():
+            raise ConfigError(
+                f"{where}: {owner}: key '{key}' uses unknown placeholder '{{{name}}}'; valid "
+                f"placeholders: {{rank}}, {{local_rank}}, {{node}}"
+            )
+
+
+def _unknown_name(kind: str, name: Any, host: PluginHost, where: str, owner: str,
+                  key: str) -> ConfigError:
+    valid = ", ".join(host.names(kind)) or "(none registered)"
+    return ConfigError(
+        f"{where}: {owner}: unknown {kind} {name!r} in key '{key}'; valid {kind}s: {valid}. "
+        f"A plugin providing it can be added with [store] plugins = [\"module\"] or an entry point "
+        f"in the 'tierstore' group"
+    )
+
+
+def _plugin_choice(kind: str, value: Any, host: PluginHost, source: ConfigSource,
+                   key: str) -> PluginChoice:
+    where = source.where("store", None, key)
+    if isinstance(value, dict):
+        if "name" not in value:
+            raise ConfigError(
+                f"{where}: [store.{key}] needs a 'name' key naming the {kind} plugin; valid: "
+                f"{', '.join(host.names(kind))}"
+            )
+        name, opts = value["name"], {k: v for k, v in value.items() if k != "name"}
+    else:
+        name, opts = value, {}
+    reg = host.lookup(kind, name) if isinstance(name, str) else None
+    if reg is None:
+        raise _unknown_name(kind, name, host, where, "[store]", key)
+    checked = validate_table(opts, reg.options, owner=f"[store.{key}] ({kind} '{name}')",
+                             source=source, table_name=f"store.{key}", index=None)
+    return PluginChoice(name, checked)
+
+
+def validate_store_table(raw: dict[str, Any], source: ConfigSource) -> dict[str, Any]:
+    """The ``[store]`` table checked against the core's keys (plugins not resolved yet)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source.name}: 'store' must be a table ([store]), got {raw!r}")
+    return validate_table(raw, STORE_OPTIONS, owner="[store]", source=source,
+                          table_name="store", index=None)
+
+
+def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost,
+                    store_table: dict[str, Any]) -> StoreConfig:
+    """Validate everything in ``data`` against the core's keys and the plugins' declared keys."""
+    validate_table(data, TOP_LEVEL_OPTIONS, owner="top level", source=source, table_name=None,
+                   index=None)
+    tiers_raw = data["tier"]
+    if not tiers_raw:
+        raise ConfigError(f"{source.name}: no tiers; add at least one [[tier]] table")
+    tiers: list[TierConfig] = []
+    seen: dict[str, int] = {}
+    for index, raw in enumerate(tiers_raw):
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source.name}: tier[{index}] must be a table ([[tier]]), got {raw!r}")
+        label = f"tier '{raw.get('name', index)}' (tier[{index}])"
+        backend_name = raw.get("backend")
+        reg = host.lookup("backend", backend_name) if isinstance(backend_name, str) else None
+        if reg is None and "backend" in raw:
+            raise _unknown_name("backend", backend_name, host,
+                                source.where("tier", index, "backend"), label, "backend")
+        backend_opts = reg.options if reg else ()
+        core_names = {o.name for o in TIER_OPTIONS}
+        clash = [o.name for o in backend_opts if o.name in core_names]
+        if clash:
+            raise ConfigError(f"backend '{backend_name}' ({reg.origin}) declares core tier keys {clash}")
+        checked = validate_table(raw, TIER_OPTIONS + backend_opts, owner=label, source=source,
+                                 table_name="tier", index=index)
+        name = checked["name"]
+        if not _SEGMENT.match(name):
+            raise ConfigError(
+                f"{source.where('tier', index, 'name')}: {label}: name {name!r} must be one path "
+                f"segment of letters, digits, '.', '_', '-'"
+            )
+        if name in seen:
+            raise ConfigError(
+                f"{source.where('tier', index, 'name')}: duplicate tier name '{name}' (tier[{seen[name]}] "
+                f"and tier[{index}]); tier names must be unique"
+            )
+        seen[name] = index
+        for codec in checked["codecs"]:
+            if host.lookup("codec", codec) is None:
+                raise _unknown_name("codec", codec, host, source.where("tier", index, "codecs"),
+                                    label, "codecs")
+        for opt in backend_opts:
+            if opt.expand and isinstance(checked.get(opt.name), str):
+                _check_placeholders(checked[opt.name], source.where("tier", index, opt.name),
+                                    label, opt.name)
+        tiers.append(TierConfig(
+            index=index, name=name, backend=checked["backend"], every=checked["every"],
+            keep=checked["keep"], codecs=tuple(checked["codecs"]),
+            backend_options={o.name: checked[o.name] for o in backend_opts},
+        ))
+    if not any(t.every == 1 for t in tiers):
+        raise ConfigError(
+            f"{source.name}: no tier has every = 1, so some saves would go nowhere; set every = 1 "
+            f"on the fastest tier ({tiers[0].name!r})"
+        )
+    staging = _plugin_choice("staging", store_table["staging"], host, source, "staging")
+    commit = (None if store_table["commit"] is None
+              else _plugin_choice("commit", store_table["commit"], host, source, "commit"))
+    return StoreConfig(
+        plugins=tuple(store_table["plugins"]), staging=staging, commit=commit,
+        overwrite=store_table["overwrite"], io_threads=store_table["io_threads"],
+        verify_on_load=store_table["verify_on_load"], tiers=tuple(tiers), source=source,
+    )

@@ -1,0 +1,68 @@
+"""Events (what happened, with timings) and phases (where the engine is about to go).
+
+Observers receive :class:`Event` objects through the ``tierstore_event`` hook. Fault injectors
+and tracers receive phase names through ``tierstore_phase`` *before* each phase runs; raising
+there fails the operation exactly as a real fault at that point would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Event", "EventKind", "Phase"]
+
+
+class EventKind:
+    """Names of the events the engine emits (``Event.kind``)."""
+
+    STAGED = "staged"            # async_save copied the state dict to host buffers
+    WRITTEN = "written"          # one data file is written and durable on a tier
+    COMMITTED = "committed"      # a checkpoint became visible on a tier
+    LOADED = "loaded"            # a load finished reading this rank's items
+    EVICTED = "evicted"          # retention (keep) deleted a checkpoint from a tier
+    COLLECTED = "collected"      # gc removed what an interrupted save left behind
+    FELL_BACK = "fell_back"      # a file was read from a slower tier than the first choice
+    FAILED = "failed"            # a save, commit or load failed; detail['error'] says why
+    DRAIN_STARTED = "drain_started"
+    DRAIN_FINISHED = "drain_finished"
+
+    ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
+           DRAIN_STARTED, DRAIN_FINISHED)
+
+
+class Phase:
+    """Named points of the save and load paths, announced through ``tierstore_phase``."""
+
+    STAGE = "stage"                    # before copying a state dict for async_save
+    SAVE_BEGIN = "save_begin"          # writer.reset: id validated, staging directory next
+    WRITE_FILE = "write_file"          # before one data file is written (detail: file)
+    WRITE_METADATA = "write_metadata"  # coordinator, before .metadata is written
+    WRITE_MANIFEST = "write_manifest"  # before the manifest (the commit point) is written
+    PUBLISH = "publish"                # before the checkpoint is made visible (rename)
+    RETAIN = "retain"                  # before keep/every retention deletes old checkpoints
+    LOAD_BEGIN = "load_begin"          # reader.reset: finding the tier that holds the id
+    READ_FILE = "read_file"            # before one data file is read (detail: file)
+
+    ALL = (STAGE, SAVE_BEGIN, WRITE_FILE, WRITE_METADATA, WRITE_MANIFEST, PUBLISH, RETAIN,
+           LOAD_BEGIN, READ_FILE)
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happened, as plain data (what the CLI and observers print or aggregate)."""
+
+    kind: str
+    checkpoint_id: str | None = None
+    tier: str | None = None
+    rank: int = 0
+    seconds: float = 0.0
+    nbytes: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+    at: float = field(default_factory=time.time)
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second (0 when no time was measured)."""
+        return self.nbytes / self.seconds if self.seconds > 0 else 0.0

@@ -1,0 +1,35 @@
+"""Checkpoint ids: validation and the step number that `every` is counted on."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["validate_checkpoint_id", "step_of"]
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]*$")
+_TRAILING_INT = re.compile(r"(\d+)$")
+
+
+def validate_checkpoint_id(checkpoint_id: object) -> str:
+    """Return ``checkpoint_id`` as a str, or raise ``ValueError`` saying what is allowed.
+
+    An id is one path segment: letters, digits, ``.``, ``_``, ``-``, not starting with ``.``.
+    """
+    if checkpoint_id is None:
+        raise ValueError(
+            "checkpoint_id is required: pass checkpoint_id='step-100' (one path segment) "
+            "to dcp.save / dcp.load with a tierstore writer or reader"
+        )
+    text = str(checkpoint_id)
+    if not _ID_RE.match(text):
+        raise ValueError(
+            f"invalid checkpoint id {text!r}: an id is one path segment made of letters, digits, "
+            "'.', '_' and '-', not starting with '.' (for example 'step-100')"
+        )
+    return text
+
+
+def step_of(checkpoint_id: str) -> int | None:
+    """The trailing integer of an id (``step-100`` -> 100), or None when it has none."""
+    match = _TRAILING_INT.search(checkpoint_id)
+    return int(match.group(1)) if match else None

@@ -1,0 +1,339 @@
+"""How DCP write items are laid out in a data file, and how they are read back.
+
+Items are written exactly as stock DCP's FileSystemWriter writes them (``torch.save`` of each
+tensor chunk, raw bytes for BYTE_IO items), so stock ``dcp.load`` reads tierstore checkpoints.
+Reading is faster than stock: a whole tensor chunk whose destination is a contiguous CPU tensor of
+the same dtype is read straight into that tensor (``readinto``), skipping ``torch.load``'s
+buffer and the copy after it. Every byte of a file passes through the checksum on the way.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import IO, Any, Callable
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlanner, ReadItem, SavePlanner,
+                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from .checksum import Hasher
+from .manifest import FileEntry
+
+__all__ = ["ItemLocation", "HashingWriter", "write_items", "split_items", "read_items"]
+
+# Tensors smaller than this are decoded with torch.load; locating their raw bytes costs more.
+_DIRECT_READ_MIN = 256 << 10
+_SCRATCH = 8 << 20
+
+
+@dataclass(frozen=True)
+class ItemLocation:
+    """What ``write_data`` returns per item: DCP's own storage info plus, on the first item of
+    each file, that file's manifest entry (so the coordinator can build the manifest)."""
+
+    info: _StorageInfo
+    file: tuple[str, FileEntry] | None = None
+
+
+class HashingWriter(io.RawIOBase):
+    """Wraps a backend file: counts the offset and hashes every byte written through it."""
+
+    def __init__(self, raw: IO[bytes]):
+        super().__init__()
+        self.raw = raw
+        self.hasher = Hasher()
+        self.offset = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.hasher.update(view)
+        self.raw.write(view)
+        self.offset += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.offset
+
+    def flush(self) -> None:
+        pass
+
+
+def item_size(item: WriteItem) -> int:
+    """Bytes of a tensor item (0 for BYTE_IO, whose size is unknown until resolved)."""
+    if item.tensor_data is None:
+        return 0
+    numel = 1
+    for s in item.tensor_data.size:
+        numel *= s
+    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Spread items over ``bins`` files of about equal bytes (largest first, into the lightest
+    bin); BYTE_IO items round-robin. Empty bins are dropped."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensors = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=item_size,
+                     reverse=True)
+    for n, item in enumerate(byte_items):
+        buckets[n % bins].append(item)
+    for item in tensors:
+        k = sizes.index(min(sizes))
+        buckets[k].append(item)
+        sizes[k] += item_size(item)
+    return [b for b in buckets if b]
+
+
+def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor holding exactly the bytes of ``tensor``, row-major, in its own storage
+    (``torch.save`` writes whole storages; the direct read path assumes row-major)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if (not tensor.is_contiguous() or tensor.storage_offset() != 0
+            or tensor.untyped_storage().nbytes() != tensor.nbytes):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner,
+                relative_path: str) -> list[WriteResult]:
+    """Write ``items`` into ``out`` as stock DCP does; resolve each one lazily (it may copy)."""
+    results = []
+    for item in items:
+        offset = out.offset
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            out.write(data.getbuffer())
+        else:
+            torch.save(_host_tensor(data), out)
+        length = out.offset - offset
+        results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=ItemLocation(_StorageInfo(relative_path, offset,
+                                                                          length))))
+    return results
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+class _Window(io.RawIOBase):
+    """A read-only view of ``[start, start+length)`` of a file, for zipfile to parse one item."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        super().__init__()
+        self._fd, self._start, self._len, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self._len - self._pos))
+        data = os.pread(self._fd, n, self._start + self._pos)
+        buf[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def _raw_span(fd: int, info: _StorageInfo) -> tuple[int, int] | None:
+    """File offset and length of the raw storage bytes inside a ``torch.save`` item, or None
+    when the item is not a single uncompressed storage."""
+    try:
+        with zipfile.ZipFile(_Window(fd, info.offset, info.length)) as zf:
+            storages = [z for z in zf.infolist() if "/data/" in z.filename
+                        and not z.filename.endswith(".pkl") and "/.data/" not in z.filename]
+            if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            z = storages[0]
+        header = os.pread(fd, 30, info.offset + z.header_offset)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        start = info.offset + z.header_offset + 30 + name_len + extra_len
+        return start, z.file_size
+    except (zipfile.BadZipFile, OSError, ValueError, KeyError):
+        return None
+
+
+def _tensor_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    import ctypes
+
+    buf = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+    return memoryview(buf).cast("B")
+
+
+def _chunk_sizes(metadata: Metadata, req: ReadItem) -> torch.Size | None:
+    md = metadata.state_dict_metadata.get(req.storage_index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    for chunk in md.chunks:
+        if tuple(chunk.offsets) == tuple(req.storage_index.offset or ()):
+            return chunk.sizes
+    return None
+
+
+@dataclass
+class _Segment:
+    start: int
+    length: int
+    sink: Callable[[memoryview], None] | None  # gets the bytes; None: hash only
+    direct: memoryview | None = None           # read straight into this memory
+
+
+class FileReadError(Exception):
+    """A file's bytes differ from its manifest entry (short, long or checksum mismatch)."""
+
+
+def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_data: dict,
+               metadata: Metadata, planner: LoadPlanner, verify: bool) -> int:
+    """Read the items ``reqs`` of one data file ``f``, hand them to ``planner`` and, when
+    ``verify``, check the whole file against ``entry``. Returns bytes read. Raises
+    FileReadError when the file does not match (the caller may try another tier)."""
+    fd = f.fileno()
+    by_offset: dict[int, list[ReadItem]] = {}
+    for req in reqs:
+        by_offset.setdefault(storage_data[req.storage_index].offset, []).append(req)
+
+    segments: list[_Segment] = []
+    for offset in sorted(by_offset):
+        group = by_offset[offset]
+        info: _StorageInfo = storage_data[group[0].storage_index]
+        if info.offset + info.length > entry.size:
+            raise FileReadError(f"item {group[0].storage_index.fqn} ends at byte "
+                                f"{info.offset + info.length}, past the file's {entry.size} bytes")
+        direct = _direct_target(fd, info, group, metadata, planner) if len(group) == 1 else None
+        if direct is not None:
+            (data_start, data_len), target = direct
+            req = group[0]
+            segments.append(_Segment(info.offset, data_start - info.offset, None))
+            segments.append(_Segment(data_start, data_len, None, _tensor_view(target)))
+            segments.append(_Segment(data_start + data_len,
+                                     info.offset + info.length - data_start - data_len, None))
+            segments[-2].sink = _committer(planner, req, target)
+        else:
+            segments.append(_Segment(info.offset, info.length, _decoder(group, planner)))
+
+    hasher = Hasher() if verify else None
+    pos = 0
+    scratch = bytearray(_SCRATCH)
+    pending: list[tuple[Callable, memoryview]] = []
+
+    def read_exact(into: memoryview) -> None:
+        got = 0
+        while got < len(into):
+            n = f.readinto(into[got:])
+            if not n:
+                raise FileReadError(f"file is shorter than its manifest says ({entry.size} bytes)")
+            got += n
+
+    def skip_to(target: int) -> None:
+        nonlocal pos
+        while pos < target:
+            n = min(len(scratch), target - pos)
+            view = memoryview(scratch)[:n]
+            read_exact(view)
+            if hasher:
+                hasher.update(view)
+            pos += n
+
+    if not verify:
+        segments = [s for s in segments if s.sink is not None or s.direct is not None]
+    for seg in segments:
+        if verify:
+            skip_to(seg.start)
+        elif pos != seg.start:
+            f.seek(seg.start)
+            pos = seg.start
+        if seg.direct is not None:
+            read_exact(seg.direct)
+            if hasher:
+                hasher.update(seg.direct)
+            pending.append((seg.sink, seg.direct))
+        elif seg.sink is not None:
+            buf = bytearray(seg.length)
+            view = memoryview(buf)
+            read_exact(view)
+            if hasher:
+                hasher.update(view)
+            pending.append((seg.sink, view))
+        else:
+            skip_to(seg.start + seg.length)
+            continue
+        pos = seg.start + seg.length
+    if verify:
+        skip_to(entry.size)
+        if f.readinto(memoryview(scratch)[:1]):
+            raise FileReadError(f"file is longer than its manifest says ({entry.size} bytes)")
+        actual = hasher.hexdigest()
+        if actual != entry.checksum:
+            raise FileReadError(f"checksum mismatch: manifest says {entry.checksum}, "
+                                f"the bytes give {actual}")
+    # Hand data to the planner only once the whole file is known good.
+    for sink, data in pending:
+        sink(data)
+    return pos
+
+
+def _direct_target(fd: int, info: _StorageInfo, group: list[ReadItem], metadata: Metadata,
+                   planner: LoadPlanner):
+    req = group[0]
+    if req.type != LoadItemType.TENSOR or info.transform_descriptors or info.length < _DIRECT_READ_MIN:
+        return None
+    sizes = _chunk_sizes(metadata, req)
+    if sizes is None or any(req.storage_offsets) or tuple(req.lengths) != tuple(sizes):
+        return None
+    md = metadata.state_dict_metadata[req.storage_index.fqn]
+    target = planner.resolve_tensor(req).detach()
+    if (target.device.type != "cpu" or not target.is_contiguous()
+            or target.dtype != md.properties.dtype or tuple(target.shape) != tuple(sizes)):
+        return None
+    span = _raw_span(fd, info)
+    if span is None or span[1] != target.nbytes:
+        return None
+    return span, target
+
+
+def _committer(planner: LoadPlanner, req: ReadItem, target: torch.Tensor):
+    def commit(_data: memoryview) -> None:
+        planner.commit_tensor(req, target)
+    return commit
+
+
+def _decoder(group: list[ReadItem], planner: LoadPlanner):
+    def decode(data: memoryview) -> None:
+        for req in group:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(bytes(data)))
+                continue
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise AssertionError(f"item {req.storage_index} has size {tuple(tensor.size())}, "
+                                     f"expected {tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+    return decode

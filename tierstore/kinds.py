@@ -1,0 +1,173 @@
+"""The plugin kinds: small abstract classes with a few primitives each.
+
+A plugin registers a *factory* (usually the class itself) under a name; the core builds an
+instance per tier or per store with the validated options as keyword arguments. Each class lists
+its config keys in ``options`` (see :class:`tierstore.options.Option`).
+
+Paths given to a :class:`Backend` are relative to the tier root and use ``/``; ``""`` is the root.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import IO, Any, Callable, ClassVar
+
+from .options import Option
+
+__all__ = ["Backend", "CommitProtocol", "Codec", "Stager", "ReplicationStrategy"]
+
+
+class Backend(abc.ABC):
+    """Persistence: where a tier's bytes live (a directory, tmpfs, an object store, peers).
+
+    Primitives a backend implements; everything else (manifests, checksums, retention) is derived
+    by the core. Built with ``root`` (the tier's expanded path or URL) plus its declared options.
+    """
+
+    #: config keys of this backend, beside the core tier keys (name, backend, every, keep, codecs)
+    options: ClassVar[tuple[Option, ...]] = ()
+    #: name of the commit protocol used when ``[store] commit`` is not set
+    default_commit: ClassVar[str] = "atomic"
+    #: True when ``rename`` is cheap and atomic (POSIX); object stores say False
+    supports_rename: ClassVar[bool] = False
+    #: True when the backend survives a power loss (files are fsynced); tmpfs says False
+    durable: ClassVar[bool] = True
+
+    root: str
+
+    @abc.abstractmethod
+    def check_reachable(self) -> str | None:
+        """Return None if the tier can be written, else a sentence saying why not. Writes nothing."""
+
+    @abc.abstractmethod
+    def open_write(self, path: str) -> IO[bytes]:
+        """Create (truncate) ``path`` for writing; parents exist. ``close()`` makes it durable."""
+
+    @abc.abstractmethod
+    def open_read(self, path: str) -> IO[bytes]:
+        """Open ``path`` for reading: seekable, with ``readinto``. Missing -> FileNotFoundError."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int | None:
+        """Size in bytes of the file ``path``, or None when it does not exist."""
+
+    @abc.abstractmethod
+    def list(self, path: str) -> list[str]:
+        """Names directly under the directory ``path`` (files and directories); [] if missing."""
+
+    @abc.abstractmethod
+    def makedirs(self, path: str) -> None:
+        """Create directory ``path`` and its parents (no-op where directories are implicit)."""
+
+    @abc.abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove the file or the whole directory tree ``path``; missing is not an error."""
+
+    def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
+        """Atomically move ``src`` to ``dst``. ``dst`` must not exist unless ``replace`` (files
+        only). Optional: backends with ``supports_rename = False`` leave it out."""
+        raise NotImplementedError(f"{type(self).__name__} does not support rename")
+
+    def sync_dir(self, path: str) -> None:
+        """Make the entries of directory ``path`` durable (fsync of a directory). Optional."""
+
+    def local_path(self, path: str) -> str | None:
+        """An OS path for ``path`` when the bytes are on a local filesystem, else None."""
+        return None
+
+    def close(self) -> None:
+        """Release clients and threads; called by ``Store.close()``."""
+
+    # -- derived ----------------------------------------------------------------------------
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a whole small file (manifest, metadata)."""
+        with self.open_write(path) as f:
+            f.write(data)
+
+    def read_bytes(self, path: str) -> bytes:
+        """Read a whole small file."""
+        with self.open_read(path) as f:
+            return f.read()
+
+    def describe(self) -> str:
+        """Where this backend writes, for messages (never includes credentials)."""
+        return self.root
+
+
+class CommitProtocol(abc.ABC):
+    """How a checkpoint becomes visible on a backend, all at once or not at all.
+
+    Sequence per tier and save: ``begin`` -> data files written under the returned directory ->
+    ``commit`` (writes the manifest last and publishes) or ``abort``. Readers only ever look at
+    ``<checkpoint_id>/`` with a manifest that matches its files; ``is_leftover`` tells ``gc`` what
+    an interrupted save left behind.
+    """
+
+    options: ClassVar[tuple[Option, ...]] = ()
+
+    @abc.abstractmethod
+    def begin(self, backend: Backend, checkpoint_id: str, token: str) -> str:
+        """Prepare a save; return the directory (relative to the root) the files go into."""
+
+    @abc.abstractmethod
+    def commit(self, backend: Backend, checkpoint_id: str, staging: str, manifest: bytes,
+               announce: Callable[[str], None]) -> None:
+        """Write ``manifest`` last and make ``checkpoint_id`` visible, replacing whatever was at
+        ``checkpoint_id`` (the core has already refused an existing id unless overwrite is on).
+        Call ``announce(Phase.PUBLISH)`` right before the step that makes it visible."""
+
+    @abc.abstractmethod
+    def update_manifest(self, backend: Backend, checkpoint_id: str, manifest: bytes,
+                        token: str) -> None:
+        """Replace the manifest of a committed checkpoint atomically (pin / unpin)."""
+
+    @abc.abstractmethod
+    def abort(self, backend: Backend, checkpoint_id: str, staging: str) -> None:
+        """Throw away what a failed save wrote."""
+
+    @abc.abstractmethod
+    def is_leftover(self, name: str) -> bool:
+        """True when the root entry ``name`` is what an unfinished save of this protocol left."""
+
+    def token_of(self, name: str) -> str | None:
+        """The save token in a leftover's name (so an in-flight save is not collected)."""
+        return None
+
+
+class Codec(abc.ABC):
+    """A byte transform applied to each item on the way to a tier (compression, encryption)."""
+
+    options: ClassVar[tuple[Option, ...]] = ()
+
+    @abc.abstractmethod
+    def extension(self) -> Any:
+        """A ``torch.distributed.checkpoint._extension.StreamTransformExtension`` doing the work,
+        so that stock DCP readers can undo it from the descriptor stored in the metadata."""
+
+
+class Stager(abc.ABC):
+    """Copies a state dict off the training tensors (device -> host) for ``dcp.async_save``."""
+
+    options: ClassVar[tuple[Option, ...]] = ()
+
+    @abc.abstractmethod
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Return a copy of ``state_dict`` whose tensors are on the host and will not change when
+        training updates the originals."""
+
+    def close(self) -> None:
+        """Free staging buffers."""
+
+
+class ReplicationStrategy(abc.ABC):
+    """Which ranks hold a copy of whose data (used by the ``peer`` backend)."""
+
+    options: ClassVar[tuple[Option, ...]] = ()
+
+    @abc.abstractmethod
+    def check_world_size(self, world_size: int) -> str | None:
+        """None if this strategy can serve ``world_size`` ranks, else a sentence naming sizes that work."""
+
+    @abc.abstractmethod
+    def holders(self, rank: int, world_size: int) -> list[int]:
+        """Ranks (other than ``rank``) that keep a replica of ``rank``'s files."""

@@ -1,0 +1,81 @@
+"""The manifest, ``tierstore.json``: the last file written, and what makes a checkpoint exist.
+
+It lists every file with its size and checksum, and says how the checkpoint was made (codecs,
+plugins, versions, world size). A checkpoint whose manifest is missing, unreadable or does not
+match the files beside it does not exist for any reader.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .checksum import ALGORITHM
+
+__all__ = ["MANIFEST_NAME", "METADATA_NAME", "FORMAT_VERSION", "FileEntry", "Manifest",
+           "ManifestError"]
+
+MANIFEST_NAME = "tierstore.json"
+METADATA_NAME = ".metadata"
+FORMAT_VERSION = 1
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be parsed or has the wrong shape."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint: its size, checksum and the rank that wrote it (None: coordinator
+    metadata)."""
+
+    size: int
+    checksum: str
+    rank: int | None = None
+
+
+@dataclass
+class Manifest:
+    """Everything a reader needs to trust a checkpoint directory."""
+
+    checkpoint_id: str
+    files: dict[str, FileEntry]
+    world_size: int = 1
+    codecs: list[str] = field(default_factory=list)
+    plugins: dict[str, str] = field(default_factory=dict)
+    pinned: bool = False
+    created: float = field(default_factory=time.time)
+    committed: float = field(default_factory=time.time)
+    step: int | None = None
+    tierstore_version: str = ""
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+    checksum_algorithm: str = ALGORITHM
+    format: int = FORMAT_VERSION
+
+    @property
+    def size_bytes(self) -> int:
+        """Total bytes of the checkpoint's files."""
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        """Serialized form, stable key order so identical manifests are identical bytes."""
+        data = asdict(self)
+        return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Manifest":
+        """Parse a manifest; ManifestError when it is not one this version understands."""
+        try:
+            data: dict[str, Any] = json.loads(raw)
+            if data.get("format") != FORMAT_VERSION:
+                raise ManifestError(f"unknown manifest format {data.get('format')!r}")
+            data["files"] = {k: FileEntry(**v) for k, v in data["files"].items()}
+            return cls(**data)
+        except ManifestError:
+            raise
+        except Exception as exc:
+            raise ManifestError(f"not a valid manifest: {type(exc).__name__}: {exc}") from None

@@ -1,0 +1,163 @@
+"""``Store.reader()``: the DCP StorageReader that loads a checkpoint from the fastest tier.
+
+Call sequence (DCP's): ``reset`` (all ranks) -> ``read_metadata`` (all) -> ``set_up_storage_reader``
+(all) -> ``prepare_local_plan`` (all) -> ``prepare_global_plan`` (coordinator) -> ``read_data``
+(all). Finding the checkpoint and checking its metadata happen in ``reset``, whose errors reach
+the user unwrapped.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .checksum import checksum_of
+from .errors import CheckpointNotFound, IntegrityError
+from .events import Event, EventKind, Phase
+from .ids import validate_checkpoint_id
+from .item_io import FileReadError, read_items
+from .manifest import METADATA_NAME, Manifest
+
+if TYPE_CHECKING:
+    from .store import Store
+    from .tier import Tier
+
+__all__ = ["TierstoreReader"]
+
+log = logging.getLogger("tierstore.reader")
+
+
+class TierstoreReader(StorageReader):
+    """Loads a checkpoint, checking every file against its manifest while reading it."""
+
+    def __init__(self, store: "Store"):
+        self._store = store
+        self._checkpoint_id: str | None = None
+        self._sources: list[tuple["Tier", Manifest]] = []
+        self._metadata: Metadata | None = None
+        self._rank = 0
+
+    def reset(self, checkpoint_id=None) -> None:
+        """Find the tiers holding a complete copy of ``checkpoint_id`` and read its metadata."""
+        store = self._store
+        cid = validate_checkpoint_id(checkpoint_id)
+        store.host.phase(Phase.LOAD_BEGIN, cid, None, store.ctx.rank)
+        sources = [(t, m) for t in store.tiers if (m := t.manifest(cid)) is not None]
+        if not sources:
+            available = [c.id for c in store.list()[:5]]
+            hint = (f"newest available: {', '.join(available)}" if available
+                    else "no checkpoint is stored yet")
+            raise CheckpointNotFound(
+                f"checkpoint '{cid}' is not complete on any tier "
+                f"({', '.join(t.name for t in store.tiers)}); {hint}. store.latest() gives the "
+                f"newest loadable one"
+            )
+        self._checkpoint_id = cid
+        self._sources = sources
+        self._metadata = self._load_metadata(cid, sources)
+
+    def _load_metadata(self, cid: str, sources: list[tuple["Tier", Manifest]]) -> Metadata:
+        problems = []
+        for tier, manifest in sources:
+            entry = manifest.files.get(METADATA_NAME)
+            try:
+                raw = tier.backend.read_bytes(f"{cid}/{METADATA_NAME}")
+            except OSError as exc:
+                problems.append(f"tier '{tier.name}': {exc}")
+                continue
+            if entry is None or checksum_of(raw) != entry.checksum:
+                problems.append(f"tier '{tier.name}': {METADATA_NAME} does not match its manifest")
+                continue
+            return pickle.loads(raw)
+        raise IntegrityError(
+            f"checkpoint '{cid}': no tier has a good copy of {METADATA_NAME} ("
+            + "; ".join(problems) + "); run store.verify('" + cid + "') for details"
+        )
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            raise RuntimeError("the tierstore reader needs a checkpoint id: "
+                               "dcp.load(sd, storage_reader=store.reader(), checkpoint_id=...)")
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = StorageMeta()
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        self._metadata = metadata
+        self._rank = kwargs.get("rank") or 0
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items, files in parallel, each from the first tier whose copy
+        matches the manifest."""
+        store, metadata = self._store, self._metadata
+        storage_data = metadata.storage_data
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
+        started = time.perf_counter()
+
+        def read_file(relative: str) -> int:
+            return self._read_one_file(relative, per_file[relative], planner)
+
+        workers = min(store.config.io_threads, max(1, len(per_file)))
+        if workers == 1:
+            total = sum(read_file(r) for r in per_file)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="tierstore-read") as pool:
+                total = sum(pool.map(read_file, list(per_file)))
+        store.host.event(Event(EventKind.LOADED, self._checkpoint_id, self._sources[0][0].name,
+                               self._rank, time.perf_counter() - started, total))
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_one_file(self, relative: str, reqs: list[ReadItem], planner: LoadPlanner) -> int:
+        store, cid = self._store, self._checkpoint_id
+        problems = []
+        for n, (tier, manifest) in enumerate(self._sources):
+            entry = manifest.files.get(relative)
+            if entry is None:
+                problems.append(f"tier '{tier.name}': not in its manifest")
+                continue
+            store.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative)
+            try:
+                with tier.backend.open_read(f"{cid}/{relative}") as f:
+                    nbytes = read_items(f, entry, reqs, self._metadata.storage_data,
+                                        self._metadata, planner, store.config.verify_on_load)
+            except (FileReadError, OSError) as exc:
+                problems.append(f"tier '{tier.name}': {exc}")
+                log.warning("checkpoint %s: %s on tier '%s' is bad (%s)", cid, relative,
+                            tier.name, exc)
+                continue
+            if n > 0:
+                store.host.event(Event(EventKind.FELL_BACK, cid, tier.name, self._rank,
+                                       detail={"file": relative, "problems": list(problems)}))
+                log.warning("checkpoint %s: read %s from tier '%s' after: %s", cid, relative,
+                            tier.name, "; ".join(problems))
+            return nbytes
+        raise IntegrityError(
+            f"checkpoint '{cid}': no tier has a good copy of {relative}: " + "; ".join(problems)
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        try:
+            validate_checkpoint_id(checkpoint_id)
+        except ValueError:
+            return False
+        return True

@@ -1,0 +1,283 @@
+"""The Store: what ``tierstore.open()`` returns.
+
+It owns the plugin manager, the validated config, the tiers of this process and the store's own
+process group, and hands out DCP writers and readers bound to them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Iterable
+
+import torch.distributed as dist
+
+from . import __version__
+from .config import StoreConfig, load_source, validate_config, validate_store_table
+from .dist import RankContext, all_gather_object, make_store_group, rank_context
+from .errors import CheckpointNotFound, ConfigError, PluginError
+from .events import Event, EventKind, Phase
+from .ids import step_of, validate_checkpoint_id
+from .info import CheckpointInfo, VerifyReport
+from .manifest import FileEntry, Manifest
+from .plugin_manager import PluginHost, build_plugin_host
+from .reader import TierstoreReader
+from .tier import Problem, Tier
+from .writer import TierstoreWriter
+
+__all__ = ["Store", "open"]
+
+log = logging.getLogger("tierstore")
+
+
+class Store:
+    """Multi-tier checkpoint storage behind DCP. Build one with :func:`tierstore.open`."""
+
+    def __init__(self, config: Any, *, process_group: Any = None,
+                 plugins: Iterable[object] = ()):
+        data, source = load_source(config)
+        store_table = validate_store_table(data.get("store", {}), source)
+        self.host: PluginHost = build_plugin_host(store_table["plugins"],
+                                                  f"[store] plugins in {source.name}",
+                                                  tuple(plugins))
+        self.config: StoreConfig = validate_config(data, source, self.host, store_table)
+        self.ctx: RankContext = rank_context(process_group)
+        self.tiers: list[Tier] = [self._build_tier(tc) for tc in self.config.tiers]
+        reg = self.host.lookup("staging", self.config.staging.name)
+        self.stager = reg.factory(**self.config.staging.options)
+        self._saves = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.process_group = make_store_group(process_group)
+        self.host.store_opened(self)
+
+    def _build_tier(self, tc) -> Tier:
+        reg = self.host.lookup("backend", tc.backend)
+        options = tc.expanded_options(self.ctx, reg.options)
+        root = str(options.get("path") or options.get("url") or "")
+        try:
+            backend = reg.factory(root=root, **options)
+        except (ConfigError, PluginError):
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"backend '{tc.backend}' ({reg.origin}) failed to start for tier '{tc.name}': "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        problem = backend.check_reachable()
+        if problem:
+            where = self.config.source.where("tier", tc.index, "path")
+            raise ConfigError(
+                f"{where}: tier '{tc.name}': path {backend.describe()!r} cannot be used: {problem}; "
+                f"point 'path' at a writable directory"
+            )
+        commit_name = self.config.commit.name if self.config.commit else backend.default_commit
+        commit_reg = self.host.lookup("commit", commit_name)
+        if commit_reg is None:
+            raise PluginError(
+                f"backend '{tc.backend}' ({reg.origin}) asks for commit protocol '{commit_name}', "
+                f"which no plugin registers; registered: {', '.join(self.host.names('commit'))}"
+            )
+        options = self.config.commit.options if self.config.commit else {}
+        return Tier(tc, backend, commit_reg.factory(**options), commit_name)
+
+    # -- DCP ---------------------------------------------------------------------------------
+    def writer(self) -> TierstoreWriter:
+        """A DCP StorageWriter (and AsyncStager) saving into this store."""
+        self._check_open()
+        return TierstoreWriter(self)
+
+    def reader(self) -> TierstoreReader:
+        """A DCP StorageReader loading from this store."""
+        self._check_open()
+        return TierstoreReader(self)
+
+    # -- used by the writer ------------------------------------------------------------------
+    def step_for(self, checkpoint_id: str) -> int:
+        """The step number ``every`` is counted on: the id's trailing integer, else the count of
+        saves made through this store (from 1)."""
+        with self._lock:
+            self._saves += 1
+            count = self._saves
+        step = step_of(checkpoint_id)
+        return count if step is None else step
+
+    def first_tier_for(self, step: int) -> Tier:
+        """The fastest tier whose ``every`` takes ``step`` (one with every = 1 always does)."""
+        return next(t for t in self.tiers if t.takes(step))
+
+    def publish(self, tier: Tier, checkpoint_id: str, staging: str, token: str,
+                files: dict[str, FileEntry], step: int, seconds: float) -> Manifest:
+        """Write the manifest and make the checkpoint visible on ``tier``, then apply ``keep``."""
+        host, rank = self.host, self.ctx.rank
+        manifest = Manifest(
+            checkpoint_id=checkpoint_id, files=files, world_size=self.ctx.world_size,
+            codecs=list(tier.config.codecs), step=step_of(checkpoint_id),
+            plugins={"backend": tier.config.backend, "commit": tier.commit_name,
+                     "staging": self.config.staging.name},
+            created=time.time() - seconds, tierstore_version=__version__,
+        )
+        host.phase(Phase.WRITE_MANIFEST, checkpoint_id, tier.name, rank)
+        existing = tier.manifest(checkpoint_id)
+        if existing is not None and not self.config.overwrite:
+            from .errors import CommitError
+            tier.commit.abort(tier.backend, checkpoint_id, staging)
+            raise CommitError(
+                f"checkpoint '{checkpoint_id}' appeared on tier '{tier.name}' while this save "
+                f"was running; save under a new id or set [store] overwrite = true"
+            )
+        if existing is not None:
+            manifest.pinned = existing.pinned
+        manifest.committed = time.time()
+        tier.commit.commit(tier.backend, checkpoint_id, staging, manifest.to_json(),
+                           lambda phase: host.phase(phase, checkpoint_id, tier.name, rank))
+        host.event(Event(EventKind.COMMITTED, checkpoint_id, tier.name, rank, seconds,
+                         manifest.size_bytes, {"step": step}))
+        log.info("committed %s on tier '%s' (%d bytes in %.2f s)", checkpoint_id, tier.name,
+                 manifest.size_bytes, seconds)
+        self.apply_retention(tier)
+        return manifest
+
+    def apply_retention(self, tier: Tier) -> list[str]:
+        """Delete what ``keep`` no longer keeps on ``tier``; returns the ids deleted."""
+        if tier.config.keep is None:
+            return []
+        self.host.phase(Phase.RETAIN, None, tier.name, self.ctx.rank)
+        victims = tier.retention_victims(tier.complete())
+        for cid in victims:
+            tier.delete(cid)
+            self.host.event(Event(EventKind.EVICTED, cid, tier.name, self.ctx.rank))
+            log.info("evicted %s from tier '%s' (keep = %d)", cid, tier.name, tier.config.keep)
+        return victims
+
+    def collect_garbage(self, tier: Tier) -> list[str]:
+        """Remove what interrupted saves left on ``tier``; returns the entries removed."""
+        removed = tier.leftovers()
+        for name in removed:
+            tier.backend.delete(name)
+            self.host.event(Event(EventKind.COLLECTED, None, tier.name, self.ctx.rank,
+                                  detail={"entry": name}))
+            log.info("removed leftover %s from tier '%s'", name, tier.name)
+        return removed
+
+    # -- public API --------------------------------------------------------------------------
+    def latest(self) -> str | None:
+        """Newest checkpoint complete on at least one tier (manifest present, file sizes
+        matching; checksums are checked while loading). Under torch.distributed this is a
+        collective on the store's group: every rank must call it and all get the same answer,
+        counting only checkpoints that every rank finds."""
+        self._check_open()
+        mine = {c.id: c.committed for c in self.list()}
+        views = all_gather_object(mine, self.process_group)
+        common = set(views[0]).intersection(*views[1:])
+        if not common:
+            return None
+        return max(common, key=lambda cid: (max(v[cid] for v in views), cid))
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint complete on some tier of this process, newest first."""
+        self._check_open()
+        found: dict[str, tuple[list[str], Manifest]] = {}
+        for tier in self.tiers:
+            for cid, manifest in tier.complete().items():
+                names, first = found.setdefault(cid, ([], manifest))
+                names.append(tier.name)
+        infos = [
+            CheckpointInfo(id=cid, tiers=names, size_bytes=m.size_bytes, created=m.created,
+                           committed=m.committed, pinned=m.pinned, step=m.step)
+            for cid, (names, m) in found.items()
+        ]
+        return sorted(infos, key=lambda c: (c.committed, c.id), reverse=True)
+
+    def verify(self, checkpoint_id: str, tier: str | None = None) -> VerifyReport:
+        """Re-read ``checkpoint_id`` on one tier (or every tier holding it) and check every
+        file's size and checksum against the manifest."""
+        self._check_open()
+        cid = validate_checkpoint_id(checkpoint_id)
+        tiers = [self._tier(tier)] if tier else self.tiers
+        checked, problems = [], []
+        for t in tiers:
+            found = t.verify(cid)
+            if tier is None and found and found[0].file == "tierstore.json" \
+                    and found[0].what.startswith("missing"):
+                continue  # not on this tier at all: nothing to report when checking every tier
+            checked.append(t.name)
+            problems.extend(found)
+        return VerifyReport(cid, checked, problems)
+
+    def pin(self, checkpoint_id: str) -> None:
+        """Mark a checkpoint so that ``keep`` never deletes it, on every tier holding it."""
+        self._set_pinned(checkpoint_id, True)
+
+    def unpin(self, checkpoint_id: str) -> None:
+        """Let ``keep`` delete a checkpoint again."""
+        self._set_pinned(checkpoint_id, False)
+
+    def _set_pinned(self, checkpoint_id: str, pinned: bool) -> None:
+        self._check_open()
+        cid = validate_checkpoint_id(checkpoint_id)
+        done = [t.name for t in self.tiers if t.set_pinned(cid, pinned)]
+        if not done:
+            raise CheckpointNotFound(
+                f"cannot {'pin' if pinned else 'unpin'} '{cid}': it is not complete on any tier; "
+                f"store.list() shows what is stored"
+            )
+
+    def gc(self) -> list[str]:
+        """Remove what interrupted saves left on every tier (never a committed checkpoint)."""
+        self._check_open()
+        removed = []
+        for tier in self.tiers:
+            removed += [f"{tier.name}:{n}" for n in self.collect_garbage(tier)]
+        return removed
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every background transfer started so far is done; raise the first failure.
+
+        Saves commit on their first tier before ``dcp.save`` returns, so there is nothing in the
+        background yet without slower tiers."""
+        self._check_open()
+
+    def close(self) -> None:
+        """Wait for background work, release backends and the store's process group."""
+        if self._closed:
+            return
+        self.host.store_closing(self)
+        self.wait()
+        self._closed = True
+        self.stager.close()
+        for tier in self.tiers:
+            tier.backend.close()
+        if self.process_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.process_group)
+            self.process_group = None
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise ValueError(f"no tier named {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this store is closed; open a new one with tierstore.open(...)")
+
+    def __repr__(self) -> str:
+        return f"<tierstore.Store tiers={[t.name for t in self.tiers]} rank={self.ctx.rank}>"
+
+
+def open(config: Any, *, process_group: Any = None, plugins: Iterable[object] = ()) -> Store:
+    """Build a store from a TOML file path or a dict of the same shape.
+
+    Validates the whole config (and loads every plugin) before anything is written. Under
+    torch.distributed every rank must call it: it creates the store's own gloo group.
+    ``plugins`` registers extra plugin objects (modules or instances with hook implementations).
+    """
+    return Store(config, process_group=process_group, plugins=plugins)

@@ -1,0 +1,175 @@
+"""A tier: one backend and its commit protocol, with the rules of the TOML (every, keep).
+
+Derives everything the store needs from the backend's primitives: which checkpoints are complete
+(manifest present and matching the files' sizes), verification (sizes and checksums), retention,
+and removal of what interrupted saves left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+from .checksum import Hasher
+from .config import TierConfig
+from .kinds import Backend, CommitProtocol
+from .manifest import MANIFEST_NAME, Manifest, ManifestError
+
+__all__ = ["Tier", "Problem"]
+
+log = logging.getLogger("tierstore.tier")
+
+_READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a stored checkpoint, as plain data (``verify`` reports, errors)."""
+
+    tier: str
+    checkpoint_id: str
+    file: str | None
+    what: str
+
+    def __str__(self) -> str:
+        where = f"{self.checkpoint_id}/{self.file}" if self.file else self.checkpoint_id
+        return f"tier '{self.tier}': {where}: {self.what}"
+
+
+@dataclass
+class Tier:
+    """A configured tier of this process (paths already expanded for its rank and node)."""
+
+    config: TierConfig
+    backend: Backend
+    commit: CommitProtocol
+    commit_name: str
+    #: save tokens of saves in flight in this process; gc never touches their leftovers
+    active_tokens: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def takes(self, step: int) -> bool:
+        """Whether this tier takes the save numbered ``step`` (its ``every`` divides it)."""
+        return step % self.config.every == 0
+
+    # -- reading what is there ---------------------------------------------------------------
+    def manifest(self, checkpoint_id: str) -> Manifest | None:
+        """The manifest of ``checkpoint_id`` if it is committed here and its files have the
+        recorded sizes; None otherwise (a checkpoint without a matching manifest does not exist)."""
+        try:
+            raw = self.backend.read_bytes(f"{checkpoint_id}/{MANIFEST_NAME}")
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        try:
+            manifest = Manifest.from_json(raw)
+        except ManifestError as exc:
+            log.warning("tier '%s': ignoring %s: %s", self.name, checkpoint_id, exc)
+            return None
+        if manifest.checkpoint_id != checkpoint_id:
+            log.warning("tier '%s': ignoring %s: its manifest names %r", self.name,
+                        checkpoint_id, manifest.checkpoint_id)
+            return None
+        for rel, entry in manifest.files.items():
+            if self.backend.size(f"{checkpoint_id}/{rel}") != entry.size:
+                return None
+        return manifest
+
+    def checkpoint_names(self) -> list[str]:
+        """Entries of the root that may be checkpoints (not hidden, not leftovers)."""
+        return [n for n in self.backend.list("") if not n.startswith(".")
+                and not self.commit.is_leftover(n)]
+
+    def complete(self) -> dict[str, Manifest]:
+        """Every complete checkpoint here, by id."""
+        out = {}
+        for name in self.checkpoint_names():
+            manifest = self.manifest(name)
+            if manifest is not None:
+                out[name] = manifest
+        return out
+
+    def verify(self, checkpoint_id: str) -> list[Problem]:
+        """Re-read every file of ``checkpoint_id`` and compare sizes and checksums."""
+        def problem(file, what):
+            return Problem(self.name, checkpoint_id, file, what)
+
+        try:
+            raw = self.backend.read_bytes(f"{checkpoint_id}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            return [problem(MANIFEST_NAME, "missing (the checkpoint is not committed here)")]
+        try:
+            manifest = Manifest.from_json(raw)
+        except ManifestError as exc:
+            return [problem(MANIFEST_NAME, str(exc))]
+        problems = []
+        for rel, entry in sorted(manifest.files.items()):
+            try:
+                size, checksum = self._checksum_file(f"{checkpoint_id}/{rel}")
+            except FileNotFoundError:
+                problems.append(problem(rel, "missing"))
+                continue
+            if size != entry.size:
+                problems.append(problem(rel, f"size {size} bytes, manifest says {entry.size}"))
+            elif checksum != entry.checksum:
+                problems.append(problem(rel, f"checksum {checksum}, manifest says {entry.checksum}"))
+        return problems
+
+    def _checksum_file(self, path: str) -> tuple[int, str]:
+        hasher = Hasher()
+        size = 0
+        buf = bytearray(_READ_CHUNK)
+        view = memoryview(buf)
+        with self.backend.open_read(path) as f:
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                hasher.update(view[:n])
+                size += n
+        return size, hasher.hexdigest()
+
+    # -- changing what is there --------------------------------------------------------------
+    def set_pinned(self, checkpoint_id: str, pinned: bool) -> bool:
+        """Rewrite the manifest's pinned flag; False when the checkpoint is not complete here."""
+        manifest = self.manifest(checkpoint_id)
+        if manifest is None:
+            return False
+        if manifest.pinned != pinned:
+            manifest.pinned = pinned
+            self.commit.update_manifest(self.backend, checkpoint_id, manifest.to_json(),
+                                        uuid.uuid4().hex[:12])
+        return True
+
+    def delete(self, checkpoint_id: str) -> None:
+        """Remove a checkpoint: the manifest first, so a crash mid-delete leaves nothing visible."""
+        self.backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")
+        self.backend.delete(checkpoint_id)
+
+    def retention_victims(self, manifests: dict[str, Manifest]) -> list[str]:
+        """Ids that ``keep`` removes: all but the newest ``keep``, never pinned ones."""
+        if self.config.keep is None:
+            return []
+        newest_first = sorted(manifests, key=lambda i: (manifests[i].committed, i), reverse=True)
+        return [i for i in newest_first[self.config.keep:] if not manifests[i].pinned]
+
+    def leftovers(self) -> list[str]:
+        """Root entries left by interrupted saves (not those of saves in flight here)."""
+        out = []
+        for name in self.backend.list(""):
+            if self.commit.is_leftover(name) and self.commit.token_of(name) not in self.active_tokens:
+                out.append(name)
+            elif not name.startswith(".") and not self.commit.is_leftover(name) \
+                    and self.backend.size(name) is None \
+                    and self.backend.size(f"{name}/{MANIFEST_NAME}") is None \
+                    and self._is_abandoned_checkpoint_dir(name):
+                out.append(name)
+        return out
+
+    def _is_abandoned_checkpoint_dir(self, name: str) -> bool:
+        # A directory with DCP files but no manifest: a delete or overwrite that was cut short.
+        entries = self.backend.list(name)
+        return bool(entries) and all(e == ".metadata" or e.endswith(".distcp") for e in entries)

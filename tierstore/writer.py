@@ -1,0 +1,216 @@
+"""``Store.writer()``: the DCP StorageWriter (and AsyncStager) that saves into the first tier.
+
+Call sequence (DCP's): ``reset`` (all ranks) -> ``set_up_storage_writer`` (all) ->
+``prepare_local_plan`` (all) -> ``prepare_global_plan`` (coordinator) -> ``write_data`` (all) ->
+``finish`` (coordinator). Errors a user can act on (bad id, id exists) are raised in ``reset``,
+which DCP lets through unwrapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .checksum import checksum_of
+from .errors import CommitError
+from .events import Event, EventKind, Phase
+from .ids import validate_checkpoint_id
+from .item_io import HashingWriter, ItemLocation, split_items, write_items
+from .manifest import METADATA_NAME, FileEntry
+
+if TYPE_CHECKING:
+    from .store import Store
+    from .tier import Tier
+
+__all__ = ["TierstoreWriter"]
+
+log = logging.getLogger("tierstore.writer")
+
+
+@dataclass(frozen=True)
+class _PlanData:
+    """What the coordinator tells every rank in its plan: file prefix and the save's token."""
+
+    prefix: str
+    token: str
+
+
+@dataclass
+class _SaveState:
+    checkpoint_id: str
+    step: int
+    tier: "Tier"
+    started: float
+    token: str | None = None
+    staging: str | None = None
+
+
+class TierstoreWriter(StorageWriter, AsyncStager):
+    """Saves a checkpoint into the fastest tier that takes it, atomically.
+
+    Reusable across saves; one save at a time per writer (``reset`` starts the next one).
+    """
+
+    # dcp.async_save need not call synchronize_staging: stage() returns a finished copy.
+    _synchronize_after_execute = False
+
+    def __init__(self, store: "Store"):
+        self._store = store
+        self._save: _SaveState | None = None
+        self._rank = 0
+        self._is_coordinator = True
+
+    # -- AsyncStager ---------------------------------------------------------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` to host memory with the store's staging plugin (async_save)."""
+        store = self._store
+        store.host.phase(Phase.STAGE, rank=store.ctx.rank)
+        started = time.perf_counter()
+        staged = store.stager.stage(state_dict)
+        store.host.event(Event(EventKind.STAGED, rank=store.ctx.rank,
+                               seconds=time.perf_counter() - started))
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns a finished copy."""
+
+    def close(self) -> None:
+        """Nothing to release; staging buffers belong to the store."""
+
+    # -- StorageWriter -------------------------------------------------------------------------
+    def reset(self, checkpoint_id=None) -> None:
+        """Start a save: validate the id, pick the first tier that takes it, refuse an id that
+        already exists there (unless ``overwrite``)."""
+        store = self._store
+        cid = validate_checkpoint_id(checkpoint_id)
+        step = store.step_for(cid)
+        tier = store.first_tier_for(step)
+        store.host.phase(Phase.SAVE_BEGIN, cid, tier.name, store.ctx.rank)
+        if not store.config.overwrite and tier.manifest(cid) is not None:
+            raise CommitError(
+                f"checkpoint '{cid}' already exists on tier '{tier.name}' "
+                f"({tier.backend.describe()}); save under a new id, or set [store] overwrite = true "
+                f"to replace it"
+            )
+        self._save = _SaveState(cid, step, tier, time.perf_counter())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Remember this rank's role."""
+        self._is_coordinator = is_coordinator
+        self._rank = kwargs.get("rank") or 0
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: choose the save's token and each rank's file prefix; collect what
+        earlier interrupted saves left on the tier."""
+        save = self._require_save()
+        token = uuid.uuid4().hex[:16]
+        self._store.collect_garbage(save.tier)
+        return [dataclasses.replace(p, storage_data=_PlanData(f"__{i}_", token))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into files in the tier's staging directory, in parallel,
+        hashing on the way; each file is durable when this returns."""
+        save = self._require_save()
+        data: _PlanData = plan.storage_data
+        store, tier = self._store, save.tier
+        save.token = data.token
+        tier.active_tokens.add(data.token)
+        save.staging = tier.commit.begin(tier.backend, save.checkpoint_id, data.token)
+        buckets = split_items(plan.items, store.config.io_threads)
+
+        def write_file(n: int) -> list[WriteResult]:
+            relative = f"{data.prefix}{n}.distcp"
+            store.host.phase(Phase.WRITE_FILE, save.checkpoint_id, tier.name, self._rank,
+                             file=relative)
+            started = time.perf_counter()
+            with tier.backend.open_write(f"{save.staging}/{relative}") as raw:
+                out = HashingWriter(raw)
+                results = write_items(out, buckets[n], planner, relative)
+            entry = FileEntry(out.offset, out.hasher.hexdigest(), self._rank)
+            first = results[0]
+            results[0] = dataclasses.replace(
+                first, storage_data=ItemLocation(first.storage_data.info, (relative, entry)))
+            store.host.event(Event(EventKind.WRITTEN, save.checkpoint_id, tier.name, self._rank,
+                                   time.perf_counter() - started, entry.size, {"file": relative}))
+            return results
+
+        results: list[WriteResult] = []
+        try:
+            if len(buckets) <= 1:
+                for n in range(len(buckets)):
+                    results += write_file(n)
+            else:
+                with ThreadPoolExecutor(len(buckets), thread_name_prefix="tierstore-write") as pool:
+                    for part in pool.map(write_file, range(len(buckets))):
+                        results += part
+        except BaseException:
+            # What this save wrote stays in its hidden staging directory until the next save's
+            # (or gc's) collection removes it; readers never see it.
+            tier.active_tokens.discard(data.token)
+            raise
+        if not self._is_coordinator:
+            tier.active_tokens.discard(data.token)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: write ``.metadata`` and the manifest, publish atomically, apply ``keep``."""
+        save = self._require_save()
+        store, tier = self._store, save.tier
+        files: dict[str, FileEntry] = {}
+        storage_md = {}
+        for rank_results in results:
+            for wr in rank_results:
+                loc: ItemLocation = wr.storage_data
+                storage_md[wr.index] = loc.info  # plain DCP storage info: stock readers load it
+                if loc.file is not None:
+                    files[loc.file[0]] = loc.file[1]
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = storage_md
+        metadata.storage_meta = StorageMeta(checkpoint_id=save.checkpoint_id, save_id=save.token)
+        store.host.phase(Phase.WRITE_METADATA, save.checkpoint_id, tier.name, self._rank)
+        raw = pickle.dumps(metadata)
+        tier.backend.write_bytes(f"{save.staging}/{METADATA_NAME}", raw)
+        files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw), None)
+        store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
+                      seconds=time.perf_counter() - save.started)
+        tier.active_tokens.discard(save.token)
+        self._save = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        save = self._save
+        return StorageMeta(checkpoint_id=save.checkpoint_id) if save else None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        try:
+            validate_checkpoint_id(checkpoint_id)
+        except ValueError:
+            return False
+        return True
+
+    def _require_save(self) -> _SaveState:
+        if self._save is None:
+            raise RuntimeError(
+                "the tierstore writer was used without a checkpoint id; call "
+                "dcp.save(sd, storage_writer=store.writer(), checkpoint_id='step-100')"
+            )
+        return self._save
