@@ -31,7 +31,8 @@ def tierstore_register_backends(register: Register) -> None:
     """Register persistence backends: ``register("local", LocalBackend)``.
 
     Called once per ``tierstore.open()``, on every rank. A tier's ``backend`` key names one of
-    these. Factories subclass :class:`tierstore.kinds.Backend`. Returns nothing.
+    these. Factories subclass :class:`tierstore.kinds.Backend`. Returns nothing; not
+    firstresult (every implementation is called).
     """
 
 
@@ -41,6 +42,7 @@ def tierstore_register_commit_protocols(register: Register) -> None:
 
     Called once per ``tierstore.open()``, on every rank. ``[store] commit`` names one; by default
     each backend's ``default_commit``. Factories subclass :class:`tierstore.kinds.CommitProtocol`.
+    Returns nothing; not firstresult.
     """
 
 
@@ -50,6 +52,7 @@ def tierstore_register_codecs(register: Register) -> None:
 
     Called once per ``tierstore.open()``, on every rank. A tier's ``codecs`` list names them in
     the order they are applied on write. Factories subclass :class:`tierstore.kinds.Codec`.
+    Returns nothing; not firstresult.
     """
 
 
@@ -58,7 +61,7 @@ def tierstore_register_staging(register: Register) -> None:
     """Register staging plugins: ``register("cpu", CpuStager)``.
 
     Called once per ``tierstore.open()``, on every rank. ``[store] staging`` names one.
-    Factories subclass :class:`tierstore.kinds.Stager`.
+    Factories subclass :class:`tierstore.kinds.Stager`. Returns nothing; not firstresult.
     """
 
 
@@ -67,7 +70,8 @@ def tierstore_register_replication_strategies(register: Register) -> None:
     """Register replication strategies: ``register("clique", CliqueStrategy)``.
 
     Called once per ``tierstore.open()``, on every rank. A peer tier's ``replication.strategy``
-    names one. Factories subclass :class:`tierstore.kinds.ReplicationStrategy`.
+    names one. Factories subclass :class:`tierstore.kinds.ReplicationStrategy`. Returns
+    nothing; not firstresult.
     """
 
 
@@ -77,13 +81,14 @@ def tierstore_register_replication_strategies(register: Register) -> None:
 @hookspec
 def tierstore_store_opened(store: Store) -> None:
     """Called at the end of ``tierstore.open()``, on every rank, once the config is validated and
-    the tiers are built. Observers can keep a reference to the store. Returns nothing."""
+    the tiers are built. Observers can keep a reference to the store. Returns nothing; not
+    firstresult."""
 
 
 @hookspec
 def tierstore_store_closing(store: Store) -> None:
     """Called at the start of ``Store.close()`` on every rank, before background work is waited
-    for and backends are closed. Returns nothing."""
+    for and backends are closed. Returns nothing; not firstresult."""
 
 
 @hookspec
@@ -92,7 +97,8 @@ def tierstore_phase(phase: str, checkpoint_id: str | None, tier: str | None, ran
     """Called just *before* the engine enters ``phase`` (one of :class:`tierstore.events.Phase`),
     on the rank that runs it. Raising an exception here fails the operation as a real fault at
     that point would (the fault-injection suite uses this); a plugin may also time phases.
-    ``detail`` carries phase-specific data, e.g. ``{"file": "__0_0.distcp"}``. Returns nothing.
+    ``detail`` carries phase-specific data, e.g. ``{"file": "__0_0.distcp"}``. Returns nothing;
+    not firstresult.
     """
 
 
@@ -101,4 +107,4 @@ def tierstore_event(event: Event) -> None:
     """Called after something happened (:class:`tierstore.events.Event`: staged, written,
     committed, evicted, collected, fell back, failed, ...), on the rank where it happened, with
     its duration and byte count. Observers must not raise; exceptions are logged and ignored.
-    Returns nothing."""
+    Returns nothing; not firstresult."""

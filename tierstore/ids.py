@@ -6,7 +6,9 @@ import re
 
 __all__ = ["validate_checkpoint_id", "step_of"]
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]*$")
+_ID_RE = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]*")
+# Room for the hidden staging name (".tierstore-tmp.<id>.<token>") within a 255-byte file name.
+MAX_ID_LENGTH = 200
 _TRAILING_INT = re.compile(r"(\d+)$")
 
 
@@ -21,10 +23,15 @@ def validate_checkpoint_id(checkpoint_id: object) -> str:
             "to dcp.save / dcp.load with a tierstore writer or reader"
         )
     text = str(checkpoint_id)
-    if not _ID_RE.match(text):
+    if not _ID_RE.fullmatch(text):
         raise ValueError(
             f"invalid checkpoint id {text!r}: an id is one path segment made of letters, digits, "
             "'.', '_' and '-', not starting with '.' (for example 'step-100')"
+        )
+    if len(text) > MAX_ID_LENGTH:
+        raise ValueError(
+            f"invalid checkpoint id {text[:20]!r}...: {len(text)} characters, at most "
+            f"{MAX_ID_LENGTH} are allowed"
         )
     return text
 

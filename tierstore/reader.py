@@ -44,6 +44,7 @@ class TierstoreReader(StorageReader):
         self._sources: list[tuple["Tier", Manifest]] = []
         self._metadata: Metadata | None = None
         self._rank = 0
+        self._fresh = False
 
     def reset(self, checkpoint_id=None) -> None:
         """Find the tiers holding a complete copy of ``checkpoint_id`` and read its metadata."""
@@ -63,6 +64,7 @@ class TierstoreReader(StorageReader):
         self._checkpoint_id = cid
         self._sources = sources
         self._metadata = self._load_metadata(cid, sources)
+        self._fresh = True
 
     def _load_metadata(self, cid: str, sources: list[tuple["Tier", Manifest]]) -> Metadata:
         problems = []
@@ -83,7 +85,9 @@ class TierstoreReader(StorageReader):
         )
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
+        # DCP calls reset only when a checkpoint id is given; never reuse the previous load's.
+        fresh, self._fresh = self._fresh, False
+        if self._metadata is None or not fresh:
             raise RuntimeError("the tierstore reader needs a checkpoint id: "
                                "dcp.load(sd, storage_reader=store.reader(), checkpoint_id=...)")
         if getattr(self._metadata, "storage_meta", None) is None:

@@ -56,6 +56,7 @@ class _SaveState:
     started: float
     token: str | None = None
     staging: str | None = None
+    set_up: bool = False
 
 
 class TierstoreWriter(StorageWriter, AsyncStager):
@@ -108,7 +109,13 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         self._save = _SaveState(cid, step, tier, time.perf_counter())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Remember this rank's role."""
+        """Remember this rank's role; refuse a save that did not come with a checkpoint id
+        (DCP calls ``reset`` only when one is given)."""
+        save = self._require_save()
+        if save.set_up:
+            self._save = None
+            self._require_save()
+        save.set_up = True
         self._is_coordinator = is_coordinator
         self._rank = kwargs.get("rank") or 0
 
