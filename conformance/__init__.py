@@ -1,1 +1,76 @@
-"""tierstore's conformance kit (placeholder, filled below)."""
+"""tierstore's conformance kit: the tests every backend and commit protocol must pass.
+
+The built-in plugins pass these same tests (``tests/test_conformance_builtin.py``). To check your
+own plugin, subclass the test classes in a test module of your package, give them fixtures for
+your plugin, and run pytest::
+
+    # tests/test_my_backend.py
+    import pytest
+    from tierstore_conformance import RenameBackendTests, StockLoadableRoundTripTests
+    from my_company.tierstore_ext import MyBackend
+
+    # MyBackend declares supports_rename = True; an object store (False) uses BackendTests
+    class TestMyBackend(RenameBackendTests):
+        # modules that register your plugins, if they are not installed as entry points
+        plugin_modules = ("my_company.tierstore_ext",)
+
+        @pytest.fixture
+        def backend(self, tmp_path):            # required: a fresh, empty root per test
+            backend = MyBackend(root=str(tmp_path / "tier"))
+            yield backend
+            backend.close()
+
+        @pytest.fixture
+        def unreachable_backend(self, tmp_path):  # required: a root that cannot be written
+            blocker = tmp_path / "a-file"         # (check_reachable must say why)
+            blocker.write_bytes(b"")
+            backend = MyBackend(root=str(blocker / "tier"))
+            yield backend
+            backend.close()
+
+        # optional: a commit protocol other than the backend's default_commit
+        # @pytest.fixture
+        # def commit_protocol(self): return MyCommit()
+
+        # needed when MyBackend.local_path() is None: read a file without the backend
+        # def backdoor_read(self, backend, path): return my_client.get(...)  # None if missing
+
+    # first tier a filesystem without codecs; otherwise use RoundTripTests
+    class TestMyBackendRoundTrip(StockLoadableRoundTripTests):
+        @pytest.fixture
+        def store_config(self, tmp_path):       # required: tierstore.open() config, fresh roots
+            return {"store": {"plugins": ["my_company.tierstore_ext"]},
+                    "tier": [{"name": "mine", "backend": "mine", "path": str(tmp_path / "t")}]}
+
+then ``python -m pytest tests/test_my_backend.py``. The base classes have no ``Test`` prefix, so
+pytest collects only your subclasses. Your subclass must use a ``Test`` prefix.
+
+No test is ever skipped: a test either checks something or fails saying what is missing. Pick the
+classes that match what your plugin declares; tests fail when they do not:
+
+- :class:`BackendTests`: the backend primitives (write/read, ``size``, ``list``, ``delete``,
+  ``readinto``, ``check_reachable`` on a fresh and on an unreachable root), files outliving the
+  instance that wrote them (override :meth:`BackendTests.reopen` if your backend needs more than
+  ``root`` to be built), backdoor reads of the real files (through ``local_path()``, or override
+  :meth:`BackendTests.backdoor_read`), the commit protocol (nothing visible before ``commit``,
+  ``abort``, leftovers recognised, overwrite), and what ``Tier.verify`` finds after a flipped
+  byte, a truncated file or a missing one. For backends with ``supports_rename = False``.
+- :class:`RenameBackendTests`: all of :class:`BackendTests` plus ``rename`` of files, trees and
+  with ``replace``. Required for backends with ``supports_rename = True``.
+- :class:`RoundTripTests`: real ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` through a store,
+  compared bit for bit; ``list``/``latest``/``verify``; saving an existing id with ``[store]
+  overwrite`` off (refused, first kept) and on (replaced); invalid ids refused before anything is
+  written; a missing id is ``CheckpointNotFound``.
+- :class:`StockLoadableRoundTripTests`: all of :class:`RoundTripTests` plus stock ``dcp.load``
+  reading the checkpoint straight from the first tier, for configs whose first tier is a
+  filesystem (``local_path()``) without codecs (a test fails if it is not).
+"""
+
+from __future__ import annotations
+
+from .backend import BackendTests, RenameBackendTests
+from .roundtrip import (RoundTripTests, StockLoadableRoundTripTests, assert_state_dicts_equal,
+                        make_state_dict)
+
+__all__ = ["BackendTests", "RenameBackendTests", "RoundTripTests", "StockLoadableRoundTripTests",
+           "assert_state_dicts_equal", "make_state_dict"]

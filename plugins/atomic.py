@@ -39,16 +39,18 @@ class AtomicRenameCommit(CommitProtocol):
         backend.write_bytes(f"{staging}/{MANIFEST_NAME}", manifest)
         backend.sync_dir(staging)
         announce(Phase.PUBLISH)
-        trash = None
-        if backend.list(checkpoint_id):
-            # Either an old checkpoint being overwritten or an incomplete copy that no reader
-            # sees; move it aside so the rename below can take its place.
+        try:
+            backend.rename(staging, checkpoint_id)
+        except FileExistsError:
+            # An old checkpoint being overwritten, or an incomplete copy (even an empty
+            # directory) that no reader sees: move it aside so the rename can take its place.
             trash = f"{_TRASH}{checkpoint_id}.{staging.rsplit('.', 1)[-1]}"
             backend.rename(checkpoint_id, trash)
-        backend.rename(staging, checkpoint_id)
-        backend.sync_dir("")
-        if trash is not None:
+            backend.rename(staging, checkpoint_id)
+            backend.sync_dir("")
             backend.delete(trash)
+            return
+        backend.sync_dir("")
 
     def abort(self, backend: Backend, checkpoint_id: str, staging: str) -> None:
         backend.delete(staging)

@@ -128,12 +128,30 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
 
 # -- reading ----------------------------------------------------------------------------------
 
+class _PositionalReader:
+    """``pread`` on any readable file: the OS call when it has a descriptor (the position does
+    not move), else seek + read (the caller seeks back before reading sequentially)."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        try:
+            self._fd: int | None = f.fileno()
+        except (OSError, AttributeError, ValueError):
+            self._fd = None
+
+    def pread(self, n: int, offset: int) -> bytes:
+        if self._fd is not None:
+            return os.pread(self._fd, n, offset)
+        self._f.seek(offset)
+        return self._f.read(n)
+
+
 class _Window(io.RawIOBase):
     """A read-only view of ``[start, start+length)`` of a file, for zipfile to parse one item."""
 
-    def __init__(self, fd: int, start: int, length: int):
+    def __init__(self, src: _PositionalReader, start: int, length: int):
         super().__init__()
-        self._fd, self._start, self._len, self._pos = fd, start, length, 0
+        self._src, self._start, self._len, self._pos = src, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -151,23 +169,23 @@ class _Window(io.RawIOBase):
 
     def readinto(self, buf) -> int:
         n = max(0, min(len(buf), self._len - self._pos))
-        data = os.pread(self._fd, n, self._start + self._pos)
+        data = self._src.pread(n, self._start + self._pos)
         buf[: len(data)] = data
         self._pos += len(data)
         return len(data)
 
 
-def _raw_span(fd: int, info: _StorageInfo) -> tuple[int, int] | None:
+def _raw_span(src: _PositionalReader, info: _StorageInfo) -> tuple[int, int] | None:
     """File offset and length of the raw storage bytes inside a ``torch.save`` item, or None
     when the item is not a single uncompressed storage."""
     try:
-        with zipfile.ZipFile(_Window(fd, info.offset, info.length)) as zf:
+        with zipfile.ZipFile(_Window(src, info.offset, info.length)) as zf:
             storages = [z for z in zf.infolist() if "/data/" in z.filename
                         and not z.filename.endswith(".pkl") and "/.data/" not in z.filename]
             if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
                 return None
             z = storages[0]
-        header = os.pread(fd, 30, info.offset + z.header_offset)
+        header = src.pread(30, info.offset + z.header_offset)
         if len(header) != 30 or header[:4] != b"PK\x03\x04":
             return None
         name_len, extra_len = struct.unpack("<HH", header[26:30])
@@ -212,7 +230,7 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     """Read the items ``reqs`` of one data file ``f``, hand them to ``planner`` and, when
     ``verify``, check the whole file against ``entry``. Returns bytes read. Raises
     FileReadError when the file does not match (the caller may try another tier)."""
-    fd = f.fileno()
+    src = _PositionalReader(f)
     by_offset: dict[int, list[ReadItem]] = {}
     for req in reqs:
         by_offset.setdefault(storage_data[req.storage_index].offset, []).append(req)
@@ -224,7 +242,7 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
         if info.offset + info.length > entry.size:
             raise FileReadError(f"item {group[0].storage_index.fqn} ends at byte "
                                 f"{info.offset + info.length}, past the file's {entry.size} bytes")
-        direct = _direct_target(fd, info, group, metadata, planner) if len(group) == 1 else None
+        direct = _direct_target(src, info, group, metadata, planner) if len(group) == 1 else None
         if direct is not None:
             (data_start, data_len), target = direct
             req = group[0]
@@ -237,6 +255,7 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
             segments.append(_Segment(info.offset, info.length, _decoder(group, planner)))
 
     hasher = Hasher() if verify else None
+    f.seek(0)  # locating raw spans may have moved a descriptor-less file
     pos = 0
     scratch = bytearray(_SCRATCH)
     pending: list[tuple[Callable, memoryview]] = []
@@ -297,7 +316,7 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     return pos
 
 
-def _direct_target(fd: int, info: _StorageInfo, group: list[ReadItem], metadata: Metadata,
+def _direct_target(src: _PositionalReader, info: _StorageInfo, group: list[ReadItem], metadata: Metadata,
                    planner: LoadPlanner):
     req = group[0]
     if req.type != LoadItemType.TENSOR or info.transform_descriptors or info.length < _DIRECT_READ_MIN:
@@ -310,7 +329,7 @@ def _direct_target(fd: int, info: _StorageInfo, group: list[ReadItem], metadata:
     if (target.device.type != "cpu" or not target.is_contiguous()
             or target.dtype != md.properties.dtype or tuple(target.shape) != tuple(sizes)):
         return None
-    span = _raw_span(fd, info)
+    span = _raw_span(src, info)
     if span is None or span[1] != target.nbytes:
         return None
     return span, target

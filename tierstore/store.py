@@ -7,6 +7,7 @@ process group, and hands out DCP writers and readers bound to them.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from typing import Any, Iterable
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from . import __version__
 from .config import StoreConfig, load_source, validate_config, validate_store_table
 from .dist import RankContext, all_gather_object, make_store_group, rank_context
-from .errors import CheckpointNotFound, ConfigError, PluginError
+from .errors import CheckpointNotFound, CommitError, ConfigError, PluginError
 from .events import Event, EventKind, Phase
 from .ids import step_of, validate_checkpoint_id
 from .info import CheckpointInfo, VerifyReport
@@ -50,7 +51,29 @@ class Store:
         self._lock = threading.Lock()
         self._closed = False
         self.process_group = make_store_group(process_group)
+        self._check_shared_roots()
         self.host.store_opened(self)
+
+    def _check_shared_roots(self) -> None:
+        """Under torch.distributed, every rank must see each tier at the same directory on the
+        same host: the coordinator publishes the checkpoint for all ranks with one rename.
+        Per-node tiers ({node}, {rank} or node-local disks) need per-node commits, which come
+        with the tier pipeline; refuse them clearly instead of losing other nodes' files."""
+        if self.process_group is None:
+            return
+        mine = [(socket.gethostname(), t.backend.describe()) for t in self.tiers]
+        views = all_gather_object(mine, self.process_group)
+        for i, tier in enumerate(self.tiers):
+            seen = {v[i] for v in views}
+            if len(seen) > 1:
+                where = self.config.source.where("tier", tier.config.index, "path")
+                places = ", ".join(sorted(f"{h}:{r}" for h, r in seen))
+                raise ConfigError(
+                    f"{where}: tier '{tier.name}' resolves to different directories on different "
+                    f"ranks ({places}); this version commits a checkpoint with one rename by the "
+                    f"coordinator, so every rank must share the tier's directory: use a path "
+                    f"without {{rank}}/{{node}} on a filesystem all ranks see"
+                )
 
     def _build_tier(self, tc) -> Tier:
         reg = self.host.lookup("backend", tc.backend)
@@ -121,8 +144,6 @@ class Store:
         host.phase(Phase.WRITE_MANIFEST, checkpoint_id, tier.name, rank)
         existing = tier.manifest(checkpoint_id)
         if existing is not None and not self.config.overwrite:
-            from .errors import CommitError
-            tier.commit.abort(tier.backend, checkpoint_id, staging)
             raise CommitError(
                 f"checkpoint '{checkpoint_id}' appeared on tier '{tier.name}' while this save "
                 f"was running; save under a new id or set [store] overwrite = true"

@@ -170,6 +170,7 @@ class Tier:
         return out
 
     def _is_abandoned_checkpoint_dir(self, name: str) -> bool:
-        # A directory with DCP files but no manifest: a delete or overwrite that was cut short.
+        # A directory with only DCP files (or nothing) and no manifest: a delete that was cut
+        # short. Nothing else is touched: the root may hold files that are not ours.
         entries = self.backend.list(name)
-        return bool(entries) and all(e == ".metadata" or e.endswith(".distcp") for e in entries)
+        return all(e == ".metadata" or e.endswith(".distcp") for e in entries)

@@ -197,10 +197,15 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         raw = pickle.dumps(metadata)
         tier.backend.write_bytes(f"{save.staging}/{METADATA_NAME}", raw)
         files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw), None)
-        store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
-                      seconds=time.perf_counter() - save.started)
-        tier.active_tokens.discard(save.token)
-        self._save = None
+        try:
+            store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
+                          seconds=time.perf_counter() - save.started)
+        except BaseException:
+            tier.commit.abort(tier.backend, save.checkpoint_id, save.staging)
+            raise
+        finally:
+            tier.active_tokens.discard(save.token)
+            self._save = None
 
     def storage_meta(self) -> StorageMeta | None:
         save = self._save
