@@ -49,6 +49,8 @@ class Store:
         self.stager = reg.factory(**self.config.staging.options)
         self._saves = 0
         self._lock = threading.Lock()
+        # thread ident -> token of the save that thread is running; gc spares these
+        self._in_flight: dict[int, str] = {}
         self._closed = False
         self.process_group = make_store_group(process_group)
         self._check_shared_roots()
@@ -68,6 +70,8 @@ class Store:
             if len(seen) > 1:
                 where = self.config.source.where("tier", tier.config.index, "path")
                 places = ", ".join(sorted(f"{h}:{r}" for h, r in seen))
+                dist.destroy_process_group(self.process_group)
+                self.process_group = None
                 raise ConfigError(
                     f"{where}: tier '{tier.name}' resolves to different directories on different "
                     f"ranks ({places}); this version commits a checkpoint with one rename by the "
@@ -126,6 +130,23 @@ class Store:
         step = step_of(checkpoint_id)
         return count if step is None else step
 
+    def save_running(self, token: str | None) -> None:
+        """Record that this thread now runs the save ``token`` (None: it runs none).
+
+        DCP gives a writer no call when a save fails on another rank, so a save counts as over
+        when its thread starts another one or ends; that is what lets gc collect its files."""
+        with self._lock:
+            if token is None:
+                self._in_flight.pop(threading.get_ident(), None)
+            else:
+                self._in_flight[threading.get_ident()] = token
+
+    def tokens_in_flight(self) -> set[str]:
+        """Tokens of saves still running in live threads of this process."""
+        alive = {t.ident for t in threading.enumerate()}
+        with self._lock:
+            return {tok for ident, tok in self._in_flight.items() if ident in alive}
+
     def first_tier_for(self, step: int) -> Tier:
         """The fastest tier whose ``every`` takes ``step`` (one with every = 1 always does)."""
         return next(t for t in self.tiers if t.takes(step))
@@ -174,7 +195,7 @@ class Store:
 
     def collect_garbage(self, tier: Tier) -> list[str]:
         """Remove what interrupted saves left on ``tier``; returns the entries removed."""
-        removed = tier.leftovers()
+        removed = tier.leftovers(protect=self.tokens_in_flight())
         for name in removed:
             tier.backend.delete(name)
             self.host.event(Event(EventKind.COLLECTED, None, tier.name, self.ctx.rank,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass
 
 from .checksum import Hasher
 from .config import TierConfig
@@ -45,8 +46,6 @@ class Tier:
     backend: Backend
     commit: CommitProtocol
     commit_name: str
-    #: save tokens of saves in flight in this process; gc never touches their leftovers
-    active_tokens: set[str] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -156,11 +155,12 @@ class Tier:
         newest_first = sorted(manifests, key=lambda i: (manifests[i].committed, i), reverse=True)
         return [i for i in newest_first[self.config.keep:] if not manifests[i].pinned]
 
-    def leftovers(self) -> list[str]:
-        """Root entries left by interrupted saves (not those of saves in flight here)."""
+    def leftovers(self, protect: Collection[str] = ()) -> list[str]:
+        """Root entries left by interrupted saves, except those of the save tokens in
+        ``protect`` (saves still in flight)."""
         out = []
         for name in self.backend.list(""):
-            if self.commit.is_leftover(name) and self.commit.token_of(name) not in self.active_tokens:
+            if self.commit.is_leftover(name) and self.commit.token_of(name) not in protect:
                 out.append(name)
             elif not name.startswith(".") and not self.commit.is_leftover(name) \
                     and self.backend.size(name) is None \

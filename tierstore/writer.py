@@ -106,6 +106,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 f"({tier.backend.describe()}); save under a new id, or set [store] overwrite = true "
                 f"to replace it"
             )
+        store.save_running(None)  # a new save on this thread: any earlier one is over
         self._save = _SaveState(cid, step, tier, time.perf_counter())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -138,7 +139,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         data: _PlanData = plan.storage_data
         store, tier = self._store, save.tier
         save.token = data.token
-        tier.active_tokens.add(data.token)
+        store.save_running(data.token)
         save.staging = tier.commit.begin(tier.backend, save.checkpoint_id, data.token)
         buckets = split_items(plan.items, store.config.io_threads)
 
@@ -170,10 +171,10 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         except BaseException:
             # What this save wrote stays in its hidden staging directory until the next save's
             # (or gc's) collection removes it; readers never see it.
-            tier.active_tokens.discard(data.token)
+            store.save_running(None)
             raise
         if not self._is_coordinator:
-            tier.active_tokens.discard(data.token)
+            store.save_running(None)  # only the coordinator has more to do (finish)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -193,18 +194,18 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_md
         metadata.storage_meta = StorageMeta(checkpoint_id=save.checkpoint_id, save_id=save.token)
-        store.host.phase(Phase.WRITE_METADATA, save.checkpoint_id, tier.name, self._rank)
-        raw = pickle.dumps(metadata)
-        tier.backend.write_bytes(f"{save.staging}/{METADATA_NAME}", raw)
-        files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw), None)
         try:
+            store.host.phase(Phase.WRITE_METADATA, save.checkpoint_id, tier.name, self._rank)
+            raw = pickle.dumps(metadata)
+            tier.backend.write_bytes(f"{save.staging}/{METADATA_NAME}", raw)
+            files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw), None)
             store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
                           seconds=time.perf_counter() - save.started)
         except BaseException:
             tier.commit.abort(tier.backend, save.checkpoint_id, save.staging)
             raise
         finally:
-            tier.active_tokens.discard(save.token)
+            store.save_running(None)
             self._save = None
 
     def storage_meta(self) -> StorageMeta | None:
