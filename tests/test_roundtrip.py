@@ -178,3 +178,21 @@ def test_memory_tier_round_trip(tmp_path):
     sd = {"w": torch.randn(500, 500), "step": 3}
     with tierstore.open(config) as store:
         assert_bitwise_equal(round_trip(store, sd), sd)
+
+
+def test_tensor_items_are_exactly_torch_save_bytes_without_crc():
+    """Data files hold torch.save output (what stock DCP readers expect), minus the zip CRC."""
+    from tierstore.item_io import save_tensor
+
+    t = torch.randn(300, 7).bfloat16()
+    ours = io.BytesIO()
+    save_tensor(t, ours)
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        stock = io.BytesIO()
+        torch.save(t, stock)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+    assert ours.getvalue() == stock.getvalue()
+    assert torch.serialization.get_crc32_options() == previous
