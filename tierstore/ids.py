@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["validate_checkpoint_id", "step_of"]
+__all__ = ["validate_checkpoint_id", "is_valid_checkpoint_id", "step_of"]
 
 _ID_RE = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]*")
 # Room for the hidden staging name (".tierstore-tmp.<id>.<token>") within a 255-byte file name.
@@ -34,6 +34,15 @@ def validate_checkpoint_id(checkpoint_id: object) -> str:
             f"{MAX_ID_LENGTH} are allowed"
         )
     return text
+
+
+def is_valid_checkpoint_id(checkpoint_id: object) -> bool:
+    """Whether ``checkpoint_id`` is acceptable (DCP's ``validate_checkpoint_id`` protocol)."""
+    try:
+        validate_checkpoint_id(checkpoint_id)
+    except ValueError:
+        return False
+    return True
 
 
 def step_of(checkpoint_id: str) -> int | None:

@@ -22,7 +22,7 @@ from torch.futures import Future
 from .checksum import checksum_of
 from .errors import CheckpointNotFound, IntegrityError
 from .events import Event, EventKind, Phase
-from .ids import validate_checkpoint_id
+from .ids import is_valid_checkpoint_id, validate_checkpoint_id
 from .item_io import FileReadError, read_items
 from .manifest import METADATA_NAME, Manifest
 
@@ -160,8 +160,4 @@ class TierstoreReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        try:
-            validate_checkpoint_id(checkpoint_id)
-        except ValueError:
-            return False
-        return True
+        return is_valid_checkpoint_id(checkpoint_id)

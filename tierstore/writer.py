@@ -27,7 +27,7 @@ from torch.futures import Future
 from .checksum import checksum_of
 from .errors import CommitError
 from .events import Event, EventKind, Phase
-from .ids import validate_checkpoint_id
+from .ids import is_valid_checkpoint_id, validate_checkpoint_id
 from .item_io import HashingWriter, ItemLocation, split_items, write_items
 from .manifest import METADATA_NAME, FileEntry
 
@@ -214,11 +214,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        try:
-            validate_checkpoint_id(checkpoint_id)
-        except ValueError:
-            return False
-        return True
+        return is_valid_checkpoint_id(checkpoint_id)
 
     def _require_save(self) -> _SaveState:
         if self._save is None:

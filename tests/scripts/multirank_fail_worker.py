@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -22,6 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tierstore
+
+from worker_exit import run_worker
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -87,20 +88,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        code = main()
-    except Exception:
-        traceback.print_exc()
-        code = 2
-    rank = os.environ.get("RANK", "?")
-    for p in problems:
-        print(f"RANK {rank} PROBLEM: {p}", flush=True)
-    if code == 0 and not problems:
-        print(f"RANK {rank} OK", flush=True)
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
-    sys.exit(code or (1 if problems else 0))
+    run_worker(main, problems, "PROBLEM")
