@@ -44,7 +44,7 @@ class AtomicRenameCommit(CommitProtocol):
         except FileExistsError:
             # An old checkpoint being overwritten, or an incomplete copy (even an empty
             # directory) that no reader sees: move it aside so the rename can take its place.
-            trash = f"{_TRASH}{checkpoint_id}.{staging.rsplit('.', 1)[-1]}"
+            trash = self.trash_name(checkpoint_id, staging.rsplit(".", 1)[-1])
             backend.rename(checkpoint_id, trash)
             backend.rename(staging, checkpoint_id)
             backend.sync_dir("")
@@ -57,6 +57,9 @@ class AtomicRenameCommit(CommitProtocol):
 
     def is_leftover(self, name: str) -> bool:
         return name.startswith(_TMP) or name.startswith(_TRASH)
+
+    def trash_name(self, checkpoint_id: str, token: str) -> str:
+        return f"{_TRASH}{checkpoint_id}.{token}"
 
     def token_of(self, name: str) -> str | None:
         return name.rsplit(".", 1)[-1] if self.is_leftover(name) else None

@@ -213,3 +213,24 @@ def test_async_save_through_the_writer(store):
     out = {"w": torch.zeros(1000)}
     dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
     assert torch.equal(out["w"], sd["w"])
+
+
+def test_gc_never_touches_a_users_own_stock_checkpoint_in_the_root(store, local_config):
+    root = local_config["tier"][0]["path"]
+    os.makedirs(root, exist_ok=True)
+    dcp.save({"w": torch.ones(10)}, checkpoint_id=os.path.join(root, "from-stock-dcp"))
+    save(store, "step-1")
+    assert store.gc() == []
+    assert entries(root) == ["from-stock-dcp", "step-1"]
+    assert [c.id for c in store.list()] == ["step-1"]
+
+
+def test_a_delete_cut_short_leaves_a_hidden_entry_that_gc_removes(store, local_config):
+    save(store, "step-1")
+    save(store, "step-2")
+    root = local_config["tier"][0]["path"]
+    # What Tier.delete does before removing files: the rename aside, then a crash.
+    os.rename(os.path.join(root, "step-1"), os.path.join(root, ".tierstore-trash.step-1.0a1b"))
+    assert [c.id for c in store.list()] == ["step-2"]
+    assert store.gc() == ["nvme:.tierstore-trash.step-1.0a1b"]
+    assert entries(root) == ["step-2"]

@@ -133,6 +133,11 @@ class CommitProtocol(abc.ABC):
         """The save token in a leftover's name (so an in-flight save is not collected)."""
         return None
 
+    def trash_name(self, checkpoint_id: str, token: str) -> str:
+        """A root entry name to move a checkpoint to before deleting it; ``is_leftover`` must
+        recognise it, so gc finishes a delete that a crash cut short."""
+        raise NotImplementedError(f"{type(self).__name__} does not move checkpoints aside")
+
 
 class Codec(abc.ABC):
     """A byte transform applied to each item on the way to a tier (compression, encryption)."""

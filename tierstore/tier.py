@@ -144,7 +144,14 @@ class Tier:
         return True
 
     def delete(self, checkpoint_id: str) -> None:
-        """Remove a checkpoint: the manifest first, so a crash mid-delete leaves nothing visible."""
+        """Remove a checkpoint so that a crash part-way leaves nothing visible and nothing gc
+        cannot recognise: renamed aside first where rename is atomic, else the manifest first."""
+        if self.backend.supports_rename:
+            aside = self.commit.trash_name(checkpoint_id, uuid.uuid4().hex[:16])
+            self.backend.rename(checkpoint_id, aside)
+            self.backend.sync_dir("")
+            self.backend.delete(aside)
+            return
         self.backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")
         self.backend.delete(checkpoint_id)
 
@@ -156,21 +163,8 @@ class Tier:
         return [i for i in newest_first[self.config.keep:] if not manifests[i].pinned]
 
     def leftovers(self, protect: Collection[str] = ()) -> list[str]:
-        """Root entries left by interrupted saves, except those of the save tokens in
-        ``protect`` (saves still in flight)."""
-        out = []
-        for name in self.backend.list(""):
-            if self.commit.is_leftover(name) and self.commit.token_of(name) not in protect:
-                out.append(name)
-            elif not name.startswith(".") and not self.commit.is_leftover(name) \
-                    and self.backend.size(name) is None \
-                    and self.backend.size(f"{name}/{MANIFEST_NAME}") is None \
-                    and self._is_abandoned_checkpoint_dir(name):
-                out.append(name)
-        return out
-
-    def _is_abandoned_checkpoint_dir(self, name: str) -> bool:
-        # A directory with only DCP files (or nothing) and no manifest: a delete that was cut
-        # short. Nothing else is touched: the root may hold files that are not ours.
-        entries = self.backend.list(name)
-        return all(e == ".metadata" or e.endswith(".distcp") for e in entries)
+        """Root entries left by interrupted saves, deletes and overwrites (their names say so),
+        except those of the save tokens in ``protect`` (saves still in flight). Anything else in
+        the root, such as a user's own DCP checkpoint without a manifest, is never touched."""
+        return [name for name in self.backend.list("")
+                if self.commit.is_leftover(name) and self.commit.token_of(name) not in protect]
