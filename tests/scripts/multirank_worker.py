@@ -74,11 +74,20 @@ def build(rank: int, mesh, zero: bool) -> tuple[dict, dict]:
     Every random value comes from fixed seeds, so the zeroed copy knows what to expect."""
     gen = torch.Generator().manual_seed(1234)
     full = {f"dt_{str(d).split('.')[-1]}": random_tensor((8, 6), d, gen) for d in DTYPES}
+    # One logical tensor of 256 MiB, 128 MiB per rank.
+    full["dt_big"] = random_tensor((4096, 16384), torch.float32, gen)
     replicated = random_tensor((5, 3), torch.float32, gen)
     st_full = random_tensor((8, 4), torch.float32, gen)
     rgen = torch.Generator().manual_seed(100 + rank)
     per_rank = {f"rank{rank}_{str(d).split('.')[-1]}": random_tensor((7,), d, rgen)
                 for d in DTYPES}
+    # Zero-size tensors, non-contiguous views (saved as their projection only) and many small
+    # tensors (10,000 across the two ranks).
+    per_rank[f"rank{rank}_empty"] = torch.empty(0, 3)
+    per_rank[f"rank{rank}_transposed"] = random_tensor((64, 48), torch.float32, rgen).t()
+    per_rank[f"rank{rank}_strided"] = random_tensor((100, 100), torch.bfloat16, rgen)[::3, 1::2]
+    for i in range(5000):
+        per_rank[f"rank{rank}_small{i}"] = random_tensor((4,), torch.float32, rgen)
     py_rng = random.Random(42)
     extra = {"step": 17, "rng": py_rng.getstate(), "note": "shared"}
     mine = {"rank": rank, "rng": random.Random(rank).getstate()}
