@@ -49,6 +49,12 @@ STORE_OPTIONS: tuple[Option, ...] = (
            description="files written and read in parallel per rank and tier"),
     Option("verify_on_load", bool, default=True,
            description="check each file's checksum while dcp.load reads it"),
+    Option("drain_threads", int, default=4, check=_positive,
+           description="files copied in parallel when draining to slower tiers"),
+    Option("drain_chunk_mib", int, default=8, check=_positive,
+           description="copy buffer per drain thread (memory = drain_threads x this)"),
+    Option("exit_timeout", (int, float), default=600,
+           description="seconds a process exiting without close() waits for pending drains"),
 )
 
 TIER_OPTIONS: tuple[Option, ...] = (
@@ -106,6 +112,9 @@ class StoreConfig:
     overwrite: bool
     io_threads: int
     verify_on_load: bool
+    drain_threads: int
+    drain_chunk_mib: int
+    exit_timeout: float
     tiers: tuple[TierConfig, ...]
     source: ConfigSource
 
@@ -250,5 +259,7 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
     return StoreConfig(
         plugins=tuple(store_table["plugins"]), staging=staging, commit=commit,
         overwrite=store_table["overwrite"], io_threads=store_table["io_threads"],
-        verify_on_load=store_table["verify_on_load"], tiers=tuple(tiers), source=source,
+        verify_on_load=store_table["verify_on_load"], drain_threads=store_table["drain_threads"],
+        drain_chunk_mib=store_table["drain_chunk_mib"], exit_timeout=store_table["exit_timeout"],
+        tiers=tuple(tiers), source=source,
     )

@@ -21,18 +21,18 @@ import tierstore
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 CONFIG = """\
-# Even steps go to the local disk (every = 2); every other step to RAM.
+# Every save goes to RAM; every 2nd is copied to the local disk in the background.
+[[tier]]
+name = "ram"
+backend = "memory"
+path = "{root}/shm/{{node}}"
+keep = 2
+
 [[tier]]
 name = "nvme"
 backend = "local"
 path = "{root}/nvme/{{node}}"
 every = 2
-keep = 2
-
-[[tier]]
-name = "ram"
-backend = "memory"
-path = "{root}/shm/{{node}}"
 keep = 2
 """
 
@@ -98,9 +98,15 @@ def run(root: str, steps: int) -> None:
             dcp.save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{step}")
             took = time.perf_counter() - started
             saved[step] = snapshot(sd)
-            tier = store.list()[0].tiers[0]
-            print(f"step {step}: loss {loss:.3f}, saved step-{step} to '{tier}' in {took * 1000:.0f} ms")
+            drains = ", ".join(p.tier for p in store.pending()) or "none"
+            print(f"step {step}: loss {loss:.3f}, saved step-{step} in {took * 1000:.0f} ms "
+                  f"(drains pending: {drains})")
 
+        started = time.perf_counter()
+        store.wait()
+        print(f"store.wait(): drains finished in {(time.perf_counter() - started) * 1000:.0f} ms")
+        for tier, figures in store.stats().items():
+            print(f"    {tier:<5} {figures}")
         print("\ncheckpoints (newest first):")
         for info in store.list():
             print(f"    {info.id:<8} on {', '.join(info.tiers):<5} {info.size_bytes / 1e6:6.2f} MB")

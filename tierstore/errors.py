@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointNotFound",
     "IntegrityError",
     "CommitError",
+    "DrainError",
 ]
 
 
@@ -38,3 +39,15 @@ class IntegrityError(TierstoreError):
 
 class CommitError(TierstoreError):
     """A checkpoint could not be made visible (e.g. the id already exists and overwrite is off)."""
+
+
+class DrainError(TierstoreError):
+    """Copying a committed checkpoint down to a slower tier failed; ``store.wait()`` raises it.
+
+    ``checkpoint_id`` and ``tier`` say which copy is missing; the checkpoint is still complete on
+    the tier it was saved to."""
+
+    def __init__(self, message: str, checkpoint_id: str | None = None, tier: str | None = None):
+        super().__init__(message)
+        self.checkpoint_id = checkpoint_id
+        self.tier = tier

@@ -44,9 +44,12 @@ class Phase:
     RETAIN = "retain"                  # before keep/every retention deletes old checkpoints
     LOAD_BEGIN = "load_begin"          # reader.reset: finding the tier that holds the id
     READ_FILE = "read_file"            # before one data file is read (detail: file)
+    DRAIN_BEGIN = "drain_begin"        # before copying a committed checkpoint to a slower tier
+    DRAIN_FILE = "drain_file"          # before one file is copied (detail: file)
+    DRAIN_COMMIT = "drain_commit"      # before the copy is committed on the slower tier
 
     ALL = (STAGE, SAVE_BEGIN, WRITE_FILE, WRITE_METADATA, WRITE_MANIFEST, PUBLISH, RETAIN,
-           LOAD_BEGIN, READ_FILE)
+           LOAD_BEGIN, READ_FILE, DRAIN_BEGIN, DRAIN_FILE, DRAIN_COMMIT)
 
 
 @dataclass(frozen=True)

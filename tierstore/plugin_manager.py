@@ -196,14 +196,18 @@ def _import(module: str, origin: str) -> ModuleType:
 
 def build_plugin_host(extra_modules: list[str] | tuple[str, ...] = (),
                       extra_origin: str = "[store] plugins",
-                      extra_plugins: tuple[object, ...] = ()) -> PluginHost:
+                      extra_plugins: tuple[object, ...] = (),
+                      store_builtins: dict[str, object] | None = None) -> PluginHost:
     """A fresh plugin manager with built-ins, entry points and ``extra_modules`` registered and
-    every registration hook collected. Raises PluginError on any plugin problem."""
+    every registration hook collected. ``store_builtins`` are built-in plugin objects that hold
+    one store's state (the stats observer), by name. Raises PluginError on any plugin problem."""
     pm = pluggy.PluginManager("tierstore")
     pm.add_hookspecs(hookspecs)
     origins: dict[str, str] = {}
     for module in BUILTIN_PLUGINS:
         _register(pm, _import(module, "built-in"), module, "built-in", origins)
+    for name, plugin in (store_builtins or {}).items():
+        _register(pm, plugin, name, "built-in", origins)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = getattr(ep, "dist", None)
         where = f"entry point '{ep.name} = {ep.value}'" + (

@@ -6,9 +6,11 @@ process group, and hands out DCP writers and readers bound to them.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import socket
 import threading
+import weakref
 import time
 from typing import Any, Iterable
 
@@ -17,7 +19,8 @@ import torch.distributed as dist
 from . import __version__
 from .config import StoreConfig, load_source, validate_config, validate_store_table
 from .dist import RankContext, all_gather_object, make_store_group, rank_context
-from .errors import CheckpointNotFound, CommitError, ConfigError, PluginError
+from .drain import DrainJob, Drainer, PendingCopy, report_unfinished
+from .errors import CheckpointNotFound, CommitError, ConfigError, DrainError, PluginError
 from .events import Event, EventKind, Phase
 from .ids import step_of, validate_checkpoint_id
 from .info import CheckpointInfo, VerifyReport
@@ -26,6 +29,7 @@ from .plugin_manager import PluginHost, build_plugin_host
 from .reader import TierstoreReader
 from .tier import Problem, Tier
 from .writer import TierstoreWriter
+from tierstore_plugins.stats import TierFigures, TierStats
 
 __all__ = ["Store", "open"]
 
@@ -39,9 +43,11 @@ class Store:
                  plugins: Iterable[object] = ()):
         data, source = load_source(config)
         store_table = validate_store_table(data.get("store", {}), source)
+        self._stats = TierStats()
         self.host: PluginHost = build_plugin_host(store_table["plugins"],
                                                   f"[store] plugins in {source.name}",
-                                                  tuple(plugins))
+                                                  tuple(plugins),
+                                                  {"tierstore_plugins.stats": self._stats})
         self.config: StoreConfig = validate_config(data, source, self.host, store_table)
         self.ctx: RankContext = rank_context(process_group)
         self.tiers: list[Tier] = [self._build_tier(tc) for tc in self.config.tiers]
@@ -54,6 +60,9 @@ class Store:
         self._closed = False
         self.process_group = make_store_group(process_group)
         self._check_shared_roots()
+        self.drainer = Drainer(self, self.config.drain_threads, self.config.drain_chunk_mib << 20)
+        self._atexit = _exit_handler(weakref.ref(self))
+        atexit.register(self._atexit)
         self.host.store_opened(self)
 
     def _check_shared_roots(self) -> None:
@@ -151,6 +160,10 @@ class Store:
         """The fastest tier whose ``every`` takes ``step`` (one with every = 1 always does)."""
         return next(t for t in self.tiers if t.takes(step))
 
+    def tiers_for(self, step: int) -> list[Tier]:
+        """Every tier that takes ``step``: the first one is saved to, the rest get the drain."""
+        return [t for t in self.tiers if t.takes(step)]
+
     def publish(self, tier: Tier, checkpoint_id: str, staging: str, token: str,
                 files: dict[str, FileEntry], step: int, seconds: float) -> Manifest:
         """Write the manifest and make the checkpoint visible on ``tier``, then apply ``keep``."""
@@ -178,6 +191,9 @@ class Store:
                          manifest.size_bytes, {"step": step}))
         log.info("committed %s on tier '%s' (%d bytes in %.2f s)", checkpoint_id, tier.name,
                  manifest.size_bytes, seconds)
+        targets = [t for t in self.tiers_for(step) if t is not tier]
+        if targets:
+            self.drainer.submit(DrainJob(checkpoint_id, tier, targets))
         self.apply_retention(tier)
         return manifest
 
@@ -186,7 +202,8 @@ class Store:
         if tier.config.keep is None:
             return []
         self.host.phase(Phase.RETAIN, None, tier.name, self.ctx.rank)
-        victims = tier.retention_victims(tier.complete())
+        busy = self.drainer.protected(tier)  # still being copied to slower tiers
+        victims = [v for v in tier.retention_victims(tier.complete()) if v not in busy]
         for cid in victims:
             tier.delete(cid)
             self.host.event(Event(EventKind.EVICTED, cid, tier.name, self.ctx.rank))
@@ -205,17 +222,29 @@ class Store:
 
     # -- public API --------------------------------------------------------------------------
     def latest(self) -> str | None:
-        """Newest checkpoint complete on at least one tier (manifest present, file sizes
-        matching; checksums are checked while loading). Under torch.distributed this is a
-        collective on the store's group: every rank must call it and all get the same answer,
-        counting only checkpoints that every rank finds."""
+        """Newest checkpoint this store can load: every file of it is on some tier with its
+        recorded size (checksums are checked while loading, file by file, falling back to the
+        next tier). Under torch.distributed this is a collective on the store's group: every
+        rank must call it and all get the same answer, counting only ids every rank can load."""
         self._check_open()
-        mine = {c.id: c.committed for c in self.list()}
+        mine = {cid: m.committed for cid, m in self.loadable().items()}
         views = all_gather_object(mine, self.process_group)
         common = set(views[0]).intersection(*views[1:])
         if not common:
             return None
         return max(common, key=lambda cid: (max(v[cid] for v in views), cid))
+
+    def loadable(self) -> dict[str, Manifest]:
+        """Checkpoints whose every file is on some tier of this process (sizes matching)."""
+        found: dict[str, tuple[Manifest, set[str]]] = {}
+        for tier in self.tiers:
+            for cid in tier.checkpoint_names():
+                manifest = found[cid][0] if cid in found else tier.read_manifest(cid)
+                if manifest is None:
+                    continue
+                _, present = found.setdefault(cid, (manifest, set()))
+                present |= tier.present_files(cid, manifest)
+        return {cid: m for cid, (m, present) in found.items() if len(present) == len(m.files)}
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint complete on some tier of this process, newest first."""
@@ -275,25 +304,39 @@ class Store:
         return removed
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every background transfer started so far is done; raise the first failure.
-
-        Saves commit on their first tier before ``dcp.save`` returns, so there is nothing in the
-        background yet without slower tiers."""
+        """Block until every background transfer started so far is done (drains to slower
+        tiers); raise the first failure since the last ``wait`` as a ``DrainError`` naming the
+        checkpoint, the tier and the cause. ``TimeoutError`` when ``timeout`` seconds pass."""
         self._check_open()
+        self.drainer.wait(timeout)
+
+    def stats(self) -> dict[str, TierFigures]:
+        """Per-tier figures of this process since the store was opened: saves, drains, loads
+        (count, bytes, seconds, throughput), fallbacks, evictions, failures."""
+        return self._stats.snapshot([t.name for t in self.tiers])
+
+    def pending(self) -> list[PendingCopy]:
+        """Copies to slower tiers not finished yet (checkpoint and tier), oldest first."""
+        return self.drainer.pending()
 
     def close(self) -> None:
-        """Wait for background work, release backends and the store's process group."""
+        """Wait for background work (raising its failures), then release the drain threads,
+        backends and the store's process group."""
         if self._closed:
             return
         self.host.store_closing(self)
-        self.wait()
-        self._closed = True
-        self.stager.close()
-        for tier in self.tiers:
-            tier.backend.close()
-        if self.process_group is not None and dist.is_initialized():
-            dist.destroy_process_group(self.process_group)
-            self.process_group = None
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            atexit.unregister(self._atexit)
+            self.drainer.close()
+            self.stager.close()
+            for tier in self.tiers:
+                tier.backend.close()
+            if self.process_group is not None and dist.is_initialized():
+                dist.destroy_process_group(self.process_group)
+                self.process_group = None
 
     def __enter__(self) -> "Store":
         return self
@@ -313,6 +356,26 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<tierstore.Store tiers={[t.name for t in self.tiers]} rank={self.ctx.rank}>"
+
+
+def _exit_handler(store_ref: "weakref.ref[Store]"):
+    """At interpreter exit, finish what an unclosed store still has to drain (for at most
+    ``[store] exit_timeout`` seconds) and say on stderr what did not reach which tier."""
+
+    def handler() -> None:
+        store = store_ref()
+        if store is None or store._closed:
+            return
+        failures: list[DrainError] = []
+        try:
+            store.drainer.wait(store.config.exit_timeout)
+        except TimeoutError:
+            pass
+        except DrainError as exc:
+            failures.append(exc)
+        report_unfinished(store.drainer.pending(), failures)
+
+    return handler
 
 
 def open(config: Any, *, process_group: Any = None, plugins: Iterable[object] = ()) -> Store:

@@ -56,9 +56,9 @@ class Tier:
         return step % self.config.every == 0
 
     # -- reading what is there ---------------------------------------------------------------
-    def manifest(self, checkpoint_id: str) -> Manifest | None:
-        """The manifest of ``checkpoint_id`` if it is committed here and its files have the
-        recorded sizes; None otherwise (a checkpoint without a matching manifest does not exist)."""
+    def read_manifest(self, checkpoint_id: str) -> Manifest | None:
+        """The manifest stored for ``checkpoint_id`` here, or None when there is none or it is
+        unreadable. Says nothing about the files beside it (see ``present_files``)."""
         try:
             raw = self.backend.read_bytes(f"{checkpoint_id}/{MANIFEST_NAME}")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
@@ -72,9 +72,20 @@ class Tier:
             log.warning("tier '%s': ignoring %s: its manifest names %r", self.name,
                         checkpoint_id, manifest.checkpoint_id)
             return None
-        for rel, entry in manifest.files.items():
-            if self.backend.size(f"{checkpoint_id}/{rel}") != entry.size:
-                return None
+        return manifest
+
+    def present_files(self, checkpoint_id: str, manifest: Manifest) -> set[str]:
+        """Files of ``manifest`` stored here with their recorded size (checksums are checked
+        when they are read)."""
+        return {rel for rel, entry in manifest.files.items()
+                if self.backend.size(f"{checkpoint_id}/{rel}") == entry.size}
+
+    def manifest(self, checkpoint_id: str) -> Manifest | None:
+        """The manifest of ``checkpoint_id`` if it is committed here and every file has its
+        recorded size; None otherwise (a checkpoint without a matching manifest does not exist)."""
+        manifest = self.read_manifest(checkpoint_id)
+        if manifest is None or len(self.present_files(checkpoint_id, manifest)) != len(manifest.files):
+            return None
         return manifest
 
     def checkpoint_names(self) -> list[str]:

@@ -100,12 +100,14 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         step = store.step_for(cid)
         tier = store.first_tier_for(step)
         store.host.phase(Phase.SAVE_BEGIN, cid, tier.name, store.ctx.rank)
-        if not store.config.overwrite and tier.manifest(cid) is not None:
-            raise CommitError(
-                f"checkpoint '{cid}' already exists on tier '{tier.name}' "
-                f"({tier.backend.describe()}); save under a new id, or set [store] overwrite = true "
-                f"to replace it"
-            )
+        if not store.config.overwrite:
+            for t in store.tiers_for(step):
+                if t.read_manifest(cid) is not None:
+                    raise CommitError(
+                        f"checkpoint '{cid}' already exists on tier '{t.name}' "
+                        f"({t.backend.describe()}); save under a new id, or set [store] "
+                        f"overwrite = true to replace it"
+                    )
         store.save_running(None)  # a new save on this thread: any earlier one is over
         self._save = _SaveState(cid, step, tier, time.perf_counter())
 

@@ -1,0 +1,272 @@
+"""The drain: copying committed checkpoints, byte for byte, down to slower tiers.
+
+A save commits on the fastest tier that takes it; the drain then copies its files to every slower
+tier whose ``every`` takes the same step and commits them there with that tier's protocol, in
+background threads, so a save is never slowed down by a slower tier. Memory is bounded by
+``copy_threads x chunk_bytes``. Every byte is checked against the manifest on the way: a bad
+source copy is never propagated. ``Store.wait()`` waits for the drain and raises its failures.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from .checksum import Hasher
+from .errors import DrainError
+from .events import Event, EventKind, Phase
+from .manifest import Manifest
+
+if TYPE_CHECKING:
+    from .store import Store
+    from .tier import Tier
+
+__all__ = ["DrainJob", "Drainer", "PendingCopy"]
+
+log = logging.getLogger("tierstore.drain")
+
+
+@dataclass(frozen=True)
+class PendingCopy:
+    """A copy the drain has not finished: which checkpoint, to which tier (plain data)."""
+
+    checkpoint_id: str
+    tier: str
+
+    def __str__(self) -> str:
+        return f"{self.checkpoint_id} -> {self.tier}"
+
+
+@dataclass
+class DrainJob:
+    """Copy ``checkpoint_id`` from ``source`` to each of ``targets`` (in order)."""
+
+    checkpoint_id: str
+    source: "Tier"
+    targets: list["Tier"]
+    done: list[str] = field(default_factory=list)
+
+
+class _CopyPool:
+    """A fixed set of daemon threads running file copies.
+
+    Not a ThreadPoolExecutor: those refuse new work once the interpreter starts shutting down,
+    and the drain must still be able to finish pending copies from an atexit handler."""
+
+    def __init__(self, threads: int):
+        self._queue: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._run, name=f"tierstore-copy-{i}",
+                                          daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # reported through the future
+                fut.set_exception(exc)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+class Drainer:
+    """One drain worker per store: jobs run in submission order (the order of saves)."""
+
+    def __init__(self, store: "Store", copy_threads: int, chunk_bytes: int):
+        self._store = store
+        self._chunk = chunk_bytes
+        self._pool = _CopyPool(copy_threads)
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Condition()
+        self._pending: list[DrainJob] = []
+        self._failures: list[DrainError] = []
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="tierstore-drain", daemon=True)
+        self._worker.start()
+
+    # -- called by the store --------------------------------------------------------------------
+    def submit(self, job: DrainJob) -> None:
+        """Queue a drain; returns at once."""
+        with self._lock:
+            self._pending.append(job)
+        self._jobs.put(job)
+
+    def protected(self, tier: "Tier") -> set[str]:
+        """Ids that retention must not delete from ``tier`` yet: drains still read them."""
+        with self._lock:
+            return {j.checkpoint_id for j in self._pending if j.source is tier}
+
+    def pending(self) -> list[PendingCopy]:
+        """Copies not finished yet, in order."""
+        with self._lock:
+            return [PendingCopy(j.checkpoint_id, t.name) for j in self._pending
+                    for t in j.targets if t.name not in j.done]
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued drain is done; raise the first failure since the last call."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"drains still running after {timeout} s: "
+                        + ", ".join(map(str, self.pending()))
+                    )
+                self._lock.wait(left)
+            failures, self._failures = self._failures, []
+        if failures:
+            first = failures[0]
+            if len(failures) > 1:
+                others = "; ".join(str(f) for f in failures[1:])
+                raise DrainError(f"{first} (and {len(failures) - 1} more: {others})",
+                                 first.checkpoint_id, first.tier) from first
+            raise first
+
+    def unreported_failures(self) -> list[DrainError]:
+        """Failures no ``wait()`` has raised yet."""
+        with self._lock:
+            return list(self._failures)
+
+    def close(self) -> None:
+        """Stop the threads (after ``wait``)."""
+        self._closed = True
+        self._jobs.put(None)
+        self._pool.close()
+
+    # -- the worker --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                for target in job.targets:
+                    try:
+                        self._drain_one(job, target)
+                    except BaseException as exc:
+                        self._record_failure(job, target, exc)
+                    job.done.append(target.name)
+            finally:
+                with self._lock:
+                    self._pending.remove(job)
+                    self._lock.notify_all()
+                # Retention on the source may have spared this id while it was being copied.
+                self._safely(lambda: self._store.apply_retention(job.source))
+
+    def _safely(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("retention after a drain failed")
+
+    def _record_failure(self, job: DrainJob, target: "Tier", exc: BaseException) -> None:
+        store = self._store
+        err = exc if isinstance(exc, DrainError) else DrainError(
+            f"checkpoint '{job.checkpoint_id}' was not copied to tier '{target.name}' "
+            f"({target.backend.describe()}): {type(exc).__name__}: {exc}; it is still complete "
+            f"on tier '{job.source.name}'", job.checkpoint_id, target.name)
+        with self._lock:
+            self._failures.append(err)
+        log.error("%s", err)
+        store.host.event(Event(EventKind.FAILED, job.checkpoint_id, target.name, store.ctx.rank,
+                               detail={"during": "drain", "error": str(err)}))
+
+    def _drain_one(self, job: DrainJob, target: "Tier") -> None:
+        store, source, cid = self._store, job.source, job.checkpoint_id
+        host, rank = store.host, store.ctx.rank
+        host.phase(Phase.DRAIN_BEGIN, cid, target.name, rank, source=source.name)
+        manifest = source.manifest(cid)
+        if manifest is None:
+            raise DrainError(f"checkpoint '{cid}' is no longer complete on tier "
+                             f"'{source.name}', so it cannot be copied to '{target.name}'",
+                             cid, target.name)
+        started = time.perf_counter()
+        host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
+                         nbytes=manifest.size_bytes, detail={"source": source.name}))
+        store.collect_garbage(target)
+        token = uuid.uuid4().hex[:16]
+        staging = target.commit.begin(target.backend, cid, token)
+        try:
+            futures = [self._pool.submit(self._copy_file, source, target, cid, staging, rel,
+                                         manifest)
+                       for rel in sorted(manifest.files, key=lambda r: -manifest.files[r].size)]
+            errors = [f.exception() for f in futures]
+            errors = [e for e in errors if e is not None]
+            if errors:
+                raise errors[0]
+            # The pin may have changed while copying: take the source's flag as it is now.
+            now = source.manifest(cid)
+            copy = Manifest.from_json(manifest.to_json())
+            copy.pinned = now.pinned if now is not None else manifest.pinned
+            copy.plugins = dict(manifest.plugins, backend=target.config.backend,
+                                commit=target.commit_name)
+            host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
+            target.commit.commit(target.backend, cid, staging, copy.to_json(),
+                                 lambda phase: host.phase(phase, cid, target.name, rank))
+        except BaseException:
+            self._safely(lambda: target.commit.abort(target.backend, cid, staging))
+            raise
+        seconds = time.perf_counter() - started
+        host.event(Event(EventKind.DRAIN_FINISHED, cid, target.name, rank, seconds,
+                         manifest.size_bytes, {"source": source.name}))
+        log.info("drained %s from '%s' to '%s' (%d bytes in %.2f s)", cid, source.name,
+                 target.name, manifest.size_bytes, seconds)
+        store.apply_retention(target)
+
+    def _copy_file(self, source: "Tier", target: "Tier", cid: str, staging: str, rel: str,
+                   manifest: Manifest) -> int:
+        store = self._store
+        store.host.phase(Phase.DRAIN_FILE, cid, target.name, store.ctx.rank, file=rel)
+        entry = manifest.files[rel]
+        hasher = Hasher()
+        buf = bytearray(self._chunk)
+        view = memoryview(buf)
+        copied = 0
+        with source.backend.open_read(f"{cid}/{rel}") as fin, \
+                target.backend.open_write(f"{staging}/{rel}") as fout:
+            while True:
+                n = fin.readinto(view)
+                if not n:
+                    break
+                chunk = view[:n]
+                hasher.update(chunk)
+                fout.write(chunk)
+                copied += n
+        if copied != entry.size or hasher.hexdigest() != entry.checksum:
+            raise DrainError(
+                f"checkpoint '{cid}': {rel} on tier '{source.name}' does not match its manifest "
+                f"({copied} bytes, {hasher.hexdigest()}; expected {entry.size} bytes, "
+                f"{entry.checksum}); it was not copied to '{target.name}'. Run "
+                f"store.verify('{cid}') to see what else is damaged", cid, target.name)
+        return copied
+
+
+def report_unfinished(pending: list[PendingCopy], failures: list[DrainError]) -> None:
+    """Say on stderr what did not reach which tier (used when the process exits)."""
+    if pending:
+        print("tierstore: the process exits with drains unfinished; these copies were not made: "
+              + ", ".join(map(str, pending)), file=sys.stderr)
+    for failure in failures:
+        print(f"tierstore: drain failed: {failure}", file=sys.stderr)
