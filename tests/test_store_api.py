@@ -63,7 +63,7 @@ def test_latest_and_list_newest_first(store):
     infos = store.list()
     assert [i.id for i in infos] == ["final", "step-9", "step-10"]
     assert all(i.tiers == ["nvme"] and i.size_bytes > 4000 and not i.pinned for i in infos)
-    assert infos[1].step == 9 and infos[0].step is None
+    assert infos[1].step == 9 and infos[0].step == 3  # no trailing integer: the 3rd save
     assert infos[0].created <= infos[0].committed
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import (CheckpointNotFound, CommitError, ConfigError, IntegrityError,  # noqa: E402
-                     PluginError, TierstoreError)
+from .errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,  # noqa: E402
+                     IntegrityError, PluginError, TierstoreError)
 from .events import Event, EventKind, Phase  # noqa: E402
 from .info import CheckpointInfo, VerifyReport  # noqa: E402
 from .plugin_manager import hookimpl  # noqa: E402
@@ -35,4 +35,5 @@ __all__ = [
     "CheckpointNotFound",
     "IntegrityError",
     "CommitError",
+    "DrainError",
 ]

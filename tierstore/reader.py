@@ -51,7 +51,9 @@ class TierstoreReader(StorageReader):
         store = self._store
         cid = validate_checkpoint_id(checkpoint_id)
         store.host.phase(Phase.LOAD_BEGIN, cid, None, store.ctx.rank)
-        sources = [(t, m) for t in store.tiers if (m := t.manifest(cid)) is not None]
+        # Every tier with a manifest is a source, even one missing a file: files are read one
+        # by one from the fastest tier that has a good copy.
+        sources = [(t, m) for t in store.tiers if (m := t.read_manifest(cid)) is not None]
         if not sources:
             available = [c.id for c in store.list()[:5]]
             hint = (f"newest available: {', '.join(available)}" if available

@@ -63,7 +63,33 @@ class Store:
         self.drainer = Drainer(self, self.config.drain_threads, self.config.drain_chunk_mib << 20)
         self._atexit = _exit_handler(weakref.ref(self))
         atexit.register(self._atexit)
+        if self.ctx.rank == 0:
+            self._resume_drains()
         self.host.store_opened(self)
+
+    def _resume_drains(self) -> None:
+        """Queue the copies an earlier process did not finish (it was killed mid-drain, or
+        exited first): a checkpoint complete on a faster tier, missing on a slower tier that
+        takes its step, and newer than everything there (older ones were evicted by keep)."""
+        jobs: dict[str, tuple[Tier, list[Tier], float]] = {}
+        complete = [tier.complete() for tier in self.tiers]
+        for j, target in enumerate(self.tiers):
+            on_target = complete[j]
+            newest = max((m.committed for m in on_target.values()), default=float("-inf"))
+            for i in range(j):
+                for cid, manifest in complete[i].items():
+                    if (manifest.step is None or not target.takes(manifest.step)
+                            or cid in on_target or manifest.committed <= newest
+                            or target.read_manifest(cid) is not None):
+                        continue
+                    source, targets, when = jobs.setdefault(cid, (self.tiers[i], [],
+                                                                  manifest.committed))
+                    if target not in targets:
+                        targets.append(target)
+        for cid, (source, targets, _) in sorted(jobs.items(), key=lambda kv: kv[1][2]):
+            log.info("resuming the drain of %s from '%s' to %s", cid, source.name,
+                     ", ".join(f"'{t.name}'" for t in targets))
+            self.drainer.submit(DrainJob(cid, source, targets))
 
     def _check_shared_roots(self) -> None:
         """Under torch.distributed, every rank must see each tier at the same directory on the
@@ -170,7 +196,7 @@ class Store:
         host, rank = self.host, self.ctx.rank
         manifest = Manifest(
             checkpoint_id=checkpoint_id, files=files, world_size=self.ctx.world_size,
-            codecs=list(tier.config.codecs), step=step_of(checkpoint_id),
+            codecs=list(tier.config.codecs), step=step,
             plugins={"backend": tier.config.backend, "commit": tier.commit_name,
                      "staging": self.config.staging.name},
             created=time.time() - seconds, tierstore_version=__version__,
