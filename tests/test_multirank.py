@@ -79,11 +79,14 @@ def test_save_failing_on_one_rank(tmp_path, phase, failing_rank):
 
 
 @pytest.mark.timeout(120)
-def test_a_tier_that_differs_per_rank_is_refused_before_anything_is_written(tmp_path):
+def test_layouts_a_job_cannot_use_are_refused_before_anything_is_written(tmp_path):
     proc = run_torchrun(HERE / "scripts" / "per_rank_root_worker.py", str(tmp_path / "t"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-5000:]
     for rank in range(2):
-        assert f"RANK {rank} CONFIGERROR" in proc.stdout, proc.stdout
-    assert "tier 'nvme' resolves to different directories on different ranks" in proc.stdout
-    assert f"{tmp_path}/t/0" in proc.stdout and f"{tmp_path}/t/1" in proc.stdout
-    assert not (tmp_path / "t").exists()
+        assert f"RANK {rank} SHARED CONFIGERROR" in out and f"RANK {rank} ORDER CONFIGERROR" in out
+        assert f"RANK {rank} GOOD OPENED" in out
+    assert "tier 'nvme' says shared = true but its path differs between ranks" in out
+    assert "tier 'slow' has a directory per group of ranks [[0], [1]], but the faster tier " \
+           "'fast' is shared by every rank" in out and "list node-local tiers first" in out
+    assert not (tmp_path / "t").exists(), "opening a store must not write anything"

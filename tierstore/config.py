@@ -55,6 +55,9 @@ STORE_OPTIONS: tuple[Option, ...] = (
            description="copy buffer per drain thread (memory = drain_threads x this)"),
     Option("exit_timeout", (int, float), default=600,
            description="seconds a process exiting without close() waits for pending drains"),
+    Option("part_timeout", (int, float), default=600,
+           description="seconds rank 0 waits for other nodes' files when draining a node-local "
+                       "checkpoint to a shared tier"),
 )
 
 TIER_OPTIONS: tuple[Option, ...] = (
@@ -65,6 +68,9 @@ TIER_OPTIONS: tuple[Option, ...] = (
     Option("keep", int, default=None, check=_positive,
            description="keep the newest N complete checkpoints (default: all)"),
     Option("codecs", list, default=[], check=_str_list, description="byte transforms, in order"),
+    Option("shared", bool, default=None,
+           description="true: every rank sees one directory (a shared filesystem); default: "
+                       "decided at open from each rank's host and path"),
 )
 
 TOP_LEVEL_OPTIONS: tuple[Option, ...] = (
@@ -92,6 +98,7 @@ class TierConfig:
     keep: int | None
     codecs: tuple[str, ...]
     backend_options: dict[str, Any]
+    shared: bool | None = None
 
     def expanded_options(self, ctx: RankContext, options: tuple[Option, ...]) -> dict[str, Any]:
         """Backend options with ``{rank}``, ``{local_rank}``, ``{node}`` replaced for ``ctx``."""
@@ -115,6 +122,7 @@ class StoreConfig:
     drain_threads: int
     drain_chunk_mib: int
     exit_timeout: float
+    part_timeout: float
     tiers: tuple[TierConfig, ...]
     source: ConfigSource
 
@@ -247,6 +255,7 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
             index=index, name=name, backend=checked["backend"], every=checked["every"],
             keep=checked["keep"], codecs=tuple(checked["codecs"]),
             backend_options={o.name: checked[o.name] for o in backend_opts},
+            shared=checked["shared"],
         ))
     if not any(t.every == 1 for t in tiers):
         raise ConfigError(
@@ -261,5 +270,6 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         overwrite=store_table["overwrite"], io_threads=store_table["io_threads"],
         verify_on_load=store_table["verify_on_load"], drain_threads=store_table["drain_threads"],
         drain_chunk_mib=store_table["drain_chunk_mib"], exit_timeout=store_table["exit_timeout"],
+        part_timeout=store_table["part_timeout"],
         tiers=tuple(tiers), source=source,
     )

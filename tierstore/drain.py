@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from .checksum import Hasher
 from .errors import DrainError
 from .events import Event, EventKind, Phase
-from .manifest import Manifest
+from .manifest import FileEntry, Manifest
 
 if TYPE_CHECKING:
     from .store import Store
@@ -46,11 +46,16 @@ class PendingCopy:
 
 @dataclass
 class DrainJob:
-    """Copy ``checkpoint_id`` from ``source`` to each of ``targets`` (in order)."""
+    """Copy ``checkpoint_id`` from ``source`` to each of ``targets`` (in order).
+
+    ``token`` is the save's token; ``all_files`` every file of the checkpoint (all parts), which
+    the rank that commits a shared copy of a node-local checkpoint waits for."""
 
     checkpoint_id: str
     source: "Tier"
     targets: list["Tier"]
+    token: str
+    all_files: dict[str, FileEntry]
     done: list[str] = field(default_factory=list)
 
 
@@ -93,9 +98,11 @@ class _CopyPool:
 class Drainer:
     """One drain worker per store: jobs run in submission order (the order of saves)."""
 
-    def __init__(self, store: "Store", copy_threads: int, chunk_bytes: int):
+    def __init__(self, store: "Store", copy_threads: int, chunk_bytes: int,
+                 part_timeout: float = 600.0):
         self._store = store
         self._chunk = chunk_bytes
+        self._part_timeout = part_timeout
         self._pool = _CopyPool(copy_threads)
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Condition()
@@ -202,41 +209,79 @@ class Drainer:
             raise DrainError(f"checkpoint '{cid}' is no longer complete on tier "
                              f"'{source.name}', so it cannot be copied to '{target.name}'",
                              cid, target.name)
+        # A node-local checkpoint going to a shared tier: every group copies its part into one
+        # staging directory (named by the save), and rank 0 commits once all parts are there.
+        gathering = target.layout.shared and not source.layout.shared
+        commits = not gathering or rank == 0
         started = time.perf_counter()
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
                          nbytes=manifest.size_bytes, detail={"source": source.name}))
-        store.collect_garbage(target)
-        token = uuid.uuid4().hex[:16]
+        if rank == target.layout.leader:
+            store.collect_garbage(target, protect={job.token})
+        token = job.token if gathering else uuid.uuid4().hex[:16]
         staging = target.commit.begin(target.backend, cid, token)
         try:
             futures = [self._pool.submit(self._copy_file, source, target, cid, staging, rel,
-                                         manifest)
+                                         manifest, gathering)
                        for rel in sorted(manifest.files, key=lambda r: -manifest.files[r].size)]
             errors = [f.exception() for f in futures]
             errors = [e for e in errors if e is not None]
             if errors:
                 raise errors[0]
-            # The pin may have changed while copying: take the source's flag as it is now.
-            now = source.manifest(cid)
-            copy = Manifest.from_json(manifest.to_json())
-            copy.pinned = now.pinned if now is not None else manifest.pinned
-            copy.plugins = dict(manifest.plugins, backend=target.config.backend,
-                                commit=target.commit_name)
-            host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
-            target.commit.commit(target.backend, cid, staging, copy.to_json(),
-                                 lambda phase: host.phase(phase, cid, target.name, rank))
+            if commits:
+                copy = self._target_manifest(job, source, target, manifest, gathering)
+                if gathering:
+                    self._wait_for_parts(job, target, staging)
+                host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
+                target.commit.commit(target.backend, cid, staging, copy.to_json(),
+                                     lambda phase: host.phase(phase, cid, target.name, rank))
         except BaseException:
-            self._safely(lambda: target.commit.abort(target.backend, cid, staging))
+            if commits:
+                self._safely(lambda: target.commit.abort(target.backend, cid, staging))
             raise
         seconds = time.perf_counter() - started
         host.event(Event(EventKind.DRAIN_FINISHED, cid, target.name, rank, seconds,
-                         manifest.size_bytes, {"source": source.name}))
+                         manifest.size_bytes, {"source": source.name, "committed": commits}))
         log.info("drained %s from '%s' to '%s' (%d bytes in %.2f s)", cid, source.name,
                  target.name, manifest.size_bytes, seconds)
-        store.apply_retention(target)
+        if commits:
+            store.apply_retention(target)
+
+    def _target_manifest(self, job: DrainJob, source: "Tier", target: "Tier",
+                         manifest: Manifest, gathering: bool) -> Manifest:
+        copy = Manifest.from_json(manifest.to_json())
+        # The pin may have changed while copying: take the source's flag as it is now.
+        now = source.read_manifest(job.checkpoint_id)
+        copy.pinned = now.pinned if now is not None else manifest.pinned
+        copy.plugins = dict(manifest.plugins, backend=target.config.backend,
+                            commit=target.commit_name)
+        if gathering:
+            copy.files = dict(job.all_files)
+            copy.part, copy.parts, copy.ranks = 0, 1, list(range(manifest.world_size))
+        return copy
+
+    def _wait_for_parts(self, job: DrainJob, target: "Tier", staging: str) -> None:
+        """Wait until the other groups' files are in the shared staging directory."""
+        deadline = time.monotonic() + self._part_timeout
+        delay = 0.02
+        while True:
+            missing = [rel for rel, e in job.all_files.items()
+                       if target.backend.size(f"{staging}/{rel}") != e.size]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise DrainError(
+                    f"checkpoint '{job.checkpoint_id}': the other nodes' files did not reach "
+                    f"tier '{target.name}' within {self._part_timeout:.0f} s (missing: "
+                    f"{', '.join(sorted(missing)[:5])}); see those ranks' store.wait() errors",
+                    job.checkpoint_id, target.name)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def _copy_file(self, source: "Tier", target: "Tier", cid: str, staging: str, rel: str,
-                   manifest: Manifest) -> int:
+                   manifest: Manifest, publish_each: bool) -> int:
+        """Copy one file, checking it against the manifest. ``publish_each``: the file appears
+        under its name only once complete (others wait for it by name)."""
         store = self._store
         store.host.phase(Phase.DRAIN_FILE, cid, target.name, store.ctx.rank, file=rel)
         entry = manifest.files[rel]
@@ -244,8 +289,10 @@ class Drainer:
         buf = bytearray(self._chunk)
         view = memoryview(buf)
         copied = 0
+        dest = f"{staging}/{rel}"
+        partial = f"{dest}.part" if publish_each and target.backend.supports_rename else dest
         with source.backend.open_read(f"{cid}/{rel}") as fin, \
-                target.backend.open_write(f"{staging}/{rel}") as fout:
+                target.backend.open_write(partial) as fout:
             while True:
                 n = fin.readinto(view)
                 if not n:
@@ -260,6 +307,8 @@ class Drainer:
                 f"({copied} bytes, {hasher.hexdigest()}; expected {entry.size} bytes, "
                 f"{entry.checksum}); it was not copied to '{target.name}'. Run "
                 f"store.verify('{cid}') to see what else is damaged", cid, target.name)
+        if partial != dest:
+            target.backend.rename(partial, dest, replace=True)
         return copied
 
 

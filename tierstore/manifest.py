@@ -48,6 +48,13 @@ class Manifest:
     codecs: list[str] = field(default_factory=list)
     plugins: dict[str, str] = field(default_factory=dict)
     pinned: bool = False
+    #: on a node-local tier each group of ranks holds one part: which one, of how many, and the
+    #: ranks whose files it holds (a shared tier holds part 0 of 1 with every rank)
+    part: int = 0
+    parts: int = 1
+    ranks: list[int] = field(default_factory=lambda: [0])
+    #: the save that wrote it (the same on every tier and part)
+    save_token: str = ""
     created: float = field(default_factory=time.time)
     committed: float = field(default_factory=time.time)
     step: int | None = None
@@ -55,6 +62,11 @@ class Manifest:
     torch_version: str = field(default_factory=lambda: torch.__version__)
     checksum_algorithm: str = ALGORITHM
     format: int = FORMAT_VERSION
+
+    @property
+    def has_metadata(self) -> bool:
+        """Whether this part holds DCP's ``.metadata`` (the coordinator's part does)."""
+        return METADATA_NAME in self.files
 
     @property
     def size_bytes(self) -> int:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .checksum import checksum_of
+from .dist import all_gather_object, broadcast_object
 from .errors import CheckpointNotFound, IntegrityError
 from .events import Event, EventKind, Phase
 from .ids import is_valid_checkpoint_id, validate_checkpoint_id
@@ -54,7 +55,20 @@ class TierstoreReader(StorageReader):
         # Every tier with a manifest is a source, even one missing a file: files are read one
         # by one from the fastest tier that has a good copy.
         sources = [(t, m) for t in store.tiers if (m := t.read_manifest(cid)) is not None]
-        if not sources:
+        raw, problems = self._local_metadata(cid, sources)
+        if store.node_local and store.process_group is not None:
+            # With a directory per node, only the coordinator's node has .metadata, and one
+            # rank may find nothing while others do: decide together, so that no rank goes on
+            # into DCP's collectives while another has raised.
+            raw, missing = self._share_metadata(raw, bool(sources))
+            if raw is None or missing:
+                who = (f"ranks {missing} hold no part of it" if missing else
+                       f"no rank has a good copy of {METADATA_NAME}")
+                raise CheckpointNotFound(
+                    f"checkpoint '{cid}' cannot be loaded by this job: {who} on any tier "
+                    f"({', '.join(t.name for t in store.tiers)}); store.latest() gives the "
+                    f"newest loadable one")
+        elif not sources:
             available = [c.id for c in store.list()[:5]]
             hint = (f"newest available: {', '.join(available)}" if available
                     else "no checkpoint is stored yet")
@@ -63,28 +77,47 @@ class TierstoreReader(StorageReader):
                 f"({', '.join(t.name for t in store.tiers)}); {hint}. store.latest() gives the "
                 f"newest loadable one"
             )
+        elif raw is None:
+            raise IntegrityError(
+                f"checkpoint '{cid}': no tier has a good copy of {METADATA_NAME} ("
+                + "; ".join(problems) + f"); run store.verify('{cid}') for details"
+            )
         self._checkpoint_id = cid
         self._sources = sources
-        self._metadata = self._load_metadata(cid, sources)
+        self._metadata = pickle.loads(raw)
         self._fresh = True
 
-    def _load_metadata(self, cid: str, sources: list[tuple["Tier", Manifest]]) -> Metadata:
+    def _local_metadata(self, cid: str, sources: list[tuple["Tier", Manifest]]
+                        ) -> tuple[bytes | None, list[str]]:
+        """The first copy of ``.metadata`` on this process's tiers that matches its manifest."""
         problems = []
         for tier, manifest in sources:
             entry = manifest.files.get(METADATA_NAME)
+            if entry is None:
+                continue  # a node-local part without the coordinator's metadata
             try:
                 raw = tier.backend.read_bytes(f"{cid}/{METADATA_NAME}")
             except OSError as exc:
                 problems.append(f"tier '{tier.name}': {exc}")
                 continue
-            if entry is None or checksum_of(raw) != entry.checksum:
+            if checksum_of(raw) != entry.checksum:
                 problems.append(f"tier '{tier.name}': {METADATA_NAME} does not match its manifest")
                 continue
-            return pickle.loads(raw)
-        raise IntegrityError(
-            f"checkpoint '{cid}': no tier has a good copy of {METADATA_NAME} ("
-            + "; ".join(problems) + "); run store.verify('" + cid + "') for details"
-        )
+            return raw, problems
+        return None, problems or ["no tier holds it"]
+
+    def _share_metadata(self, raw: bytes | None, has_sources: bool
+                        ) -> tuple[bytes | None, list[int]]:
+        """Collective: the metadata from the lowest rank that has it, and the ranks that hold
+        no part of the checkpoint."""
+        group = self._store.process_group
+        status = all_gather_object((raw is not None, has_sources), group)
+        missing = [r for r, (_, has) in enumerate(status) if not has]
+        holders = [r for r, (has, _) in enumerate(status) if has]
+        if not holders:
+            return None, missing
+        src = holders[0]
+        return broadcast_object(raw if self._store.ctx.rank == src else None, group, src), missing
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP calls reset only when a checkpoint id is given; never reuse the previous load's.
@@ -156,6 +189,9 @@ class TierstoreReader(StorageReader):
                 log.warning("checkpoint %s: read %s from tier '%s' after: %s", cid, relative,
                             tier.name, "; ".join(problems))
             return nbytes
+        if not problems:
+            problems.append("no tier of this process holds it (node-local tiers hold only their "
+                            "node's files: add a shared tier, or a peer tier, to load it here)")
         raise IntegrityError(
             f"checkpoint '{cid}': no tier has a good copy of {relative}: " + "; ".join(problems)
         )

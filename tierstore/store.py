@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import atexit
 import logging
-import socket
 import threading
 import weakref
+from dataclasses import dataclass
 import time
 from typing import Any, Iterable
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import __version__
 from .config import StoreConfig, load_source, validate_config, validate_store_table
 from .dist import RankContext, all_gather_object, make_store_group, rank_context
+from .layout import compute_layouts
 from .drain import DrainJob, Drainer, PendingCopy, report_unfinished
 from .errors import CheckpointNotFound, CommitError, ConfigError, DrainError, PluginError
 from .events import Event, EventKind, Phase
@@ -59,11 +60,18 @@ class Store:
         self._in_flight: dict[int, str] = {}
         self._closed = False
         self.process_group = make_store_group(process_group)
-        self._check_shared_roots()
-        self.drainer = Drainer(self, self.config.drain_threads, self.config.drain_chunk_mib << 20)
+        # A second group for collectives inside a save (which may run in a background thread
+        # while the main thread calls latest() on the first).
+        self.save_group = make_store_group(process_group)
+        for tier, layout in zip(self.tiers, compute_layouts(self.tiers, self.ctx,
+                                                            self.process_group, self.config.source)):
+            tier.layout = layout
+        self._check_drain_paths()
+        self.drainer = Drainer(self, self.config.drain_threads, self.config.drain_chunk_mib << 20,
+                               self.config.part_timeout)
         self._atexit = _exit_handler(weakref.ref(self))
         atexit.register(self._atexit)
-        if self.ctx.rank == 0:
+        if self.ctx.rank == 0 and not self.node_local:
             self._resume_drains()
         self.host.store_opened(self)
 
@@ -89,30 +97,34 @@ class Store:
         for cid, (source, targets, _) in sorted(jobs.items(), key=lambda kv: kv[1][2]):
             log.info("resuming the drain of %s from '%s' to %s", cid, source.name,
                      ", ".join(f"'{t.name}'" for t in targets))
-            self.drainer.submit(DrainJob(cid, source, targets))
+            manifest = source.read_manifest(cid)
+            self.drainer.submit(DrainJob(cid, source, targets, manifest.save_token,
+                                         manifest.files))
 
-    def _check_shared_roots(self) -> None:
-        """Under torch.distributed, every rank must see each tier at the same directory on the
-        same host: the coordinator publishes the checkpoint for all ranks with one rename.
-        Per-node tiers ({node}, {rank} or node-local disks) need per-node commits, which come
-        with the tier pipeline; refuse them clearly instead of losing other nodes' files."""
-        if self.process_group is None:
-            return
-        mine = [(socket.gethostname(), t.backend.describe()) for t in self.tiers]
-        views = all_gather_object(mine, self.process_group)
-        for i, tier in enumerate(self.tiers):
-            seen = {v[i] for v in views}
-            if len(seen) > 1:
-                where = self.config.source.where("tier", tier.config.index, "path")
-                places = ", ".join(sorted(f"{h}:{r}" for h, r in seen))
-                dist.destroy_process_group(self.process_group)
-                self.process_group = None
-                raise ConfigError(
-                    f"{where}: tier '{tier.name}' resolves to different directories on different "
-                    f"ranks ({places}); this version commits a checkpoint with one rename by the "
-                    f"coordinator, so every rank must share the tier's directory: use a path "
-                    f"without {{rank}}/{{node}} on a filesystem all ranks see"
-                )
+    @property
+    def node_local(self) -> bool:
+        """Whether some tier is split into parts (a directory per node or rank)."""
+        return any(t.layout.parts > 1 for t in self.tiers)
+
+    def _check_drain_paths(self) -> None:
+        """Each group of a node-local tier is filled by its own leader from the same group's
+        directory on a faster tier, so every tier before a node-local one must be node-local
+        with the same groups (node-local tiers first, shared ones after)."""
+        for j, target in enumerate(self.tiers):
+            if target.layout.shared:
+                continue
+            for source in self.tiers[:j]:
+                if source.layout.all_parts != target.layout.all_parts:
+                    where = self.config.source.where("tier", target.config.index, "path")
+                    what = ("is shared by every rank" if source.layout.shared else
+                            f"groups the ranks as {[list(p) for p in source.layout.all_parts]}")
+                    raise ConfigError(
+                        f"{where}: tier '{target.name}' has a directory per group of ranks "
+                        f"{[list(p) for p in target.layout.all_parts]}, but the faster tier "
+                        f"'{source.name}' {what}, so drains could not fill it; list node-local "
+                        f"tiers first, with the same placeholders ({{node}} or {{rank}}) in their "
+                        f"paths, and shared tiers after them"
+                    )
 
     def _build_tier(self, tc) -> Tier:
         reg = self.host.lookup("backend", tc.backend)
@@ -191,12 +203,16 @@ class Store:
         return [t for t in self.tiers if t.takes(step)]
 
     def publish(self, tier: Tier, checkpoint_id: str, staging: str, token: str,
-                files: dict[str, FileEntry], step: int, seconds: float) -> Manifest:
-        """Write the manifest and make the checkpoint visible on ``tier``, then apply ``keep``."""
-        host, rank = self.host, self.ctx.rank
+                files: dict[str, FileEntry], step: int, seconds: float,
+                all_files: dict[str, FileEntry] | None = None) -> Manifest:
+        """Write the manifest and make the checkpoint (this rank's part of it, on a node-local
+        tier) visible on ``tier``, queue drains to slower tiers, then apply ``keep``.
+        ``all_files``: every file of the checkpoint, known on the coordinator."""
+        host, rank, layout = self.host, self.ctx.rank, tier.layout
         manifest = Manifest(
             checkpoint_id=checkpoint_id, files=files, world_size=self.ctx.world_size,
-            codecs=list(tier.config.codecs), step=step,
+            codecs=list(tier.config.codecs), step=step, part=layout.part, parts=layout.parts,
+            ranks=list(layout.part_ranks), save_token=token,
             plugins={"backend": tier.config.backend, "commit": tier.commit_name,
                      "staging": self.config.staging.name},
             created=time.time() - seconds, tierstore_version=__version__,
@@ -219,7 +235,8 @@ class Store:
                  manifest.size_bytes, seconds)
         targets = [t for t in self.tiers_for(step) if t is not tier]
         if targets:
-            self.drainer.submit(DrainJob(checkpoint_id, tier, targets))
+            self.drainer.submit(DrainJob(checkpoint_id, tier, targets, token,
+                                         all_files or files))
         self.apply_retention(tier)
         return manifest
 
@@ -236,9 +253,10 @@ class Store:
             log.info("evicted %s from tier '%s' (keep = %d)", cid, tier.name, tier.config.keep)
         return victims
 
-    def collect_garbage(self, tier: Tier) -> list[str]:
-        """Remove what interrupted saves left on ``tier``; returns the entries removed."""
-        removed = tier.leftovers(protect=self.tokens_in_flight())
+    def collect_garbage(self, tier: Tier, protect: set[str] = frozenset()) -> list[str]:
+        """Remove what interrupted saves left on ``tier`` (sparing saves in flight and the
+        tokens in ``protect``); returns the entries removed."""
+        removed = tier.leftovers(protect=self.tokens_in_flight() | set(protect))
         for name in removed:
             tier.backend.delete(name)
             self.host.event(Event(EventKind.COLLECTED, None, tier.name, self.ctx.rank,
@@ -248,29 +266,44 @@ class Store:
 
     # -- public API --------------------------------------------------------------------------
     def latest(self) -> str | None:
-        """Newest checkpoint this store can load: every file of it is on some tier with its
-        recorded size (checksums are checked while loading, file by file, falling back to the
-        next tier). Under torch.distributed this is a collective on the store's group: every
-        rank must call it and all get the same answer, counting only ids every rank can load."""
+        """Newest checkpoint this job can load: every rank's files are on some tier (of some
+        node, for node-local tiers) with their recorded sizes, and DCP's ``.metadata`` is too;
+        checksums are checked while loading, file by file, falling back to the next tier. Under
+        torch.distributed this is a collective on the store's group: every rank must call it,
+        and all get the same answer."""
         self._check_open()
-        mine = {cid: m.committed for cid, m in self.loadable().items()}
-        views = all_gather_object(mine, self.process_group)
-        common = set(views[0]).intersection(*views[1:])
-        if not common:
-            return None
-        return max(common, key=lambda cid: (max(v[cid] for v in views), cid))
+        views = all_gather_object(self.coverage(), self.process_group)
+        world = set(range(self.ctx.world_size))
+        best: tuple[float, str] | None = None
+        for cid in set().union(*views):
+            held = [v[cid] for v in views if cid in v]
+            ranks = set().union(*(h.ranks for h in held))
+            if ranks >= world and any(h.has_metadata for h in held):
+                key = (max(h.committed for h in held), cid)
+                best = key if best is None or key > best else best
+        return best[1] if best else None
 
-    def loadable(self) -> dict[str, Manifest]:
-        """Checkpoints whose every file is on some tier of this process (sizes matching)."""
-        found: dict[str, tuple[Manifest, set[str]]] = {}
+    def coverage(self) -> dict[str, Coverage]:
+        """What this process holds of each checkpoint, over all its tiers: the ranks whose
+        files are all present (a file may come from any tier), whether ``.metadata`` is, and
+        when it was committed."""
+        parts: dict[tuple[str, tuple[int, ...]], tuple[Manifest, set[str]]] = {}
         for tier in self.tiers:
             for cid in tier.checkpoint_names():
-                manifest = found[cid][0] if cid in found else tier.read_manifest(cid)
+                manifest = tier.read_manifest(cid)
                 if manifest is None:
                     continue
-                _, present = found.setdefault(cid, (manifest, set()))
+                _, present = parts.setdefault((cid, tuple(manifest.ranks)), (manifest, set()))
                 present |= tier.present_files(cid, manifest)
-        return {cid: m for cid, (m, present) in found.items() if len(present) == len(m.files)}
+        out: dict[str, Coverage] = {}
+        for (cid, ranks), (manifest, present) in parts.items():
+            if len(present) != len(manifest.files):
+                continue
+            prev = out.get(cid, Coverage(frozenset(), False, manifest.committed))
+            out[cid] = Coverage(prev.ranks | frozenset(ranks),
+                                prev.has_metadata or manifest.has_metadata,
+                                max(prev.committed, manifest.committed))
+        return out
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint complete on some tier of this process, newest first."""
@@ -360,9 +393,11 @@ class Store:
             self.stager.close()
             for tier in self.tiers:
                 tier.backend.close()
-            if self.process_group is not None and dist.is_initialized():
-                dist.destroy_process_group(self.process_group)
-                self.process_group = None
+            if dist.is_initialized():
+                for group in (self.process_group, self.save_group):
+                    if group is not None:
+                        dist.destroy_process_group(group)
+            self.process_group = self.save_group = None
 
     def __enter__(self) -> "Store":
         return self
@@ -382,6 +417,15 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<tierstore.Store tiers={[t.name for t in self.tiers]} rank={self.ctx.rank}>"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What one process holds of a checkpoint (see ``Store.coverage``)."""
+
+    ranks: frozenset[int]
+    has_metadata: bool
+    committed: float
 
 
 def _exit_handler(store_ref: "weakref.ref[Store]"):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .checksum import Hasher
 from .config import TierConfig
 from .kinds import Backend, CommitProtocol
+from .layout import SINGLE, TierLayout
 from .manifest import MANIFEST_NAME, Manifest, ManifestError
 
 __all__ = ["Tier", "Problem"]
@@ -46,6 +47,8 @@ class Tier:
     backend: Backend
     commit: CommitProtocol
     commit_name: str
+    #: which ranks share this tier's directory (set by the store at open)
+    layout: TierLayout = SINGLE
 
     @property
     def name(self) -> str:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .checksum import checksum_of
+from .dist import all_gather_object
 from .errors import CommitError
 from .events import Event, EventKind, Phase
 from .ids import is_valid_checkpoint_id, validate_checkpoint_id
@@ -126,11 +127,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: choose the save's token and each rank's file prefix; collect what
-        earlier interrupted saves left on the tier."""
-        save = self._require_save()
+        """Coordinator: choose the save's token and each rank's file prefix."""
+        self._require_save()
         token = uuid.uuid4().hex[:16]
-        self._store.collect_garbage(save.tier)
         return [dataclasses.replace(p, storage_data=_PlanData(f"__{i}_", token))
                 for i, p in enumerate(plans)]
 
@@ -142,6 +141,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         store, tier = self._store, save.tier
         save.token = data.token
         store.save_running(data.token)
+        layout, rank = tier.layout, store.ctx.rank
+        if rank == layout.leader:
+            store.collect_garbage(tier)  # what interrupted saves left in this directory
         save.staging = tier.commit.begin(tier.backend, save.checkpoint_id, data.token)
         buckets = split_items(plan.items, store.config.io_threads)
 
@@ -162,6 +164,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             return results
 
         results: list[WriteResult] = []
+        failure: BaseException | None = None
         try:
             if len(buckets) <= 1:
                 for n in range(len(buckets)):
@@ -170,19 +173,51 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 with ThreadPoolExecutor(len(buckets), thread_name_prefix="tierstore-write") as pool:
                     for part in pool.map(write_file, range(len(buckets))):
                         results += part
-        except BaseException:
+        except BaseException as exc:
             # What this save wrote stays in its hidden staging directory until the next save's
             # (or gc's) collection removes it; readers never see it.
-            store.save_running(None)
-            raise
-        if not self._is_coordinator:
-            store.save_running(None)  # only the coordinator has more to do (finish)
+            failure = exc
+        try:
+            if layout.parts > 1:
+                # Every rank takes part, failed or not, so that no rank waits forever.
+                self._publish_part(save, results, failure)
+        finally:
+            if failure is not None or not self._is_coordinator:
+                store.save_running(None)  # only the coordinator has more to do (finish)
+        if failure is not None:
+            raise failure
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
+    def _publish_part(self, save: _SaveState, results: list[WriteResult],
+                      failure: BaseException | None) -> None:
+        """Node-local first tier: every rank shares what it wrote (a collective on the store's
+        save group); each group's leader then publishes the group's part, except the
+        coordinator's group, which ``finish`` publishes with the global ``.metadata``."""
+        store, tier = self._store, save.tier
+        layout, rank = tier.layout, store.ctx.rank
+        mine = [r.storage_data.file for r in results if r.storage_data.file is not None]
+        gathered = all_gather_object((rank, failure is None, mine), store.save_group)
+        if failure is not None or rank != layout.leader or layout.part == layout.part_of(0):
+            return
+        failed = [r for r, ok, _ in gathered if not ok]
+        if failed:
+            log.info("not publishing %s: ranks %s failed to write", save.checkpoint_id, failed)
+            return
+        files = {rel: entry for r, _, entries in gathered if r in layout.part_ranks
+                 for rel, entry in entries}
+        try:
+            store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
+                          seconds=time.perf_counter() - save.started)
+        except BaseException:
+            tier.commit.abort(tier.backend, save.checkpoint_id, save.staging)
+            raise
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: write ``.metadata`` and the manifest, publish atomically, apply ``keep``."""
+        """Coordinator: write ``.metadata`` and the manifest, publish atomically, apply ``keep``
+        (on a node-local tier: for the coordinator's group; the other groups published theirs in
+        ``write_data``)."""
         save = self._require_save()
         store, tier = self._store, save.tier
         files: dict[str, FileEntry] = {}
@@ -193,6 +228,10 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 storage_md[wr.index] = loc.info  # plain DCP storage info: stock readers load it
                 if loc.file is not None:
                     files[loc.file[0]] = loc.file[1]
+        all_files = files
+        if tier.layout.parts > 1:
+            ours = set(tier.layout.part_ranks)
+            files = {rel: e for rel, e in files.items() if e.rank in ours}
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_md
         metadata.storage_meta = StorageMeta(checkpoint_id=save.checkpoint_id, save_id=save.token)
@@ -200,9 +239,10 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             store.host.phase(Phase.WRITE_METADATA, save.checkpoint_id, tier.name, self._rank)
             raw = pickle.dumps(metadata)
             tier.backend.write_bytes(f"{save.staging}/{METADATA_NAME}", raw)
-            files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw), None)
+            files[METADATA_NAME] = all_files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw),
+                                                                        None)
             store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
-                          seconds=time.perf_counter() - save.started)
+                          seconds=time.perf_counter() - save.started, all_files=all_files)
         except BaseException:
             tier.commit.abort(tier.backend, save.checkpoint_id, save.staging)
             raise

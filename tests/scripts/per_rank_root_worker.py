@@ -1,7 +1,5 @@
-"""torchrun worker: opens a store whose tier path differs per rank ({rank}); prints the error.
-
-Used by tests/test_multirank.py: this version commits with one rename by the coordinator, so a
-per-rank tier must be refused at open, before anything is written, on every rank."""
+"""torchrun worker: layouts a job cannot use are refused at open, on every rank, before anything
+is written (tests/test_multirank.py). Prints one line per case and rank."""
 
 import os
 import sys
@@ -11,15 +9,27 @@ import torch.distributed as dist
 import tierstore
 
 
+def attempt(label: str, config: dict) -> None:
+    try:
+        tierstore.open(config).close()
+    except tierstore.ConfigError as exc:
+        print(f"RANK {os.environ['RANK']} {label} CONFIGERROR {exc}", flush=True)
+    else:
+        print(f"RANK {os.environ['RANK']} {label} OPENED", flush=True)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     root = sys.argv[1]
-    try:
-        tierstore.open({"tier": [{"name": "nvme", "backend": "local", "path": root + "/{rank}"}]})
-    except tierstore.ConfigError as exc:
-        print(f"RANK {os.environ['RANK']} CONFIGERROR {exc}", flush=True)
-    else:
-        print(f"RANK {os.environ['RANK']} OPENED", flush=True)
+    # "shared = true" but every rank has its own directory.
+    attempt("SHARED", {"tier": [{"name": "nvme", "backend": "local", "path": root + "/a/{rank}",
+                                 "shared": True}]})
+    # A node-local tier behind a shared one: no rank could fill the other ranks' directories.
+    attempt("ORDER", {"tier": [{"name": "fast", "backend": "local", "path": root + "/b"},
+                               {"name": "slow", "backend": "local", "path": root + "/c/{rank}"}]})
+    # A directory per rank behind a shared one is fine the other way round.
+    attempt("GOOD", {"tier": [{"name": "fast", "backend": "local", "path": root + "/d/{rank}"},
+                              {"name": "slow", "backend": "local", "path": root + "/e"}]})
     dist.destroy_process_group()
 
 

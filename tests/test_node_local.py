@@ -1,0 +1,97 @@
+"""Node-local tiers: 2 simulated nodes x 2 ranks (two torchrun invocations on a localhost
+rendezvous, GROUP_RANK 0 and 1), a RAM tier per node and a shared disk tier behind it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "scripts" / "two_node_worker.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_nodes(*args: str, timeout: float = 180) -> str:
+    """Both nodes' torchrun, concurrently; returns their combined output (fails on error)."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen(
+        [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
+         "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("the two-node job did not finish in time")
+        outputs.append(out)
+    text = "\n".join(outputs)
+    assert all(p.returncode == 0 for p in procs), text[-20000:]
+    for rank in range(4):
+        assert f"RANK {rank} OK" in text, text[-20000:]
+    return text
+
+
+def hidden(path: Path) -> list[str]:
+    return [n for n in os.listdir(path) if n.startswith(".")]
+
+
+@pytest.mark.timeout(600)
+def test_node_local_ram_tier_with_a_shared_tier_behind_it(tmp_path):
+    out = run_two_nodes(str(tmp_path), "save")
+    assert "RANK 2 NODE 1 RAM PART 1 OF 2" in out and "RANK 1 NODE 0 RAM PART 0 OF 2" in out
+
+    # Each node's RAM holds its own ranks' files; only the coordinator's node has .metadata.
+    node0 = json.loads((tmp_path / "ram/0/step-2/tierstore.json").read_text())
+    node1 = json.loads((tmp_path / "ram/1/step-2/tierstore.json").read_text())
+    assert (node0["part"], node0["parts"], node0["ranks"]) == (0, 2, [0, 1])
+    assert (node1["part"], node1["parts"], node1["ranks"]) == (1, 2, [2, 3])
+    assert ".metadata" in node0["files"] and ".metadata" not in node1["files"]
+    assert {e["rank"] for k, e in node1["files"].items()} == {2, 3}
+    assert node0["save_token"] == node1["save_token"]
+    # The shared tier holds the whole checkpoint, gathered from both nodes, as one commit.
+    shared = json.loads((tmp_path / "shared/step-2/tierstore.json").read_text())
+    assert (shared["parts"], shared["ranks"]) == (1, [0, 1, 2, 3])
+    assert set(shared["files"]) == set(node0["files"]) | set(node1["files"])
+    assert sorted(os.listdir(tmp_path / "shared/step-2")) == sorted(
+        list(shared["files"]) + ["tierstore.json"])
+    for path in (tmp_path / "ram/0", tmp_path / "ram/1", tmp_path / "shared"):
+        assert hidden(path) == [], path
+
+    # Both nodes intact: each rank reads its own files from its node's RAM; files written on
+    # the other node come from the shared tier.
+    out = run_two_nodes(str(tmp_path), "load", "step-2")
+    assert "RANK 0 READ .metadata" not in out
+    assert "RANK 2 READ __2_0.distcp FROM ram" in out
+    assert "RANK 0 READ __0_0.distcp FROM ram" in out
+
+    # Node 1 is replaced: its RAM tier is empty. Its ranks load everything from the shared tier.
+    shutil.rmtree(tmp_path / "ram/1")
+    out = run_two_nodes(str(tmp_path), "load", "step-2")
+    assert "RANK 2 READ __2_0.distcp FROM shared" in out
+    assert "RANK 3 READ __3_0.distcp FROM shared" in out
+    assert "RANK 0 READ __0_0.distcp FROM ram" in out
+
+    # With step-2 also gone from the shared tier, no node can give ranks 2 and 3 their step-2
+    # files: latest() agrees on step-1 on every rank (node 0's RAM + the shared tier).
+    shutil.rmtree(tmp_path / "shared/step-2")
+    out = run_two_nodes(str(tmp_path), "load", "step-1")
+    for rank in range(4):
+        assert f"RANK {rank} LATEST step-1" in out
