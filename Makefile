@@ -29,6 +29,7 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/save_load.py
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
