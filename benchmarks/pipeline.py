@@ -82,9 +82,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -109,7 +107,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import tierstore  # noqa: E402
 from tierstore.events import EventKind  # noqa: E402
-from save_load import GB, fs_type, make_state_dict, nbytes_of, remove, rotated  # noqa: E402
+from save_load import (GB, finish_report, fs_type, make_state_dict, nbytes_of,  # noqa: E402
+                       remove, rotated)
 
 SAVE_CONTENDERS = ("pipeline", "alone")
 DRAIN_FIGURES = ("drain-t2", "drain-t3", "drain-wall")
@@ -444,22 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     print_report(summary, args, base, shm_base)
     elapsed = time.perf_counter() - t_start
     print(f"\n(total run time {elapsed:.0f} s)")
-    if args.json:
-        doc = {
-            "config": {"size_mib": args.size_mib, "tensors": args.tensors, "repeat": args.repeat,
-                       "warmup": args.warmup, "bytes": payload, "dir": parent, "fs_type": kind,
-                       "shm_dir": args.shm_dir, "shm_fs_type": shm_kind,
-                       "io_threads": args.io_threads, "copy_threads": PAR_THREADS},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version(), "torch": torch.__version__,
-                        "tierstore": tierstore.__version__},
-            "elapsed_s": elapsed,
-            **summary,
-        }
-        with open(args.json, "w") as fh:
-            json.dump(doc, fh, indent=2)
-    return 1 if args.strict and not all(v["pass"] for v in summary["verdicts"]) else 0
-
+    config = {"size_mib": args.size_mib, "tensors": args.tensors, "repeat": args.repeat,
+              "warmup": args.warmup, "bytes": payload, "dir": parent, "fs_type": kind,
+              "shm_dir": args.shm_dir, "shm_fs_type": shm_kind,
+              "io_threads": args.io_threads, "copy_threads": PAR_THREADS}
+    return finish_report(args, config, summary, elapsed)
 
 if __name__ == "__main__":
     sys.exit(main())

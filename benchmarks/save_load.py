@@ -450,13 +450,19 @@ def main(argv: list[str] | None = None) -> int:
     print_report(summary, args, nbytes, base)
     elapsed = time.perf_counter() - t_start
     print(f"\n(total run time {elapsed:.0f} s)")
+    config = {"size_mib": args.size_mib, "tensors": args.tensors, "repeat": args.repeat,
+              "warmup": args.warmup, "bytes": nbytes, "dir": parent, "fs_type": kind,
+              "io_threads": args.io_threads, "load_from": "page cache (warmed untimed)",
+              "stock_load_source": STOCK_LOAD_SOURCE}
+    return finish_report(args, config, summary, elapsed)
+
+
+def finish_report(args: argparse.Namespace, config: dict, summary: dict, elapsed: float) -> int:
+    """Write ``--json`` (config, machine, figures) and return the exit status (``--strict``:
+    1 when a target was missed). Shared by the benchmarks in this folder."""
     if args.json:
         doc = {
-            "config": {"size_mib": args.size_mib, "tensors": args.tensors, "repeat": args.repeat,
-                       "warmup": args.warmup,
-                       "bytes": nbytes, "dir": parent, "fs_type": kind,
-                       "io_threads": args.io_threads, "load_from": "page cache (warmed untimed)",
-                       "stock_load_source": STOCK_LOAD_SOURCE},
+            "config": config,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version(), "torch": torch.__version__,
                         "tierstore": tierstore.__version__},
@@ -466,7 +472,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     return 1 if args.strict and not all(v["pass"] for v in summary["verdicts"]) else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

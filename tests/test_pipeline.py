@@ -15,23 +15,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tierstore
+from recording import Recorder
 from tierstore import DrainError, IntegrityError
 from tierstore.events import EventKind, Phase
-
-
-class Recorder:
-    """Observer: every event and every phase (with its tier), in order."""
-
-    def __init__(self):
-        self.events, self.phases = [], []
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event):
-        self.events.append(event)
-
-    @tierstore.hookimpl
-    def tierstore_phase(self, phase, checkpoint_id, tier, detail):
-        self.phases.append((phase, checkpoint_id, tier, dict(detail)))
 
 
 def three_tiers(tmp_path, **store):

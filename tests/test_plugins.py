@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tierstore
+from recording import Recorder
 from tierstore import PluginError, hookspecs
 from tierstore.events import EventKind, Phase
 
@@ -179,21 +180,6 @@ def test_no_global_plugin_manager(tmp_path, monkeypatch):
         assert "fancy" not in b.host.names("backend")
 
 
-class Recorder:
-    """An observer and phase tracer passed to tierstore.open(plugins=...)."""
-
-    def __init__(self):
-        self.events, self.phases = [], []
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event):
-        self.events.append(event)
-
-    @tierstore.hookimpl
-    def tierstore_phase(self, phase, checkpoint_id, tier):
-        self.phases.append((phase, checkpoint_id, tier))
-
-
 def test_observers_see_phases_in_order_and_events_with_timings(tmp_path):
     rec = Recorder()
     with tierstore.open({"tier": [tier(tmp_path, keep=1)]}, plugins=[rec]) as store:
@@ -201,7 +187,7 @@ def test_observers_see_phases_in_order_and_events_with_timings(tmp_path):
             dcp.save({"w": torch.randn(100, 100)}, storage_writer=store.writer(),
                      checkpoint_id=f"step-{step}")
         dcp.load({"w": torch.zeros(100, 100)}, storage_reader=store.reader(), checkpoint_id="step-2")
-    names = [p for p, cid, _ in rec.phases if cid == "step-1"]
+    names = [p for p, cid, _, _ in rec.phases if cid == "step-1"]
     assert names[0] == Phase.SAVE_BEGIN and Phase.WRITE_FILE in names
     assert names.index(Phase.WRITE_METADATA) < names.index(Phase.WRITE_MANIFEST) \
         < names.index(Phase.PUBLISH)

@@ -15,7 +15,7 @@ import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import IO, Any, Callable
+from typing import IO, Callable
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo

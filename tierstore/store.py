@@ -28,7 +28,7 @@ from .info import CheckpointInfo, VerifyReport
 from .manifest import FileEntry, Manifest
 from .plugin_manager import PluginHost, build_plugin_host
 from .reader import TierstoreReader
-from .tier import Problem, Tier
+from .tier import Tier
 from .writer import TierstoreWriter
 from tierstore_plugins.stats import TierFigures, TierStats
 
