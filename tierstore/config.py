@@ -30,6 +30,14 @@ def _positive(value: Any) -> str | None:
     return None if value >= 1 else f"must be at least 1, got {value}"
 
 
+def _codec_list(value: Any) -> str | None:
+    for v in value:
+        if not (isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("name"), str))):
+            return (f"each codec is a name or a table with a 'name' (e.g. "
+                    f"{{ name = \"zstd\", level = 9 }}), got {v!r}")
+    return None
+
+
 def _str_list(value: Any) -> str | None:
     if not all(isinstance(v, str) for v in value):
         return f"must be a list of strings, got {value!r}"
@@ -67,7 +75,8 @@ TIER_OPTIONS: tuple[Option, ...] = (
            description="this tier takes saves whose step is a multiple of it"),
     Option("keep", int, default=None, check=_positive,
            description="keep the newest N complete checkpoints (default: all)"),
-    Option("codecs", list, default=[], check=_str_list, description="byte transforms, in order"),
+    Option("codecs", list, default=[], check=_codec_list,
+           description="byte transforms, in order: names, or tables with 'name' and options"),
     Option("shared", bool, default=None,
            description="true: every rank sees one directory (a shared filesystem); default: "
                        "decided at open from each rank's host and path"),
@@ -96,7 +105,7 @@ class TierConfig:
     backend: str
     every: int
     keep: int | None
-    codecs: tuple[str, ...]
+    codecs: tuple[PluginChoice, ...]
     backend_options: dict[str, Any]
     shared: bool | None = None
 
@@ -243,17 +252,24 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
                 f"and tier[{index}]); tier names must be unique"
             )
         seen[name] = index
+        codecs = []
         for codec in checked["codecs"]:
-            if host.lookup("codec", codec) is None:
-                raise _unknown_name("codec", codec, host, source.where("tier", index, "codecs"),
+            name = codec if isinstance(codec, str) else codec["name"]
+            reg = host.lookup("codec", name)
+            if reg is None:
+                raise _unknown_name("codec", name, host, source.where("tier", index, "codecs"),
                                     label, "codecs")
+            opts = {} if isinstance(codec, str) else {k: v for k, v in codec.items() if k != "name"}
+            codecs.append(PluginChoice(name, validate_table(
+                opts, reg.options, owner=f"{label}: codec '{name}'", source=source,
+                table_name="tier", index=index)))
         for opt in backend_opts:
             if opt.expand and isinstance(checked.get(opt.name), str):
                 _check_placeholders(checked[opt.name], source.where("tier", index, opt.name),
                                     label, opt.name)
         tiers.append(TierConfig(
             index=index, name=name, backend=checked["backend"], every=checked["every"],
-            keep=checked["keep"], codecs=tuple(checked["codecs"]),
+            keep=checked["keep"], codecs=tuple(codecs),
             backend_options={o.name: checked[o.name] for o in backend_opts},
             shared=checked["shared"],
         ))

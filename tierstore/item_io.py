@@ -10,14 +10,12 @@ buffer and the copy after it. Every byte of a file passes through the checksum o
 from __future__ import annotations
 
 import io
-import os
 import pickle
-import struct
-import zipfile
 from dataclasses import dataclass
 from typing import IO, Callable
 
 import torch
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlanner, ReadItem, SavePlanner,
@@ -28,10 +26,11 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from .checksum import Hasher
 from .manifest import FileEntry
 
-__all__ = ["ItemLocation", "HashingWriter", "write_items", "split_items", "read_items"]
+__all__ = ["ItemLocation", "HashingWriter", "write_items", "split_items", "read_items",
+           "FileReadError", "DIRECT_READ_MIN"]
 
-# Tensors smaller than this are decoded with torch.load; locating their raw bytes costs more.
-_DIRECT_READ_MIN = 256 << 10
+# Tensors smaller than this are decoded with torch.load; reading them in place gains nothing.
+DIRECT_READ_MIN = 256 << 10
 _SCRATCH = 8 << 20
 
 
@@ -42,6 +41,9 @@ class ItemLocation:
 
     info: _StorageInfo
     file: tuple[str, FileEntry] | None = None
+    #: where the tensor's raw bytes sit in the file (offset, length), when they were written
+    #: uncompressed in one piece; lets a load read them straight into the destination
+    raw_span: tuple[int, int] | None = None
 
 
 class HashingWriter(io.RawIOBase):
@@ -52,6 +54,8 @@ class HashingWriter(io.RawIOBase):
         self.raw = raw
         self.hasher = Hasher()
         self.offset = 0
+        #: (offset, length) of every write of at least DIRECT_READ_MIN bytes
+        self.large_writes: list[tuple[int, int]] = []
 
     def writable(self) -> bool:
         return True
@@ -60,6 +64,8 @@ class HashingWriter(io.RawIOBase):
         view = memoryview(data).cast("B")
         self.hasher.update(view)
         self.raw.write(view)
+        if len(view) >= DIRECT_READ_MIN:
+            self.large_writes.append((self.offset, len(view)))
         self.offset += len(view)
         return len(view)
 
@@ -136,92 +142,65 @@ def _probe_crc_free_save() -> Callable[[torch.Tensor, IO[bytes]], None]:
 save_tensor = _probe_crc_free_save()
 
 
+class _NoClose(io.RawIOBase):
+    """Hands writes through and ignores close(), so closing a codec's stream (to flush its
+    frame) leaves the data file open, as DCP's own writer does."""
+
+    def __init__(self, raw: IO[bytes]):
+        super().__init__()
+        self._raw = raw
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        return self._raw.write(data)
+
+    def close(self) -> None:
+        pass
+
+
+def encode_to(out: IO[bytes], extensions: list) -> tuple[IO[bytes], list[str] | None]:
+    """A stream that applies ``extensions`` (DCP stream transforms, first one outermost as in
+    DCP) on the way to ``out``, and the descriptors to record; ``(out, None)`` without any."""
+    if not extensions:
+        return out, None
+    stream: IO[bytes] = _NoClose(out)
+    for ext in reversed(extensions):
+        stream = ext.transform_to(stream)
+    return stream, [ext.get_descriptor() for ext in extensions]
+
+
 def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner,
-                relative_path: str) -> list[WriteResult]:
-    """Write ``items`` into ``out`` as stock DCP does; resolve each one lazily (it may copy)."""
+                relative_path: str, extensions: list = ()) -> list[WriteResult]:
+    """Write ``items`` into ``out`` as stock DCP does (through the codecs' stream transforms
+    when there are any); resolve each one lazily (it may copy)."""
     results = []
     for item in items:
         offset = out.offset
         data = planner.resolve_data(item)
+        stream, descriptors = encode_to(out, list(extensions))
+        out.large_writes.clear()
+        span = None
         if item.type == WriteItemType.BYTE_IO:
-            out.write(data.getbuffer())
+            stream.write(data.getbuffer())
         else:
-            save_tensor(_host_tensor(data), out)
+            tensor = _host_tensor(data)
+            save_tensor(tensor, stream)
+            # torch.save writes a storage's bytes in one call; find it to read it in place.
+            found = [w for w in out.large_writes if w[1] == tensor.nbytes]
+            if descriptors is None and len(found) == 1:
+                span = found[0]
+        if stream is not out:
+            stream.close()
         length = out.offset - offset
+        info = _StorageInfo(relative_path, offset, length, transform_descriptors=descriptors)
         results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                   storage_data=ItemLocation(_StorageInfo(relative_path, offset,
-                                                                          length))))
+                                   storage_data=ItemLocation(info, raw_span=span)))
     return results
 
 
 # -- reading ----------------------------------------------------------------------------------
-
-class _PositionalReader:
-    """``pread`` on any readable file: the OS call when it has a descriptor (the position does
-    not move), else seek + read (the caller seeks back before reading sequentially)."""
-
-    def __init__(self, f: IO[bytes]):
-        self._f = f
-        try:
-            self._fd: int | None = f.fileno()
-        except (OSError, AttributeError, ValueError):
-            self._fd = None
-
-    def pread(self, n: int, offset: int) -> bytes:
-        if self._fd is not None:
-            return os.pread(self._fd, n, offset)
-        self._f.seek(offset)
-        return self._f.read(n)
-
-
-class _Window(io.RawIOBase):
-    """A read-only view of ``[start, start+length)`` of a file, for zipfile to parse one item."""
-
-    def __init__(self, src: _PositionalReader, start: int, length: int):
-        super().__init__()
-        self._src, self._start, self._len, self._pos = src, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buf) -> int:
-        n = max(0, min(len(buf), self._len - self._pos))
-        data = self._src.pread(n, self._start + self._pos)
-        buf[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
-def _raw_span(src: _PositionalReader, info: _StorageInfo) -> tuple[int, int] | None:
-    """File offset and length of the raw storage bytes inside a ``torch.save`` item, or None
-    when the item is not a single uncompressed storage."""
-    try:
-        with zipfile.ZipFile(_Window(src, info.offset, info.length)) as zf:
-            storages = [z for z in zf.infolist() if "/data/" in z.filename
-                        and not z.filename.endswith(".pkl") and "/.data/" not in z.filename]
-            if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
-                return None
-            z = storages[0]
-        header = src.pread(30, info.offset + z.header_offset)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            return None
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        start = info.offset + z.header_offset + 30 + name_len + extra_len
-        return start, z.file_size
-    except (zipfile.BadZipFile, OSError, ValueError, KeyError):
-        return None
-
 
 def _tensor_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
@@ -258,7 +237,7 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     """Read the items ``reqs`` of one data file ``f``, hand them to ``planner`` and, when
     ``verify``, check the whole file against ``entry``. Returns bytes read. Raises
     FileReadError when the file does not match (the caller may try another tier)."""
-    src = _PositionalReader(f)
+    spans = {start: (data_start, data_len) for start, data_start, data_len in entry.spans or ()}
     by_offset: dict[int, list[ReadItem]] = {}
     for req in reqs:
         by_offset.setdefault(storage_data[req.storage_index].offset, []).append(req)
@@ -270,7 +249,9 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
         if info.offset + info.length > entry.size:
             raise FileReadError(f"item {group[0].storage_index.fqn} ends at byte "
                                 f"{info.offset + info.length}, past the file's {entry.size} bytes")
-        direct = _direct_target(src, info, group, metadata, planner) if len(group) == 1 else None
+        span = spans.get(info.offset)
+        direct = (_direct_target(span, info, group, metadata, planner)
+                  if len(group) == 1 and span else None)
         if direct is not None:
             (data_start, data_len), target = direct
             req = group[0]
@@ -280,10 +261,10 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
                                      info.offset + info.length - data_start - data_len, None))
             segments[-2].sink = _committer(planner, req, target)
         else:
-            segments.append(_Segment(info.offset, info.length, _decoder(group, planner)))
+            segments.append(_Segment(info.offset, info.length,
+                                     _decoder(group, planner, info.transform_descriptors)))
 
     hasher = Hasher() if verify else None
-    f.seek(0)  # locating raw spans may have moved a descriptor-less file
     pos = 0
     scratch = bytearray(_SCRATCH)
     pending: list[tuple[Callable, memoryview]] = []
@@ -344,10 +325,12 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     return pos
 
 
-def _direct_target(src: _PositionalReader, info: _StorageInfo, group: list[ReadItem], metadata: Metadata,
-                   planner: LoadPlanner):
+def _direct_target(span: tuple[int, int], info: _StorageInfo, group: list[ReadItem],
+                   metadata: Metadata, planner: LoadPlanner):
+    """``(span, destination)`` when the item's raw bytes can be read straight into the tensor
+    the planner gives for it: a whole chunk, into a contiguous CPU tensor of the same dtype."""
     req = group[0]
-    if req.type != LoadItemType.TENSOR or info.transform_descriptors or info.length < _DIRECT_READ_MIN:
+    if req.type != LoadItemType.TENSOR or info.transform_descriptors:
         return None
     sizes = _chunk_sizes(metadata, req)
     if sizes is None or any(req.storage_offsets) or tuple(req.lengths) != tuple(sizes):
@@ -355,10 +338,9 @@ def _direct_target(src: _PositionalReader, info: _StorageInfo, group: list[ReadI
     md = metadata.state_dict_metadata[req.storage_index.fqn]
     target = planner.resolve_tensor(req).detach()
     if (target.device.type != "cpu" or not target.is_contiguous()
-            or target.dtype != md.properties.dtype or tuple(target.shape) != tuple(sizes)):
-        return None
-    span = _raw_span(src, info)
-    if span is None or span[1] != target.nbytes:
+            or target.dtype != md.properties.dtype or tuple(target.shape) != tuple(sizes)
+            or span[1] != target.nbytes
+            or not info.offset <= span[0] <= info.offset + info.length - span[1]):
         return None
     return span, target
 
@@ -369,13 +351,28 @@ def _committer(planner: LoadPlanner, req: ReadItem, target: torch.Tensor):
     return commit
 
 
-def _decoder(group: list[ReadItem], planner: LoadPlanner):
+_EXTENSIONS = ExtensionRegistry()
+
+
+def register_extension(cls: type) -> None:
+    """Make a codec's DCP extension class known to the reader (by its descriptor name)."""
+    _EXTENSIONS.register(cls)
+
+
+def _decoder(group: list[ReadItem], planner: LoadPlanner, descriptors=None):
     def decode(data: memoryview) -> None:
+        raw = io.BytesIO(data)
+        stream: IO[bytes] = raw
+        if descriptors:
+            for ext in _EXTENSIONS.from_descriptor_list(descriptors):
+                stream = ext.transform_from(stream)
+            raw = io.BytesIO(stream.read())
         for req in group:
+            raw.seek(0)
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(bytes(data)))
+                planner.load_bytes(req, io.BytesIO(raw.getbuffer()))
                 continue
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            tensor = torch.load(raw, map_location="cpu", weights_only=True)
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():

@@ -36,6 +36,9 @@ class FileEntry:
     size: int
     checksum: str
     rank: int | None = None
+    #: ``[item offset, raw bytes offset, raw bytes length]`` of tensors stored uncompressed in
+    #: one piece: a load reads those bytes straight into the destination tensor
+    spans: list[list[int]] | None = None
 
 
 @dataclass

@@ -32,6 +32,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierstore_plugins.local",
     "tierstore_plugins.atomic",
     "tierstore_plugins.staging_cpu",
+    "tierstore_plugins.zstd",
 )
 
 ENTRY_POINT_GROUP = "tierstore"

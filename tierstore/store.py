@@ -24,6 +24,7 @@ from .drain import DrainJob, Drainer, PendingCopy, report_unfinished
 from .errors import CheckpointNotFound, CommitError, ConfigError, DrainError, PluginError
 from .events import Event, EventKind, Phase
 from .ids import step_of, validate_checkpoint_id
+from .item_io import register_extension
 from .info import CheckpointInfo, VerifyReport
 from .manifest import FileEntry, Manifest
 from .plugin_manager import PluginHost, build_plugin_host
@@ -56,6 +57,7 @@ class Store:
         self.stager = reg.factory(**self.config.staging.options)
         self._saves = 0
         self._lock = threading.Lock()
+        self._retention_lock = threading.Lock()
         # thread ident -> token of the save that thread is running; gc spares these
         self._in_flight: dict[int, str] = {}
         self._closed = False
@@ -154,7 +156,12 @@ class Store:
                 f"which no plugin registers; registered: {', '.join(self.host.names('commit'))}"
             )
         options = self.config.commit.options if self.config.commit else {}
-        return Tier(tc, backend, commit_reg.factory(**options), commit_name)
+        codecs = []
+        for choice in tc.codecs:
+            codec = self.host.lookup("codec", choice.name).factory(**choice.options)
+            register_extension(type(codec.extension()))
+            codecs.append(codec)
+        return Tier(tc, backend, commit_reg.factory(**options), commit_name, codecs=codecs)
 
     # -- DCP ---------------------------------------------------------------------------------
     def writer(self) -> TierstoreWriter:
@@ -211,7 +218,7 @@ class Store:
         host, rank, layout = self.host, self.ctx.rank, tier.layout
         manifest = Manifest(
             checkpoint_id=checkpoint_id, files=files, world_size=self.ctx.world_size,
-            codecs=list(tier.config.codecs), step=step, part=layout.part, parts=layout.parts,
+            codecs=[c.name for c in tier.config.codecs], step=step, part=layout.part, parts=layout.parts,
             ranks=list(layout.part_ranks), save_token=token,
             plugins={"backend": tier.config.backend, "commit": tier.commit_name,
                      "staging": self.config.staging.name},
@@ -245,10 +252,14 @@ class Store:
         if tier.config.keep is None:
             return []
         self.host.phase(Phase.RETAIN, None, tier.name, self.ctx.rank)
-        busy = self.drainer.protected(tier)  # still being copied to slower tiers
-        victims = [v for v in tier.retention_victims(tier.complete()) if v not in busy]
+        # Saves (writer thread) and drains (drain thread) both apply retention; one at a time,
+        # or both would pick the same victim.
+        with self._retention_lock:
+            busy = self.drainer.protected(tier)  # still being copied to slower tiers
+            victims = [v for v in tier.retention_victims(tier.complete()) if v not in busy]
+            for cid in victims:
+                tier.delete(cid)
         for cid in victims:
-            tier.delete(cid)
             self.host.event(Event(EventKind.EVICTED, cid, tier.name, self.ctx.rank))
             log.info("evicted %s from tier '%s' (keep = %d)", cid, tier.name, tier.config.keep)
         return victims

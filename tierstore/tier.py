@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .checksum import Hasher
 from .config import TierConfig
@@ -49,6 +49,8 @@ class Tier:
     commit_name: str
     #: which ranks share this tier's directory (set by the store at open)
     layout: TierLayout = SINGLE
+    #: codec instances, in the order they are applied on write
+    codecs: list = field(default_factory=list)
 
     @property
     def name(self) -> str:

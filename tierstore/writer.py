@@ -154,8 +154,11 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             started = time.perf_counter()
             with tier.backend.open_write(f"{save.staging}/{relative}") as raw:
                 out = HashingWriter(raw)
-                results = write_items(out, buckets[n], planner, relative)
-            entry = FileEntry(out.offset, out.hasher.hexdigest(), self._rank)
+                results = write_items(out, buckets[n], planner, relative,
+                                      [c.extension() for c in tier.codecs])
+            spans = [[r.storage_data.info.offset, *r.storage_data.raw_span] for r in results
+                     if r.storage_data.raw_span is not None]
+            entry = FileEntry(out.offset, out.hasher.hexdigest(), self._rank, spans or None)
             first = results[0]
             results[0] = dataclasses.replace(
                 first, storage_data=ItemLocation(first.storage_data.info, (relative, entry)))
