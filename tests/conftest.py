@@ -25,3 +25,73 @@ def store(local_config):
     """An open store with one `local` tier; closed after the test."""
     with tierstore.open(local_config) as s:
         yield s
+
+
+# --- Real object-store servers (tests/servers.py) ---------------------------------------
+# `seaweed` (SeaweedFS S3) and `fake_gcs` (fake-gcs-server) start once per session, on
+# demand, and are SIGKILLed at the end. `s3_bucket` / `gcs_bucket` give each test a fresh
+# bucket URL; reach the server with e.g. `seaweed.storage_options()` / `seaweed.filesystem()`.
+# Importing servers also sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before gcsfs loads.
+import re as _re
+import uuid as _uuid
+
+from servers import FakeGCS, SeaweedS3
+
+
+def _bucket_name(request) -> str:
+    """A unique, valid S3/GCS bucket name that mentions the test: `t-<test>-<hex>`."""
+    stem = _re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    return f"t-{stem}-{_uuid.uuid4().hex[:10]}" if stem else f"t-{_uuid.uuid4().hex[:16]}"
+
+
+def _drop_bucket(server, url: str) -> None:
+    """Best effort: delete a test's bucket and its objects if the server is up."""
+    if not server.running():
+        return
+    try:
+        server.filesystem().rm(url.split("://", 1)[1], recursive=True)
+    except Exception as e:  # noqa: BLE001 - cleanup only; the test's result stands
+        warnings.warn(f"could not delete test bucket {url}: {e!r}", stacklevel=1)
+
+
+@pytest.fixture(scope="session")
+def seaweed():
+    """A running SeaweedFS S3 server (SeaweedS3): credentials enforced, data in a temp dir."""
+    server = SeaweedS3()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_gcs():
+    """A running fake-gcs-server (FakeGCS), filesystem backend in a temp dir."""
+    server = FakeGCS()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(seaweed, request):
+    """`s3://<fresh bucket>` on the session's SeaweedFS; storage options: `seaweed.storage_options()`."""
+    if not seaweed.running():  # a previous test killed it and did not bring it back
+        seaweed.restart()
+    url = seaweed.make_bucket(_bucket_name(request))
+    yield url
+    # Each SeaweedFS bucket takes 7 of the server's volume slots (a few hundred, by free disk).
+    _drop_bucket(seaweed, url)
+
+
+@pytest.fixture
+def gcs_bucket(fake_gcs, request):
+    """`gs://<fresh bucket>` on the session's fake-gcs-server; options: `fake_gcs.storage_options()`."""
+    if not fake_gcs.running():
+        fake_gcs.restart()
+    url = fake_gcs.make_bucket(_bucket_name(request))
+    yield url
+    _drop_bucket(fake_gcs, url)

@@ -97,7 +97,7 @@ def test_unknown_backend_lists_valid_ones(tmp_path):
     msg = open_error(path)
     assert f"{path}:4" in msg
     assert "unknown backend 'nvme-fast'" in msg
-    assert "valid backends: local, memory" in msg
+    assert "valid backends: fsspec, local, memory" in msg
     assert "[store] plugins" in msg
 
 

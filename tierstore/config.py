@@ -254,14 +254,14 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         seen[name] = index
         codecs = []
         for codec in checked["codecs"]:
-            name = codec if isinstance(codec, str) else codec["name"]
-            reg = host.lookup("codec", name)
+            codec_name = codec if isinstance(codec, str) else codec["name"]
+            reg = host.lookup("codec", codec_name)
             if reg is None:
-                raise _unknown_name("codec", name, host, source.where("tier", index, "codecs"),
-                                    label, "codecs")
+                raise _unknown_name("codec", codec_name, host,
+                                    source.where("tier", index, "codecs"), label, "codecs")
             opts = {} if isinstance(codec, str) else {k: v for k, v in codec.items() if k != "name"}
-            codecs.append(PluginChoice(name, validate_table(
-                opts, reg.options, owner=f"{label}: codec '{name}'", source=source,
+            codecs.append(PluginChoice(codec_name, validate_table(
+                opts, reg.options, owner=f"{label}: codec '{codec_name}'", source=source,
                 table_name="tier", index=index)))
         for opt in backend_opts:
             if opt.expand and isinstance(checked.get(opt.name), str):

@@ -10,6 +10,7 @@ source copy is never propagated. ``Store.wait()`` waits for the drain and raises
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
 import sys
 import threading
@@ -19,10 +20,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from .checksum import Hasher
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from .checksum import Hasher, checksum_of
 from .errors import DrainError
 from .events import Event, EventKind, Phase
-from .manifest import FileEntry, Manifest
+from .item_io import HashingWriter, decode_item, encode_to
+from .manifest import METADATA_NAME, FileEntry, Manifest
 
 if TYPE_CHECKING:
     from .store import Store
@@ -219,17 +223,25 @@ class Drainer:
         if rank == target.layout.leader:
             store.collect_garbage(target, protect={job.token})
         token = job.token if gathering else uuid.uuid4().hex[:16]
+        transcode = manifest.codecs != [c.name for c in target.config.codecs]
+        if transcode and gathering:
+            raise DrainError(
+                f"checkpoint '{cid}': tier '{source.name}' (node-local, codecs "
+                f"{manifest.codecs}) cannot be drained to the shared tier '{target.name}' with "
+                f"other codecs ({[c.name for c in target.config.codecs]}) yet; give both tiers "
+                f"the same codecs", cid, target.name)
         staging = target.commit.begin(target.backend, cid, token)
         try:
-            futures = [self._pool.submit(self._copy_file, source, target, cid, staging, rel,
-                                         manifest, gathering)
-                       for rel in sorted(manifest.files, key=lambda r: -manifest.files[r].size)]
-            errors = [f.exception() for f in futures]
-            errors = [e for e in errors if e is not None]
-            if errors:
-                raise errors[0]
+            if transcode:
+                copy = self._transcode(job, source, target, manifest, staging)
+            else:
+                self._run_all([(self._copy_file, source, target, cid, staging, rel, manifest,
+                                gathering)
+                               for rel in sorted(manifest.files,
+                                                 key=lambda r: -manifest.files[r].size)])
             if commits:
-                copy = self._target_manifest(job, source, target, manifest, gathering)
+                if not transcode:
+                    copy = self._target_manifest(job, source, target, manifest, gathering)
                 if gathering:
                     self._wait_for_parts(job, target, staging)
                 host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
@@ -246,6 +258,88 @@ class Drainer:
                  target.name, manifest.size_bytes, seconds)
         if commits:
             store.apply_retention(target)
+
+    def _run_all(self, calls: list[tuple]) -> list:
+        """Run ``(fn, *args)`` calls on the copy pool; raise the first failure after all end."""
+        futures = [self._pool.submit(fn, *args) for fn, *args in calls]
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            raise errors[0]
+        return [f.result() for f in futures]
+
+    def _transcode(self, job: DrainJob, source: "Tier", target: "Tier", manifest: Manifest,
+                   staging: str) -> Manifest:
+        """Copy a checkpoint to a tier with other codecs: every item is decoded from the
+        source's stream transforms and encoded with the target's, and DCP's metadata is
+        rewritten with the new offsets. Every source byte is still checked on the way."""
+        cid = job.checkpoint_id
+        entry = manifest.files[METADATA_NAME]
+        raw = source.backend.read_bytes(f"{cid}/{METADATA_NAME}")
+        if len(raw) != entry.size or checksum_of(raw) != entry.checksum:
+            raise DrainError(f"checkpoint '{cid}': {METADATA_NAME} on tier '{source.name}' does "
+                             f"not match its manifest; it was not copied to '{target.name}'",
+                             cid, target.name)
+        metadata = pickle.loads(raw)
+        by_file: dict[str, list] = {}
+        for index, info in metadata.storage_data.items():
+            by_file.setdefault(info.relative_path, []).append((index, info))
+        results = self._run_all([
+            (self._transcode_file, source, target, cid, staging, rel, manifest,
+             sorted(by_file.get(rel, []), key=lambda ii: ii[1].offset))
+            for rel in manifest.files if rel != METADATA_NAME])
+        files: dict[str, FileEntry] = {}
+        for rel, file_entry, infos in results:
+            files[rel] = file_entry
+            metadata.storage_data.update(infos)
+        raw = pickle.dumps(metadata)
+        target.backend.write_bytes(f"{staging}/{METADATA_NAME}", raw)
+        files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw), None)
+        copy = self._target_manifest(job, source, target, manifest, False)
+        copy.files = files
+        copy.codecs = [c.name for c in target.config.codecs]
+        return copy
+
+    def _transcode_file(self, source: "Tier", target: "Tier", cid: str, staging: str, rel: str,
+                        manifest: Manifest, items: list) -> tuple[str, FileEntry, dict]:
+        store = self._store
+        store.host.phase(Phase.DRAIN_FILE, cid, target.name, store.ctx.rank, file=rel)
+        entry = manifest.files[rel]
+        extensions = [c.extension() for c in target.codecs]
+        hasher = Hasher()
+        infos = {}
+        with source.backend.open_read(f"{cid}/{rel}") as fin, \
+                target.backend.open_write(f"{staging}/{rel}") as raw:
+            out = HashingWriter(raw)
+            pos = 0
+
+            def read(n: int) -> bytes:
+                nonlocal pos
+                data = fin.read(n)
+                if len(data) != n:
+                    raise DrainError(f"checkpoint '{cid}': {rel} on tier '{source.name}' is "
+                                     f"shorter than its manifest says", cid, target.name)
+                hasher.update(data)
+                pos += n
+                return data
+
+            for index, info in items:
+                read(info.offset - pos)
+                data = decode_item(read(info.length), info.transform_descriptors)
+                stream, descriptors = encode_to(out, extensions)
+                start = out.offset
+                stream.write(data)
+                if stream is not out:
+                    stream.close()
+                infos[index] = _StorageInfo(rel, start, out.offset - start,
+                                            transform_descriptors=descriptors)
+            while chunk := fin.read(self._chunk):
+                hasher.update(chunk)
+                pos += len(chunk)
+        if pos != entry.size or hasher.hexdigest() != entry.checksum:
+            raise DrainError(
+                f"checkpoint '{cid}': {rel} on tier '{source.name}' does not match its manifest; "
+                f"it was not copied to '{target.name}'", cid, target.name)
+        return rel, FileEntry(out.offset, out.hasher.hexdigest(), entry.rank), infos
 
     def _target_manifest(self, job: DrainJob, source: "Tier", target: "Tier",
                          manifest: Manifest, gathering: bool) -> Manifest:

@@ -359,14 +359,20 @@ def register_extension(cls: type) -> None:
     _EXTENSIONS.register(cls)
 
 
+def decode_item(data, descriptors) -> bytes:
+    """An item's bytes with the stream transforms named by ``descriptors`` undone (DCP
+    applies the first descriptor outermost)."""
+    if not descriptors:
+        return data
+    stream: IO[bytes] = io.BytesIO(data)
+    for ext in _EXTENSIONS.from_descriptor_list(descriptors):
+        stream = ext.transform_from(stream)
+    return stream.read()
+
+
 def _decoder(group: list[ReadItem], planner: LoadPlanner, descriptors=None):
     def decode(data: memoryview) -> None:
-        raw = io.BytesIO(data)
-        stream: IO[bytes] = raw
-        if descriptors:
-            for ext in _EXTENSIONS.from_descriptor_list(descriptors):
-                stream = ext.transform_from(stream)
-            raw = io.BytesIO(stream.read())
+        raw = io.BytesIO(decode_item(data, descriptors))
         for req in group:
             raw.seek(0)
             if req.type == LoadItemType.BYTE_IO:

@@ -10,7 +10,7 @@ Paths given to a :class:`Backend` are relative to the tier root and use ``/``; `
 from __future__ import annotations
 
 import abc
-from typing import IO, Any, Callable, ClassVar
+from typing import IO, Any, Callable, ClassVar, Collection
 
 from .options import Option
 
@@ -132,6 +132,13 @@ class CommitProtocol(abc.ABC):
     def token_of(self, name: str) -> str | None:
         """The save token in a leftover's name (so an in-flight save is not collected)."""
         return None
+
+    def find_leftovers(self, backend: Backend, names: list[str],
+                       protect: Collection[str]) -> list[str]:
+        """Root entries (of ``names``) that interrupted saves, drains or deletes left, except
+        those of the save tokens in ``protect``. By default: ``is_leftover`` names whose
+        ``token_of`` is not protected; protocols that must look inside entries override it."""
+        return [n for n in names if self.is_leftover(n) and self.token_of(n) not in protect]
 
     def trash_name(self, checkpoint_id: str, token: str) -> str:
         """A root entry name to move a checkpoint to before deleting it; ``is_leftover`` must

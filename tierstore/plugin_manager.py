@@ -31,6 +31,8 @@ hookimpl = pluggy.HookimplMarker("tierstore")
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierstore_plugins.local",
     "tierstore_plugins.atomic",
+    "tierstore_plugins.manifest_last",
+    "tierstore_plugins.fsspec_backend",
     "tierstore_plugins.staging_cpu",
     "tierstore_plugins.zstd",
 )

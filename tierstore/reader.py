@@ -55,12 +55,12 @@ class TierstoreReader(StorageReader):
         # Every tier with a manifest is a source, even one missing a file: files are read one
         # by one from the fastest tier that has a good copy.
         sources = [(t, m) for t in store.tiers if (m := t.read_manifest(cid)) is not None]
-        raw, problems = self._local_metadata(cid, sources)
+        raw, codecs, problems = self._local_metadata(cid, sources)
         if store.node_local and store.process_group is not None:
             # With a directory per node, only the coordinator's node has .metadata, and one
             # rank may find nothing while others do: decide together, so that no rank goes on
             # into DCP's collectives while another has raised.
-            raw, missing = self._share_metadata(raw, bool(sources))
+            raw, codecs, missing = self._share_metadata(raw, codecs, bool(sources))
             if raw is None or missing:
                 who = (f"ranks {missing} hold no part of it" if missing else
                        f"no rank has a good copy of {METADATA_NAME}")
@@ -82,14 +82,21 @@ class TierstoreReader(StorageReader):
                 f"checkpoint '{cid}': no tier has a good copy of {METADATA_NAME} ("
                 + "; ".join(problems) + f"); run store.verify('{cid}') for details"
             )
+        # Files can only be mixed between copies that share this metadata: a tier with other
+        # codecs holds the same checkpoint at other offsets.
+        meta_sum = checksum_of(raw)
+        sources = [(t, m) for t, m in sources
+                   if (m.files[METADATA_NAME].checksum == meta_sum if m.has_metadata
+                       else m.codecs == codecs)]
         self._checkpoint_id = cid
         self._sources = sources
         self._metadata = pickle.loads(raw)
         self._fresh = True
 
     def _local_metadata(self, cid: str, sources: list[tuple["Tier", Manifest]]
-                        ) -> tuple[bytes | None, list[str]]:
-        """The first copy of ``.metadata`` on this process's tiers that matches its manifest."""
+                        ) -> tuple[bytes | None, list[str], list[str]]:
+        """The first copy of ``.metadata`` on this process's tiers that matches its manifest,
+        the codecs of that copy, and what was wrong with the others."""
         problems = []
         for tier, manifest in sources:
             entry = manifest.files.get(METADATA_NAME)
@@ -103,21 +110,23 @@ class TierstoreReader(StorageReader):
             if checksum_of(raw) != entry.checksum:
                 problems.append(f"tier '{tier.name}': {METADATA_NAME} does not match its manifest")
                 continue
-            return raw, problems
-        return None, problems or ["no tier holds it"]
+            return raw, manifest.codecs, problems
+        return None, [], problems or ["no tier holds it"]
 
-    def _share_metadata(self, raw: bytes | None, has_sources: bool
-                        ) -> tuple[bytes | None, list[int]]:
-        """Collective: the metadata from the lowest rank that has it, and the ranks that hold
-        no part of the checkpoint."""
+    def _share_metadata(self, raw: bytes | None, codecs: list[str], has_sources: bool
+                        ) -> tuple[bytes | None, list[str], list[int]]:
+        """Collective: the metadata (and its codecs) from the lowest rank that has it, and the
+        ranks that hold no part of the checkpoint."""
         group = self._store.process_group
         status = all_gather_object((raw is not None, has_sources), group)
         missing = [r for r, (_, has) in enumerate(status) if not has]
         holders = [r for r, (has, _) in enumerate(status) if has]
         if not holders:
-            return None, missing
+            return None, [], missing
         src = holders[0]
-        return broadcast_object(raw if self._store.ctx.rank == src else None, group, src), missing
+        mine = (raw, codecs) if self._store.ctx.rank == src else None
+        raw, codecs = broadcast_object(mine, group, src)
+        return raw, codecs, missing
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP calls reset only when a checkpoint id is given; never reuse the previous load's.

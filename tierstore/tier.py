@@ -182,5 +182,4 @@ class Tier:
         """Root entries left by interrupted saves, deletes and overwrites (their names say so),
         except those of the save tokens in ``protect`` (saves still in flight). Anything else in
         the root, such as a user's own DCP checkpoint without a manifest, is never touched."""
-        return [name for name in self.backend.list("")
-                if self.commit.is_leftover(name) and self.commit.token_of(name) not in protect]
+        return self.commit.find_leftovers(self.backend, self.backend.list(""), protect)

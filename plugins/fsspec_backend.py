@@ -1,0 +1,277 @@
+"""Backend ``fsspec``: any fsspec URL — ``s3://``, ``gs://``, ``memory://``, ``file://``, ...
+
+Built for object stores: nothing is ever renamed (a rename there is a full re-upload); a
+checkpoint becomes visible when its manifest object is written, after every data object is
+confirmed (commit protocol ``manifest-last``). Many files upload in parallel and large ones in
+multipart parts; loads fetch each file with concurrent ranged reads. One filesystem instance
+(and its event loop) serves every call. Transient failures are retried with backoff and jitter;
+permanent ones fail at once. Credentials given in ``options`` never appear in messages.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+from typing import IO, Any
+
+import fsspec
+
+import tierstore
+from tierstore.kinds import Backend
+from tierstore.options import Option
+from tierstore.retry import RetryPolicy, with_retries
+
+log = logging.getLogger("tierstore.fsspec")
+
+_SECRET_KEY = re.compile(r"key|secret|token|passw|credential|signature|auth|sas", re.I)
+# Sequential reads fetch up to this much ahead, in ranges of _WINDOW_CHUNK read concurrently.
+_WINDOW_CHUNK = 8 << 20
+_WINDOW_BYTES = 64 << 20
+
+
+def _secrets_in(options: Any) -> list[str]:
+    """Values of option keys that look like credentials (any depth)."""
+    found: list[str] = []
+    if isinstance(options, dict):
+        for k, v in options.items():
+            if isinstance(v, str) and _SECRET_KEY.search(str(k)) and len(v) >= 4:
+                found.append(v)
+            else:
+                found += _secrets_in(v)
+    elif isinstance(options, (list, tuple)):
+        for v in options:
+            found += _secrets_in(v)
+    return found
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else f"must be positive, got {v}"
+
+
+class FsspecBackend(Backend):
+    """A tier on any fsspec filesystem; for object stores, with manifest-last commits."""
+
+    options = (
+        Option("url", str, required=True, expand=True,
+               description="where the tier lives, e.g. s3://bucket/run-7 (may use {node})"),
+        Option("options", dict, default={},
+               description="filesystem options (endpoint, credentials: use {env = \"NAME\"})"),
+        Option("concurrency", int, default=16, check=_positive,
+               description="objects or ranges transferred at once"),
+        Option("part_mib", int, default=16, check=_positive,
+               description="multipart part size and ranged-read size in MiB"),
+        Option("max_attempts", int, default=6, check=_positive,
+               description="tries per operation on transient failures"),
+        Option("retry_seconds", (int, float), default=120, check=_positive,
+               description="longest time spent retrying one operation"),
+    )
+    default_commit = "manifest-last"
+    supports_rename = False
+    durable = True
+
+    def __init__(self, root: str, url: str | None = None, options: dict | None = None,
+                 concurrency: int = 16, part_mib: int = 16, max_attempts: int = 6,
+                 retry_seconds: float = 120):
+        self.url = url or root
+        options = dict(options or {})
+        self._secrets = _secrets_in(options)
+        self.concurrency = concurrency
+        self.part_size = part_mib << 20
+        self.policy = RetryPolicy(max_attempts=max_attempts, max_seconds=float(retry_seconds))
+        protocol = fsspec.core.split_protocol(self.url)[0] or "file"
+        if protocol in ("s3", "s3a") and "config_kwargs" not in options:
+            # aiobotocore keeps 10 connections per client by default; let transfers use ours.
+            options["config_kwargs"] = {"max_pool_connections": max(10, concurrency * 2)}
+        try:
+            self.fs, path = fsspec.core.url_to_fs(self.url, **options)
+        except ImportError as exc:
+            raise ImportError(
+                f"{self.describe()}: {exc}; install the extra for it, e.g. pip install "
+                f"'tierstore[s3]' or 'tierstore[gcs]'") from None
+        self.root = self.url
+        self.root_path = path.rstrip("/")
+        self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
+                                   else (self.fs.protocol,))
+
+    # -- helpers ---------------------------------------------------------------------------
+    def redact(self, text: str) -> str:
+        """``text`` with every credential from the options replaced by ``***``."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def describe(self) -> str:
+        # user:password@ in a URL is a credential too
+        return self.redact(re.sub(r"//[^/@]*@", "//***@", self.url))
+
+    def _full(self, path: str) -> str:
+        return f"{self.root_path}/{path}" if path else self.root_path
+
+    def _retry(self, fn, what: str):
+        return with_retries(fn, self.policy, f"{what} at {self.describe()}", self.redact)
+
+    # -- Backend primitives ----------------------------------------------------------------
+    def check_reachable(self) -> str | None:
+        probe = self.root_path
+        try:
+            while True:
+                if self._retry(lambda: self.fs.exists(probe), "checking the tier"):
+                    return None
+                parent = self.fs._parent(probe).rstrip("/")
+                if not parent or parent == probe or parent in ("", "/"):
+                    break
+                probe = parent
+        except PermissionError as exc:
+            return (f"access denied ({self.redact(str(exc))}); check the credentials in the "
+                    f"tier's options")
+        except Exception as exc:  # unreachable endpoint after retries, bad options, ...
+            return f"{type(exc).__name__}: {self.redact(str(exc))}"
+        if self.is_local or "memory" in str(self.fs.protocol):
+            return None
+        return (f"the bucket or container '{probe}' does not exist; create it first (tierstore "
+                f"never creates buckets)")
+
+    def open_write(self, path: str) -> IO[bytes]:
+        full = self._full(path)
+        if self.is_local:
+            self.fs.makedirs(self.fs._parent(full), exist_ok=True)
+        return self.fs.open(full, "wb", block_size=self.part_size)
+
+    def open_read(self, path: str) -> IO[bytes]:
+        full = self._full(path)
+        size = self.size(path)
+        if size is None:
+            raise FileNotFoundError(f"{self.describe()}/{path} does not exist")
+        return ObjectReader(self, full, size)
+
+    def size(self, path: str) -> int | None:
+        full = self._full(path)
+        try:
+            info = self._retry(lambda: self.fs.info(full), "reading the size of an object")
+        except FileNotFoundError:
+            return None
+        if info.get("type") == "directory":
+            return None
+        return int(info["size"])
+
+    def list(self, path: str) -> list[str]:
+        full = self._full(path)
+        self.fs.invalidate_cache(full)
+        try:
+            entries = self._retry(lambda: self.fs.ls(full, detail=False), "listing")
+        except FileNotFoundError:
+            return []
+        names = sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+        return [n for n in names if n and f"{full}/{n}".rstrip("/") != full.rstrip("/")]
+
+    def makedirs(self, path: str) -> None:
+        if self.is_local:
+            self.fs.makedirs(self._full(path), exist_ok=True)
+
+    def delete(self, path: str) -> None:
+        full = self._full(path)
+
+        def rm():
+            try:
+                self.fs.rm(full, recursive=True)
+            except FileNotFoundError:
+                pass
+        self._retry(rm, "deleting")
+        self.fs.invalidate_cache(full)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        full = self._full(path)
+        if self.is_local:
+            self.fs.makedirs(self.fs._parent(full), exist_ok=True)
+        self._retry(lambda: self.fs.pipe_file(full, data), "writing an object")
+
+    def read_bytes(self, path: str) -> bytes:
+        full = self._full(path)
+        return self._retry(lambda: self.fs.cat_file(full), "reading an object")
+
+    # -- bulk transfers (the drain uses them when it can) -----------------------------------
+    def put_files(self, pairs: list[tuple[str, str]], sizes: dict[str, int]) -> None:
+        """Upload local files ``(local path, relative path)`` concurrently, multipart for large
+        ones; a transient failure retries only the objects not yet complete."""
+        todo = list(pairs)
+
+        def attempt():
+            nonlocal todo
+            try:
+                self.fs.put([lp for lp, _ in todo], [self._full(r) for _, r in todo],
+                            batch_size=self.concurrency)
+            finally:
+                todo = [(lp, r) for lp, r in todo if self.size(r) != sizes[r]]
+            if todo:
+                raise OSError(f"{len(todo)} uploads incomplete")
+        self._retry(attempt, f"uploading {len(pairs)} files")
+
+    def read_ranges(self, full: str, starts: list[int], ends: list[int]) -> list[bytes]:
+        """Several byte ranges of one object, fetched concurrently."""
+        def fetch():
+            out = self.fs.cat_ranges([full] * len(starts), starts, ends,
+                                     batch_size=self.concurrency, on_error="raise")
+            return out
+        return self._retry(fetch, "reading byte ranges")
+
+    def local_path(self, path: str) -> str | None:
+        return self._full(path) if self.is_local else None
+
+
+class ObjectReader(io.RawIOBase):
+    """A seekable reader over one object: sequential reads fetch a window of up to 64 MiB as
+    concurrent 8 MiB ranges; ``pread`` fetches exactly what is asked."""
+
+    def __init__(self, backend: FsspecBackend, full: str, size: int):
+        super().__init__()
+        self._b, self._full, self._size = backend, full, size
+        self._pos = 0
+        self._buf = b""
+        self._buf_start = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def pread(self, n: int, offset: int) -> bytes:
+        end = min(self._size, offset + n)
+        if end <= offset:
+            return b""
+        return self._b.read_ranges(self._full, [offset], [end])[0]
+
+    def _fill(self) -> None:
+        chunk = _WINDOW_CHUNK
+        window = chunk * max(1, min(self._b.concurrency, _WINDOW_BYTES // chunk))
+        starts = list(range(self._pos, min(self._size, self._pos + window), chunk))
+        ends = [min(self._size, s + chunk) for s in starts]
+        self._buf = b"".join(self._b.read_ranges(self._full, starts, ends))
+        self._buf_start = self._pos
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")
+        if self._pos >= self._size or not len(view):
+            return 0
+        offset = self._pos - self._buf_start
+        if not (0 <= offset < len(self._buf)):
+            self._fill()
+            offset = 0
+        n = min(len(view), len(self._buf) - offset)
+        view[:n] = self._buf[offset:offset + n]
+        self._pos += n
+        return n
+
+
+@tierstore.hookimpl
+def tierstore_register_backends(register):
+    register("fsspec", FsspecBackend)

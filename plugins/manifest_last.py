@@ -1,0 +1,79 @@
+"""Commit protocol ``manifest-last``, for object stores (no rename, or rename = re-upload).
+
+Files are written in place under ``<id>/`` next to a marker object ``.tierstore-pending`` naming
+the save; the commit confirms every data object (present, right size), then writes the
+manifest object last (an object PUT is atomic) and removes the marker. Readers treat a prefix
+without a matching manifest as absent; ``gc`` removes prefixes that still carry a marker and no
+manifest. Overwriting an id deletes its manifest first, so the old checkpoint disappears before
+any of its objects is replaced.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection
+
+import tierstore
+from tierstore.errors import CommitError
+from tierstore.events import Phase
+from tierstore.kinds import Backend, CommitProtocol
+from tierstore.manifest import MANIFEST_NAME, Manifest
+
+MARKER = ".tierstore-pending"
+
+
+class ManifestLastCommit(CommitProtocol):
+    """Publish a checkpoint by writing its manifest object after all data objects."""
+
+    def begin(self, backend: Backend, checkpoint_id: str, token: str) -> str:
+        if backend.size(f"{checkpoint_id}/{MANIFEST_NAME}") is not None:
+            backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")  # overwrite: invisible first
+        backend.makedirs(checkpoint_id)
+        backend.write_bytes(f"{checkpoint_id}/{MARKER}", token.encode())
+        return checkpoint_id
+
+    def commit(self, backend: Backend, checkpoint_id: str, staging: str, manifest: bytes,
+               announce: Callable[[str], None]) -> None:
+        files = Manifest.from_json(manifest).files
+        wrong = [f"{rel} ({'missing' if size is None else f'{size} bytes'}, expected {e.size})"
+                 for rel, e in sorted(files.items())
+                 if (size := backend.size(f"{staging}/{rel}")) != e.size]
+        if wrong:
+            raise CommitError(
+                f"checkpoint '{checkpoint_id}' at {backend.describe()} cannot be committed: "
+                f"objects not confirmed: {', '.join(wrong[:5])}" + (" ..." if len(wrong) > 5 else "")
+            )
+        announce(Phase.PUBLISH)
+        backend.write_bytes(f"{staging}/{MANIFEST_NAME}", manifest)
+        backend.delete(f"{staging}/{MARKER}")
+
+    def abort(self, backend: Backend, checkpoint_id: str, staging: str) -> None:
+        if backend.size(f"{staging}/{MANIFEST_NAME}") is None:  # never a committed checkpoint
+            backend.delete(staging)
+
+    def is_leftover(self, name: str) -> bool:
+        return False  # decided per prefix in find_leftovers (it needs to look inside)
+
+    def find_leftovers(self, backend: Backend, names: list[str],
+                       protect: Collection[str]) -> list[str]:
+        out = []
+        for name in names:
+            if name.startswith(".") or backend.size(f"{name}/{MARKER}") is None:
+                continue
+            if backend.size(f"{name}/{MANIFEST_NAME}") is not None:
+                continue
+            try:
+                token = backend.read_bytes(f"{name}/{MARKER}").decode()
+            except FileNotFoundError:
+                continue
+            if token not in protect:
+                out.append(name)
+        return out
+
+    def update_manifest(self, backend: Backend, checkpoint_id: str, manifest: bytes,
+                        token: str) -> None:
+        backend.write_bytes(f"{checkpoint_id}/{MANIFEST_NAME}", manifest)
+
+
+@tierstore.hookimpl
+def tierstore_register_commit_protocols(register):
+    register("manifest-last", ManifestLastCommit)
