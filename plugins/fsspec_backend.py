@@ -192,20 +192,30 @@ class FsspecBackend(Backend):
 
     # -- bulk transfers (the drain uses them when it can) -----------------------------------
     def put_files(self, pairs: list[tuple[str, str]], sizes: dict[str, int]) -> None:
-        """Upload local files ``(local path, relative path)`` concurrently, multipart for large
-        ones; a transient failure retries only the objects not yet complete."""
+        """Upload local files ``(local path, relative path)`` concurrently (s3fs: multipart,
+        parts in parallel, for large ones); a retry after a transient failure uploads only the
+        objects that are not complete yet. ``sizes``: expected size by relative path."""
         todo = list(pairs)
+        tried = False
 
         def attempt():
-            nonlocal todo
-            try:
+            nonlocal todo, tried
+            if tried:
+                todo = [(lp, r) for lp, r in todo if self._size_or_none(r) != sizes[r]]
+            tried = True
+            if todo:
                 self.fs.put([lp for lp, _ in todo], [self._full(r) for _, r in todo],
                             batch_size=self.concurrency)
-            finally:
-                todo = [(lp, r) for lp, r in todo if self.size(r) != sizes[r]]
-            if todo:
-                raise OSError(f"{len(todo)} uploads incomplete")
         self._retry(attempt, f"uploading {len(pairs)} files")
+        for _, rel in pairs:
+            self.fs.invalidate_cache(self._full(rel))
+
+    def _size_or_none(self, path: str) -> int | None:
+        try:
+            info = self.fs.info(self._full(path))
+        except Exception:  # unknown while the store is unreachable: upload again
+            return None
+        return int(info.get("size", -1))
 
     def read_ranges(self, full: str, starts: list[int], ends: list[int]) -> list[bytes]:
         """Several byte ranges of one object, fetched concurrently."""
