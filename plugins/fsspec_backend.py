@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
 from typing import IO, Any
 
@@ -117,6 +118,11 @@ class FsspecBackend(Backend):
         try:
             while True:
                 if self._retry(lambda: self.fs.exists(probe), "checking the tier"):
+                    info = self._retry(lambda: self.fs.info(probe), "checking the tier")
+                    if info.get("type") == "file":
+                        return f"{probe} is a file, so nothing can be stored beneath it"
+                    if self.is_local and not os.access(probe, os.W_OK | os.X_OK):
+                        return f"{probe} is not writable by this user"
                     return None
                 parent = self.fs._parent(probe).rstrip("/")
                 if not parent or parent == probe or parent in ("", "/"):
@@ -156,14 +162,18 @@ class FsspecBackend(Backend):
         return int(info["size"])
 
     def list(self, path: str) -> list[str]:
-        full = self._full(path)
+        # From the object keys below the prefix (one paginated listing): a "directory" only
+        # exists while it holds objects, even on stores that keep empty folders for a while.
+        full = self._full(path).rstrip("/")
         self.fs.invalidate_cache(full)
         try:
-            entries = self._retry(lambda: self.fs.ls(full, detail=False), "listing")
+            keys = self._retry(lambda: self.fs.find(full, withdirs=False, detail=False),
+                               "listing")
         except FileNotFoundError:
             return []
-        names = sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
-        return [n for n in names if n and f"{full}/{n}".rstrip("/") != full.rstrip("/")]
+        prefix = self.fs._strip_protocol(full).rstrip("/") + "/"
+        names = {k[len(prefix):].split("/", 1)[0] for k in keys if k.startswith(prefix)}
+        return sorted(n for n in names if n)
 
     def makedirs(self, path: str) -> None:
         if self.is_local:
@@ -205,10 +215,19 @@ class FsspecBackend(Backend):
             tried = True
             if todo:
                 self.fs.put([lp for lp, _ in todo], [self._full(r) for _, r in todo],
-                            batch_size=self.concurrency)
+                            **self._put_options())
         self._retry(attempt, f"uploading {len(pairs)} files")
         for _, rel in pairs:
             self.fs.invalidate_cache(self._full(rel))
+
+    def _put_options(self) -> dict:
+        """Bound what an upload holds in memory: files in flight x parts in flight x part
+        size (s3fs would otherwise buffer 10 parts of 50 MiB for each of many files)."""
+        files = max(1, self.concurrency // 4)
+        options: dict[str, Any] = {"batch_size": files, "chunksize": self.part_size}
+        if "s3" in str(self.fs.protocol):
+            options["max_concurrency"] = max(1, self.concurrency // files)
+        return options
 
     def _size_or_none(self, path: str) -> int | None:
         try:

@@ -25,10 +25,18 @@ class ManifestLastCommit(CommitProtocol):
     """Publish a checkpoint by writing its manifest object after all data objects."""
 
     def begin(self, backend: Backend, checkpoint_id: str, token: str) -> str:
-        if backend.size(f"{checkpoint_id}/{MANIFEST_NAME}") is not None:
-            backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")  # overwrite: invisible first
-        backend.makedirs(checkpoint_id)
-        backend.write_bytes(f"{checkpoint_id}/{MARKER}", token.encode())
+        try:
+            current = backend.read_bytes(f"{checkpoint_id}/{MARKER}").decode()
+        except FileNotFoundError:
+            current = None
+        if current != token:
+            # Not a part of this same save arriving (node-local groups share the prefix): what
+            # is there is an old checkpoint being overwritten or what an interrupted save left.
+            # Its manifest goes first, so it is invisible before any object changes.
+            backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")
+            backend.delete(checkpoint_id)
+            backend.makedirs(checkpoint_id)
+            backend.write_bytes(f"{checkpoint_id}/{MARKER}", token.encode())
         return checkpoint_id
 
     def commit(self, backend: Backend, checkpoint_id: str, staging: str, manifest: bytes,

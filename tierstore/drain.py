@@ -271,14 +271,20 @@ class Drainer:
 
     def _upload(self, source: "Tier", target: "Tier", cid: str, staging: str,
                 manifest: Manifest) -> None:
-        """Check the source files against the manifest (a local read, cheap next to the
-        upload), then hand them to the object store's own concurrent multipart upload."""
-        self._run_all([(self._check_local_file, source, target, cid, rel, manifest)
-                       for rel in manifest.files])
+        """Hand the source files to the object store's own concurrent multipart upload while
+        checking them against the manifest on the copy pool (a local read); a mismatch fails
+        the drain before the commit, so a bad copy is never published."""
+        checks = [self._pool.submit(self._check_local_file, source, target, cid, rel, manifest)
+                  for rel in manifest.files]
         pairs = [(source.backend.local_path(f"{cid}/{rel}"), f"{staging}/{rel}")
                  for rel in sorted(manifest.files, key=lambda r: -manifest.files[r].size)]
-        target.backend.put_files(pairs, {f"{staging}/{rel}": e.size
-                                         for rel, e in manifest.files.items()})
+        try:
+            target.backend.put_files(pairs, {f"{staging}/{rel}": e.size
+                                             for rel, e in manifest.files.items()})
+        finally:
+            errors = [e for e in (f.exception() for f in checks) if e is not None]
+        if errors:
+            raise errors[0]
 
     def _check_local_file(self, source: "Tier", target: "Tier", cid: str, rel: str,
                           manifest: Manifest) -> None:
