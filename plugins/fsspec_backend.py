@@ -83,13 +83,18 @@ class FsspecBackend(Backend):
         protocol = fsspec.core.split_protocol(self.url)[0] or "file"
         if protocol in ("s3", "s3a") and "config_kwargs" not in options:
             # aiobotocore keeps 10 connections per client by default; let transfers use ours.
-            options["config_kwargs"] = {"max_pool_connections": max(10, concurrency * 2)}
+            # Its own retries (and s3fs's) would multiply ours: one policy, the tier's, governs.
+            options["config_kwargs"] = {"max_pool_connections": max(10, concurrency * 2),
+                                        "retries": {"max_attempts": 1, "mode": "standard"},
+                                        "connect_timeout": 10, "read_timeout": 60}
         try:
             self.fs, path = fsspec.core.url_to_fs(self.url, **options)
         except ImportError as exc:
             raise ImportError(
                 f"{self.describe()}: {exc}; install the extra for it, e.g. pip install "
                 f"'tierstore[s3]' or 'tierstore[gcs]'") from None
+        if protocol in ("s3", "s3a") and hasattr(self.fs, "retries"):
+            self.fs.retries = 1
         self.root = self.url
         self.root_path = path.rstrip("/")
         self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
@@ -134,6 +139,17 @@ class FsspecBackend(Backend):
         except Exception as exc:  # unreachable endpoint after retries, bad options, ...
             return f"{type(exc).__name__}: {self.redact(str(exc))}"
         if self.is_local or "memory" in str(self.fs.protocol):
+            return None
+        try:  # exists() answers False for a bucket it may not see; listing says why
+            self.fs.ls(probe, detail=False)
+        except PermissionError as exc:
+            return (f"access denied to '{probe}' ({self.redact(str(exc))}); check the "
+                    f"credentials in the tier's options")
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            return f"{type(exc).__name__}: {self.redact(str(exc))}"
+        else:
             return None
         return (f"the bucket or container '{probe}' does not exist; create it first (tierstore "
                 f"never creates buckets)")

@@ -154,7 +154,7 @@ def test_unreachable_path(tmp_path):
     blocker.write_text("not a directory")
     msg = open_error({"tier": [{"name": "nvme", "backend": "local", "path": str(blocker / "ckpt")}]})
     assert "tier 'nvme': path" in msg and "exists and is not a directory" in msg
-    assert "point 'path' at a writable directory" in msg
+    assert "point 'path' at a writable location" in msg
 
 
 def test_unknown_placeholder(tmp_path):

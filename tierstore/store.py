@@ -143,10 +143,11 @@ class Store:
             ) from exc
         problem = backend.check_reachable()
         if problem:
-            where = self.config.source.where("tier", tc.index, "path")
+            key = "url" if "url" in options else "path"
+            where = self.config.source.where("tier", tc.index, key)
             raise ConfigError(
-                f"{where}: tier '{tc.name}': path {backend.describe()!r} cannot be used: {problem}; "
-                f"point 'path' at a writable directory"
+                f"{where}: tier '{tc.name}': {key} {backend.describe()!r} cannot be used: "
+                f"{problem}; point '{key}' at a writable location"
             )
         commit_name = self.config.commit.name if self.config.commit else backend.default_commit
         commit_reg = self.host.lookup("commit", commit_name)
