@@ -76,17 +76,21 @@ class FsspecBackend(Backend):
                  retry_seconds: float = 120):
         self.url = url or root
         options = dict(options or {})
-        self._secrets = _secrets_in(options)
+        # Longest first, so that a secret containing another option value is replaced whole.
+        self._secrets = sorted(set(_secrets_in(options)), key=len, reverse=True)
         self.concurrency = concurrency
         self.part_size = part_mib << 20
         self.policy = RetryPolicy(max_attempts=max_attempts, max_seconds=float(retry_seconds))
         protocol = fsspec.core.split_protocol(self.url)[0] or "file"
-        if protocol in ("s3", "s3a") and "config_kwargs" not in options:
+        if protocol in ("s3", "s3a"):
             # aiobotocore keeps 10 connections per client by default; let transfers use ours.
             # Its own retries (and s3fs's) would multiply ours: one policy, the tier's, governs.
-            options["config_kwargs"] = {"max_pool_connections": max(10, concurrency * 2),
-                                        "retries": {"max_attempts": 1, "mode": "standard"},
-                                        "connect_timeout": 10, "read_timeout": 60}
+            config = dict(options.get("config_kwargs") or {})
+            config.setdefault("max_pool_connections", max(10, concurrency * 2))
+            config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+            config.setdefault("connect_timeout", 10)
+            config.setdefault("read_timeout", 60)
+            options["config_kwargs"] = config
         try:
             self.fs, path = fsspec.core.url_to_fs(self.url, **options)
         except ImportError as exc:

@@ -54,6 +54,9 @@ class ManifestLastCommit(CommitProtocol):
         backend.write_bytes(f"{staging}/{MANIFEST_NAME}", manifest)
         backend.delete(f"{staging}/{MARKER}")
 
+    def begin_delete(self, backend: Backend, checkpoint_id: str) -> None:
+        backend.write_bytes(f"{checkpoint_id}/{MARKER}", b"deleting")
+
     def abort(self, backend: Backend, checkpoint_id: str, staging: str) -> None:
         if backend.size(f"{staging}/{MANIFEST_NAME}") is None:  # never a committed checkpoint
             backend.delete(staging)

@@ -186,11 +186,11 @@ class Drainer:
                 # Retention on the source may have spared this id while it was being copied.
                 self._safely(lambda: self._store.apply_retention(job.source))
 
-    def _safely(self, fn: Callable[[], object]) -> None:
+    def _safely(self, fn: Callable[[], object], what: str = "retention after a drain") -> None:
         try:
             fn()
         except Exception:
-            log.exception("retention after a drain failed")
+            log.exception("%s failed", what)
 
     def _record_failure(self, job: DrainJob, target: "Tier", exc: BaseException) -> None:
         store = self._store
@@ -251,7 +251,8 @@ class Drainer:
                                      lambda phase: host.phase(phase, cid, target.name, rank))
         except BaseException:
             if commits:
-                self._safely(lambda: target.commit.abort(target.backend, cid, staging))
+                self._safely(lambda: target.commit.abort(target.backend, cid, staging),
+                             f"removing the partial copy of {cid} on '{target.name}'")
             raise
         seconds = time.perf_counter() - started
         host.event(Event(EventKind.DRAIN_FINISHED, cid, target.name, rank, seconds,

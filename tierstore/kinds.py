@@ -140,6 +140,10 @@ class CommitProtocol(abc.ABC):
         ``token_of`` is not protected; protocols that must look inside entries override it."""
         return [n for n in names if self.is_leftover(n) and self.token_of(n) not in protect]
 
+    def begin_delete(self, backend: Backend, checkpoint_id: str) -> None:
+        """Called before a checkpoint is deleted on a backend without rename: mark it so that
+        ``find_leftovers`` recognises what an interrupted delete leaves. Optional."""
+
     def trash_name(self, checkpoint_id: str, token: str) -> str:
         """A root entry name to move a checkpoint to before deleting it; ``is_leftover`` must
         recognise it, so gc finishes a delete that a crash cut short."""

@@ -168,6 +168,7 @@ class Tier:
             self.backend.sync_dir("")
             self.backend.delete(aside)
             return
+        self.commit.begin_delete(self.backend, checkpoint_id)
         self.backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")
         self.backend.delete(checkpoint_id)
 
