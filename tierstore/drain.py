@@ -300,12 +300,7 @@ class Drainer:
             while n := fin.readinto(view):
                 hasher.update(view[:n])
                 size += n
-        if size != entry.size or hasher.hexdigest() != entry.checksum:
-            raise DrainError(
-                f"checkpoint '{cid}': {rel} on tier '{source.name}' does not match its manifest "
-                f"({size} bytes, {hasher.hexdigest()}; expected {entry.size} bytes, "
-                f"{entry.checksum}); it was not copied to '{target.name}'. Run "
-                f"store.verify('{cid}') to see what else is damaged", cid, target.name)
+        _check_source(cid, rel, source, target, entry, size, hasher.hexdigest())
 
     def _run_all(self, calls: list[tuple]) -> list:
         """Run ``(fn, *args)`` calls on the copy pool; raise the first failure after all end."""
@@ -443,15 +438,22 @@ class Drainer:
                 hasher.update(chunk)
                 fout.write(chunk)
                 copied += n
-        if copied != entry.size or hasher.hexdigest() != entry.checksum:
-            raise DrainError(
-                f"checkpoint '{cid}': {rel} on tier '{source.name}' does not match its manifest "
-                f"({copied} bytes, {hasher.hexdigest()}; expected {entry.size} bytes, "
-                f"{entry.checksum}); it was not copied to '{target.name}'. Run "
-                f"store.verify('{cid}') to see what else is damaged", cid, target.name)
+        _check_source(cid, rel, source, target, entry, copied, hasher.hexdigest())
         if partial != dest:
             target.backend.rename(partial, dest, replace=True)
         return copied
+
+
+def _check_source(cid: str, rel: str, source: "Tier", target: "Tier", entry: FileEntry,
+                  size: int, checksum: str) -> None:
+    """Raise when the bytes read from the source differ from its manifest: a bad copy is never
+    propagated to a slower tier."""
+    if size != entry.size or checksum != entry.checksum:
+        raise DrainError(
+            f"checkpoint '{cid}': {rel} on tier '{source.name}' does not match its manifest "
+            f"({size} bytes, {checksum}; expected {entry.size} bytes, {entry.checksum}); it was "
+            f"not copied to '{target.name}'. Run store.verify('{cid}') to see what else is "
+            f"damaged", cid, target.name)
 
 
 def report_unfinished(pending: list[PendingCopy], failures: list[DrainError]) -> None:
