@@ -112,7 +112,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa
 
 import tierstore  # noqa: E402
 from pipeline import DrainTimer  # noqa: E402
-from save_load import (GB, finish_report, fs_type, make_state_dict, nbytes_of,  # noqa: E402
+from save_load import (GB, benchmark_parser, finish_report, fs_type, make_state_dict, nbytes_of,  # noqa: E402
                        remove, rotated, warm_page_cache)
 from servers import SeaweedS3  # noqa: E402
 
@@ -584,21 +584,9 @@ def parse_levels(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=1024,
-                   help="drain/load state dict size (default 1024)")
-    p.add_argument("--tensors", type=int, default=64, help="number of tensors (default 64)")
-    p.add_argument("--repeat", type=int, default=3, help="timed rounds (default 3)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed rounds first (default 1): first-call costs (imports, s3fs and "
-                        "aiobotocore sessions, connection pools, SeaweedFS volume creation) "
-                        "would otherwise land on round 1")
-    p.add_argument("--dir", default=None,
-                   help="parent of the local temp directory (default: system temp dir); "
-                        "not tmpfs")
-    p.add_argument("--io-threads", type=int, default=None,
-                   help="tierstore [store] io_threads (default: tierstore's own default)")
+    p = benchmark_parser(__doc__, 3, "imports, s3fs and aiobotocore sessions, connection "
+                         "pools, SeaweedFS volume creation", "parent of the local temp "
+                         "directory (default: system temp dir); not tmpfs")
     p.add_argument("--zstd-levels", type=parse_levels, default=[1, 3],
                    help="zstd levels compared with no codec (default 1,3; empty: skip part 3)")
     p.add_argument("--model-dim", type=int, default=512, help="transformer width (default 512)")
@@ -608,9 +596,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vocabulary (tied embedding/head; default 8192)")
     p.add_argument("--model-steps", type=int, default=5,
                    help="AdamW steps before the state is saved (default 5)")
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    p.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     return p.parse_args(argv)
 
 

@@ -107,7 +107,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import tierstore  # noqa: E402
 from tierstore.events import EventKind  # noqa: E402
-from save_load import (GB, finish_report, fs_type, make_state_dict, nbytes_of,  # noqa: E402
+from save_load import (GB, benchmark_parser, finish_report, fs_type, make_state_dict, nbytes_of,  # noqa: E402
                        remove, rotated)
 
 SAVE_CONTENDERS = ("pipeline", "alone")
@@ -383,25 +383,11 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, shm_base: s
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=1024, help="state dict size (default 1024)")
-    p.add_argument("--tensors", type=int, default=64, help="number of tensors (default 64)")
-    p.add_argument("--repeat", type=int, default=9, help="timed rounds (default 9)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed rounds first (default 1): first-call costs (lazy imports, "
-                        "thread start-up, allocator and page-cache growth) would otherwise land "
-                        "on round 1")
-    p.add_argument("--dir", default=None,
-                   help="parent of the disk temp directory (tiers 2 and 3, raw copies; default: "
-                        "system temp dir); not tmpfs")
+    p = benchmark_parser(__doc__, 9, "lazy imports, thread start-up, allocator and page-cache "
+                         "growth", "parent of the disk temp directory (tiers 2 and 3, raw "
+                         "copies; default: system temp dir); not tmpfs")
     p.add_argument("--shm-dir", default="/dev/shm",
                    help="parent of the memory tier's temp directory (default /dev/shm)")
-    p.add_argument("--io-threads", type=int, default=None,
-                   help="tierstore [store] io_threads (default: tierstore's own default)")
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    p.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     return p.parse_args(argv)
 
 

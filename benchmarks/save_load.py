@@ -399,22 +399,29 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
               f"(per round: {rounds})")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def benchmark_parser(doc: str, repeat: int, warmup_costs: str,
+                     dir_help: str) -> argparse.ArgumentParser:
+    """The options every benchmark in this folder takes; each adds its own after."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mib", type=int, default=1024, help="state dict size (default 1024)")
     p.add_argument("--tensors", type=int, default=64, help="number of tensors (default 64)")
-    p.add_argument("--repeat", type=int, default=3, help="timed rounds (default 3)")
+    p.add_argument("--repeat", type=int, default=repeat, help=f"timed rounds (default {repeat})")
     p.add_argument("--warmup", type=int, default=1,
-                   help="untimed rounds first (default 1): first-call costs (lazy imports, "
-                        "allocator and page-cache growth) would otherwise land on round 1")
-    p.add_argument("--dir", default=None,
-                   help="parent of the temp directory (default: system temp dir); not tmpfs")
+                   help=f"untimed rounds first (default 1): first-call costs ({warmup_costs}) "
+                        f"would otherwise land on round 1")
+    p.add_argument("--dir", default=None, help=dir_help)
     p.add_argument("--io-threads", type=int, default=None,
                    help="tierstore [store] io_threads (default: tierstore's own default)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = benchmark_parser(__doc__, 3, "lazy imports, allocator and page-cache growth",
+                         "parent of the temp directory (default: system temp dir); not tmpfs")
     return p.parse_args(argv)
 
 
