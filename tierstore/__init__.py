@@ -13,7 +13,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,  # noqa: E402
-                     IntegrityError, PluginError, TierstoreError)
+                     IntegrityError, PluginError, StagingError, TierstoreError)
 from .events import Event, EventKind, Phase  # noqa: E402
 from .info import CheckpointInfo, VerifyReport  # noqa: E402
 from .plugin_manager import hookimpl  # noqa: E402
@@ -36,4 +36,5 @@ __all__ = [
     "IntegrityError",
     "CommitError",
     "DrainError",
+    "StagingError",
 ]

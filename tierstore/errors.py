@@ -14,6 +14,7 @@ __all__ = [
     "IntegrityError",
     "CommitError",
     "DrainError",
+    "StagingError",
 ]
 
 
@@ -51,3 +52,8 @@ class DrainError(TierstoreError):
         super().__init__(message)
         self.checkpoint_id = checkpoint_id
         self.tier = tier
+
+
+class StagingError(TierstoreError):
+    """A state dict could not be staged for ``dcp.async_save`` (e.g. it exceeds
+    ``[store.staging] max_staging_bytes``); nothing was written."""

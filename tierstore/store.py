@@ -25,6 +25,8 @@ from .errors import CheckpointNotFound, CommitError, ConfigError, DrainError, Pl
 from .events import Event, EventKind, Phase
 from .ids import step_of, validate_checkpoint_id
 from .item_io import register_extension
+from .handoff import StoreSpec
+from .inflight import SaveSlot
 from .info import CheckpointInfo, VerifyReport
 from .manifest import FileEntry, Manifest
 from .plugin_manager import PluginHost, build_plugin_host
@@ -42,7 +44,14 @@ class Store:
     """Multi-tier checkpoint storage behind DCP. Build one with :func:`tierstore.open`."""
 
     def __init__(self, config: Any, *, process_group: Any = None,
-                 plugins: Iterable[object] = ()):
+                 plugins: Iterable[object] = (), hand_off: bool = False):
+        plugins = tuple(plugins)
+        self._spec = StoreSpec.of(config, plugins)
+        # True in DCP's checkpoint process: saves there leave drains and retention to the
+        # training process's store (see tierstore.handoff).
+        self._hand_off = hand_off
+        self._handed_off = False  # this store gave saves to DCP's checkpoint process
+        self.slot = SaveSlot()
         data, source = load_source(config)
         store_table = validate_store_table(data.get("store", {}), source)
         self._stats = TierStats()
@@ -73,14 +82,17 @@ class Store:
                                self.config.part_timeout)
         self._atexit = _exit_handler(weakref.ref(self))
         atexit.register(self._atexit)
-        if self.ctx.rank == 0 and not self.node_local:
-            self._resume_drains()
+        if self.ctx.rank == 0 and not self.node_local and not hand_off:
+            self._queue_missing_copies()
         self.host.store_opened(self)
 
-    def _resume_drains(self) -> None:
-        """Queue the copies an earlier process did not finish (it was killed mid-drain, or
-        exited first): a checkpoint complete on a faster tier, missing on a slower tier that
-        takes its step, and newer than everything there (older ones were evicted by keep)."""
+    def _queue_missing_copies(self) -> None:
+        """Queue the copies nobody has made: those an earlier process did not finish (it was
+        killed mid-drain, or exited first) and those of saves made in DCP's checkpoint process.
+        A copy is missing when a checkpoint is complete on a faster tier, absent from a slower
+        tier that takes its step, newer than everything there (older ones were evicted by
+        keep), and not queued already."""
+        queued = set(self.drainer.pending())
         jobs: dict[str, tuple[Tier, list[Tier], float]] = {}
         complete = [tier.complete() for tier in self.tiers]
         for j, target in enumerate(self.tiers):
@@ -90,6 +102,7 @@ class Store:
                 for cid, manifest in complete[i].items():
                     if (manifest.step is None or not target.takes(manifest.step)
                             or cid in on_target or manifest.committed <= newest
+                            or PendingCopy(cid, target.name) in queued
                             or target.read_manifest(cid) is not None):
                         continue
                     source, targets, when = jobs.setdefault(cid, (self.tiers[i], [],
@@ -97,11 +110,32 @@ class Store:
                     if target not in targets:
                         targets.append(target)
         for cid, (source, targets, _) in sorted(jobs.items(), key=lambda kv: kv[1][2]):
-            log.info("resuming the drain of %s from '%s' to %s", cid, source.name,
+            log.info("queueing the drain of %s from '%s' to %s", cid, source.name,
                      ", ".join(f"'{t.name}'" for t in targets))
             manifest = source.read_manifest(cid)
             self.drainer.submit(DrainJob(cid, source, targets, manifest.save_token,
                                          manifest.files))
+
+    def hand_off_spec(self) -> StoreSpec:
+        """Called when a save goes to DCP's checkpoint process: how that process opens this
+        store. Its drains are queued here once it has committed (``adopt_handed_off_saves``)."""
+        if self.node_local:
+            raise ConfigError(
+                "dcp.async_save with AsyncCheckpointerType.PROCESS is not supported with "
+                "node-local tiers ({node} or {rank} in a path): their drains are coordinated by "
+                "the ranks that saved; use AsyncCheckpointerType.THREAD (the default)"
+            )
+        self._handed_off = True
+        return self._spec
+
+    def adopt_handed_off_saves(self) -> None:
+        """Queue the drains (and apply the retention) of saves that DCP's checkpoint process
+        committed; a no-op unless this store handed saves to it."""
+        if not self._handed_off or self.ctx.rank != 0:
+            return
+        self._queue_missing_copies()
+        for tier in self.tiers:
+            self.apply_retention(tier)
 
     @property
     def node_local(self) -> bool:
@@ -165,10 +199,13 @@ class Store:
         return Tier(tc, backend, commit_reg.factory(**options), commit_name, codecs=codecs)
 
     # -- DCP ---------------------------------------------------------------------------------
-    def writer(self) -> TierstoreWriter:
-        """A DCP StorageWriter (and AsyncStager) saving into this store."""
+    def writer(self, *, emergency: bool = False) -> TierstoreWriter:
+        """A DCP StorageWriter (and AsyncStager) saving into this store.
+
+        ``emergency=True``: save to the fastest tier whatever its ``every``, and queue no drains
+        (a process about to exit; the next ``tierstore.open`` queues them)."""
         self._check_open()
-        return TierstoreWriter(self)
+        return TierstoreWriter(self, emergency=emergency)
 
     def reader(self) -> TierstoreReader:
         """A DCP StorageReader loading from this store."""
@@ -212,7 +249,7 @@ class Store:
 
     def publish(self, tier: Tier, checkpoint_id: str, staging: str, token: str,
                 files: dict[str, FileEntry], step: int, seconds: float,
-                all_files: dict[str, FileEntry] | None = None) -> Manifest:
+                all_files: dict[str, FileEntry] | None = None, drain: bool = True) -> Manifest:
         """Write the manifest and make the checkpoint (this rank's part of it, on a node-local
         tier) visible on ``tier``, queue drains to slower tiers, then apply ``keep``.
         ``all_files``: every file of the checkpoint, known on the coordinator."""
@@ -241,7 +278,9 @@ class Store:
                          manifest.size_bytes, {"step": step}))
         log.info("committed %s on tier '%s' (%d bytes in %.2f s)", checkpoint_id, tier.name,
                  manifest.size_bytes, seconds)
-        targets = [t for t in self.tiers_for(step) if t is not tier]
+        if self._hand_off:
+            return manifest  # the training process's store drains and applies keep
+        targets = [t for t in self.tiers_for(step) if t is not tier] if drain else []
         if targets:
             self.drainer.submit(DrainJob(checkpoint_id, tier, targets, token,
                                          all_files or files))
@@ -379,7 +418,10 @@ class Store:
         tiers); raise the first failure since the last ``wait`` as a ``DrainError`` naming the
         checkpoint, the tier and the cause. ``TimeoutError`` when ``timeout`` seconds pass."""
         self._check_open()
-        self.drainer.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.slot.wait_idle()  # a save in flight queues its drains when it commits
+        self.adopt_handed_off_saves()
+        self.drainer.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict[str, TierFigures]:
         """Per-tier figures of this process since the store was opened: saves, drains, loads
@@ -450,6 +492,7 @@ def _exit_handler(store_ref: "weakref.ref[Store]"):
             return
         failures: list[DrainError] = []
         try:
+            store.adopt_handed_off_saves()
             store.drainer.wait(store.config.exit_timeout)
         except TimeoutError:
             pass

@@ -32,6 +32,8 @@ from .ids import is_valid_checkpoint_id, validate_checkpoint_id
 from .item_io import HashingWriter, ItemLocation, split_items, write_items
 from .manifest import METADATA_NAME, FileEntry
 
+from .handoff import StoreSpec, checkpoint_process_store
+
 if TYPE_CHECKING:
     from .store import Store
     from .tier import Tier
@@ -58,6 +60,7 @@ class _SaveState:
     token: str | None = None
     staging: str | None = None
     set_up: bool = False
+    drain: bool = True  # queue copies to slower tiers after the commit (not for emergency saves)
 
 
 class TierstoreWriter(StorageWriter, AsyncStager):
@@ -69,21 +72,52 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     # dcp.async_save need not call synchronize_staging: stage() returns a finished copy.
     _synchronize_after_execute = False
 
-    def __init__(self, store: "Store"):
-        self._store = store
+    def __init__(self, store: "Store", *, emergency: bool = False):
+        self._store: "Store | None" = store
+        self._spec: StoreSpec | None = None
+        self._emergency = emergency
         self._save: _SaveState | None = None
         self._rank = 0
         self._is_coordinator = True
 
+    # -- DCP's process executor pickles the writer to its checkpoint process ------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Runs in the training process, in the thread that hands this save to DCP's checkpoint
+        process and waits for its answer: that thread now carries the save. The checkpoint
+        process opens the same store (same config and plugins) to write the first tier; this
+        process queues the drains to slower tiers once the save is committed."""
+        store = self._store
+        if store is None:
+            return {"spec": self._spec, "emergency": self._emergency}
+        store.slot.carried_here()
+        return {"spec": store.hand_off_spec(), "emergency": self._emergency}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(None, emergency=state["emergency"])  # type: ignore[arg-type]
+        self._spec = state["spec"]
+
     # -- AsyncStager ---------------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` to host memory with the store's staging plugin (async_save)."""
+        """Copy ``state_dict`` to host memory with the store's staging plugin (async_save).
+
+        Waits first for the store's previous save to finish (one save in flight): its files may
+        still be written from the same staging buffers."""
         store = self._store
         store.host.phase(Phase.STAGE, rank=store.ctx.rank)
-        started = time.perf_counter()
-        staged = store.stager.stage(state_dict)
+        waited = store.slot.staged()
+        try:
+            store.adopt_handed_off_saves()
+            started = time.perf_counter()
+            staged = store.stager.stage(state_dict)
+        except BaseException:
+            store.slot.release_pending()
+            raise
+        stager = store.stager
         store.host.event(Event(EventKind.STAGED, rank=store.ctx.rank,
-                               seconds=time.perf_counter() - started))
+                               seconds=time.perf_counter() - started,
+                               nbytes=getattr(stager, "last_bytes", None),
+                               detail={"waited_s": waited,
+                                       "reused": getattr(stager, "last_reused", None)}))
         return staged
 
     def synchronize_staging(self) -> None:
@@ -96,13 +130,16 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id=None) -> None:
         """Start a save: validate the id, pick the first tier that takes it, refuse an id that
         already exists there (unless ``overwrite``)."""
+        if self._store is None:  # unpickled in DCP's checkpoint process
+            self._store = checkpoint_process_store(self._spec)
         store = self._store
+        store.slot.carried_here()  # waits for another thread's save still in flight
         cid = validate_checkpoint_id(checkpoint_id)
         step = store.step_for(cid)
-        tier = store.first_tier_for(step)
+        tier = store.tiers[0] if self._emergency else store.first_tier_for(step)
         store.host.phase(Phase.SAVE_BEGIN, cid, tier.name, store.ctx.rank)
         if not store.config.overwrite:
-            for t in store.tiers_for(step):
+            for t in ([tier] if self._emergency else store.tiers_for(step)):
                 if t.read_manifest(cid) is not None:
                     raise CommitError(
                         f"checkpoint '{cid}' already exists on tier '{t.name}' "
@@ -110,7 +147,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                         f"overwrite = true to replace it"
                     )
         store.save_running(None)  # a new save on this thread: any earlier one is over
-        self._save = _SaveState(cid, step, tier, time.perf_counter())
+        self._save = _SaveState(cid, step, tier, time.perf_counter(), drain=not self._emergency)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember this rank's role; refuse a save that did not come with a checkpoint id
@@ -212,7 +249,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                  for rel, entry in entries}
         try:
             store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
-                          seconds=time.perf_counter() - save.started)
+                          seconds=time.perf_counter() - save.started, drain=save.drain)
         except BaseException:
             tier.commit.abort(tier.backend, save.checkpoint_id, save.staging)
             raise
@@ -245,7 +282,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             files[METADATA_NAME] = all_files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw),
                                                                         None)
             store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
-                          seconds=time.perf_counter() - save.started, all_files=all_files)
+                          seconds=time.perf_counter() - save.started, all_files=all_files,
+                          drain=save.drain)
         except BaseException:
             tier.commit.abort(tier.backend, save.checkpoint_id, save.staging)
             raise

@@ -1,0 +1,83 @@
+"""One save in flight per store.
+
+``dcp.async_save`` runs each save in a new thread (or hands it to DCP's checkpoint process). Two
+saves of one store must never overlap: the second would overwrite the staging buffers the first
+is still writing from, and their collectives would interleave on the same process group. So a
+new save waits until the thread carrying the previous one has finished.
+
+A save is *carried* by a thread: for ``dcp.save`` the caller's; for ``async_save`` with the
+thread executor, DCP's executor thread (known when it calls ``writer.reset``); with the process
+executor, the thread that hands the writer to the checkpoint process and waits for its answer
+(known when the writer is pickled). Between staging and that moment the save is *pending*.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+__all__ = ["SaveSlot"]
+
+log = logging.getLogger("tierstore")
+
+#: how long a staged save may stay without a carrier before it is presumed never started
+_PENDING_GRACE_S = 60.0
+
+
+class SaveSlot:
+    """Serialises the saves of one store (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._carrier: threading.Thread | None = None
+        self._pending_since: float | None = None  # staged, carrier not known yet
+
+    def _busy(self) -> bool:
+        me = threading.current_thread()
+        if self._pending_since is not None:
+            if time.monotonic() - self._pending_since > _PENDING_GRACE_S:
+                log.warning("a staged save never started (DCP did not call the writer); "
+                            "going on with the next save")
+                self._pending_since = None
+                return False
+            return True
+        carrier = self._carrier
+        return carrier is not None and carrier is not me and carrier.is_alive()
+
+    def wait_idle(self) -> float:
+        """Block until no save is in flight (the caller's own thread does not count); return
+        the seconds waited."""
+        started = time.perf_counter()
+        with self._cond:
+            while self._busy():
+                self._cond.wait(0.01)
+        return time.perf_counter() - started
+
+    def staged(self) -> float:
+        """``stage()``: wait for the previous save, then mark a save pending. Returns the
+        seconds waited."""
+        with self._cond:
+            waited = self.wait_idle()
+            self._pending_since = time.monotonic()
+            self._carrier = None
+            return waited
+
+    def carried_here(self) -> float:
+        """The current thread carries a save: the one staged before (async_save) or a new one
+        (dcp.save, which waits for any save in flight first). Returns the seconds waited."""
+        with self._cond:
+            me = threading.current_thread()
+            waited = 0.0
+            if self._pending_since is None:
+                waited = self.wait_idle()
+            self._pending_since = None
+            self._carrier = me
+            self._cond.notify_all()
+            return waited
+
+    def release_pending(self) -> None:
+        """A staged save will not start (its staging failed)."""
+        with self._cond:
+            self._pending_since = None
+            self._cond.notify_all()
