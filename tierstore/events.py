@@ -27,9 +27,10 @@ class EventKind:
     FAILED = "failed"            # a save, commit or load failed; detail['error'] says why
     DRAIN_STARTED = "drain_started"
     DRAIN_FINISHED = "drain_finished"
+    EMERGENCY_SAVED = "emergency_saved"  # a preemption checkpoint is committed on the fastest tier
 
     ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
-           DRAIN_STARTED, DRAIN_FINISHED)
+           DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED)
 
 
 class Phase:
@@ -47,9 +48,10 @@ class Phase:
     DRAIN_BEGIN = "drain_begin"        # before copying a committed checkpoint to a slower tier
     DRAIN_FILE = "drain_file"          # before one file is copied (detail: file)
     DRAIN_COMMIT = "drain_commit"      # before the copy is committed on the slower tier
+    EMERGENCY_SAVE = "emergency_save"  # preemption: before the emergency checkpoint is saved
 
     ALL = (STAGE, SAVE_BEGIN, WRITE_FILE, WRITE_METADATA, WRITE_MANIFEST, PUBLISH, RETAIN,
-           LOAD_BEGIN, READ_FILE, DRAIN_BEGIN, DRAIN_FILE, DRAIN_COMMIT)
+           LOAD_BEGIN, READ_FILE, DRAIN_BEGIN, DRAIN_FILE, DRAIN_COMMIT, EMERGENCY_SAVE)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import threading
 import weakref
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from .ids import step_of, validate_checkpoint_id
 from .item_io import register_extension
 from .handoff import StoreSpec
 from .inflight import SaveSlot
+from .preemption import Preemption
 from .info import CheckpointInfo, VerifyReport
 from .manifest import FileEntry, Manifest
 from .plugin_manager import PluginHost, build_plugin_host
@@ -432,14 +434,26 @@ class Store:
         """Copies to slower tiers not finished yet (checkpoint and tier), oldest first."""
         return self.drainer.pending()
 
-    def close(self) -> None:
+    def preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> Preemption:
+        """Install a handler for ``signals`` (SIGTERM) that turns preemption into an emergency
+        checkpoint at a step all ranks agree on; see :class:`tierstore.preemption.Preemption`.
+        Collective (every rank, main thread)."""
+        self._check_open()
+        return Preemption(self, signals)
+
+    def close(self, wait: bool = True) -> None:
         """Wait for background work (raising its failures), then release the drain threads,
-        backends and the store's process group."""
+        backends and the store's process group. ``wait=False``: do not wait for drains (what is
+        left is listed on stderr; the next ``tierstore.open`` resumes drains to shared tiers)."""
         if self._closed:
             return
         self.host.store_closing(self)
         try:
-            self.wait()
+            if wait:
+                self.wait()
+            else:
+                self.slot.wait_idle()
+                report_unfinished(self.drainer.pending(), self.drainer.unreported_failures())
         finally:
             self._closed = True
             atexit.unregister(self._atexit)

@@ -1,0 +1,112 @@
+"""Emergency checkpoint on preemption (SIGTERM).
+
+A scheduler that preempts a job sends SIGTERM and waits a grace period before SIGKILL. The
+signal handler only records the request; the training loop asks, once per step, whether any rank
+got it (a tiny all-reduce, so that every rank answers the same at the same step), and if so
+saves and exits::
+
+    preemption = store.preemption()           # collective; installs the SIGTERM handler
+    for step in range(start, steps):
+        train_step()
+        if preemption.requested_by_any():     # collective, every rank, every step
+            preemption.save_and_exit(state_dict, f"step-{step}")
+        ...
+
+``save_and_exit`` lets the save in flight finish, saves the current state synchronously to the
+fastest tier (no drains: there is no time), commits it, closes the store without waiting for
+older drains (the next ``tierstore.open`` resumes them) and exits the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .dist import make_store_group
+from .events import Event, EventKind, Phase
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["Preemption"]
+
+log = logging.getLogger("tierstore")
+
+
+class Preemption:
+    """Turns SIGTERM into an emergency checkpoint at a step all ranks agree on.
+
+    Build it with ``store.preemption()`` (on every rank, from the main thread)."""
+
+    def __init__(self, store: "Store", signals: Iterable[int] = (signal.SIGTERM,)):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("store.preemption() installs signal handlers, which Python "
+                               "allows only in the main thread; call it there")
+        self._store = store
+        self._signals = tuple(signals)
+        self._received: int | None = None
+        self._previous = {s: signal.signal(s, self._on_signal) for s in self._signals}
+        # A group of its own: the per-step agreement must not interleave with the collectives
+        # of an async save running on store.process_group in DCP's thread.
+        self._group = make_store_group(store.process_group)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Only record: the step in progress finishes, then the loop asks requested_by_any().
+        self._received = signum
+
+    @property
+    def requested(self) -> bool:
+        """Whether this process received one of the signals (no collective)."""
+        return self._received is not None
+
+    def requested_by_any(self) -> bool:
+        """Whether any rank received the signal. Collective: every rank calls it at every step,
+        and all get the same answer."""
+        if self._group is None:
+            return self.requested
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+    def save(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
+        """Wait for the save in flight, then save ``state_dict`` to the fastest tier and commit
+        it (collective: every rank calls it with the same id)."""
+        import torch.distributed.checkpoint as dcp
+
+        store = self._store
+        store.host.phase(Phase.EMERGENCY_SAVE, checkpoint_id, store.tiers[0].name,
+                         store.ctx.rank)
+        started = time.perf_counter()
+        store.slot.wait_idle()
+        dcp.save(state_dict, storage_writer=store.writer(emergency=True),
+                 checkpoint_id=checkpoint_id, process_group=store.process_group)
+        store.host.event(Event(EventKind.EMERGENCY_SAVED, checkpoint_id, store.tiers[0].name,
+                               store.ctx.rank, time.perf_counter() - started,
+                               detail={"signal": self._received}))
+        log.warning("emergency checkpoint %s committed on tier '%s'", checkpoint_id,
+                    store.tiers[0].name)
+
+    def save_and_exit(self, state_dict: dict[str, Any], checkpoint_id: str,
+                      exit_code: int = 0) -> None:
+        """``save``, then close the store without waiting for older drains (they are listed on
+        stderr and resumed by the next ``tierstore.open``) and exit with ``exit_code``."""
+        self.save(state_dict, checkpoint_id)
+        self.close()
+        self._store.close(wait=False)
+        sys.exit(exit_code)
+
+    def close(self) -> None:
+        """Put the previous signal handlers back and release the agreement group."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
