@@ -24,13 +24,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_nodes(*args: str, timeout: float = 180) -> str:
-    """Both nodes' torchrun, concurrently; returns their combined output (fails on error)."""
+def run_two_nodes(*args: str, timeout: float = 180, worker: Path = WORKER) -> str:
+    """Both nodes' torchrun running ``worker``, concurrently; returns their combined output
+    (fails on error)."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen(
         [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
-         "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER), *args],
+         "--master-addr=127.0.0.1", f"--master-port={port}", str(worker), *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
     outputs = []

@@ -28,9 +28,11 @@ class EventKind:
     DRAIN_STARTED = "drain_started"
     DRAIN_FINISHED = "drain_finished"
     EMERGENCY_SAVED = "emergency_saved"  # a preemption checkpoint is committed on the fastest tier
+    REPLICATED = "replicated"    # this rank's files reached its peers (and theirs reached it)
+    PEER_FETCHED = "peer_fetched"  # a load got a file from another rank (detail: file, from)
 
     ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
-           DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED)
+           DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED, REPLICATED, PEER_FETCHED)
 
 
 class Phase:
@@ -49,9 +51,12 @@ class Phase:
     DRAIN_FILE = "drain_file"          # before one file is copied (detail: file)
     DRAIN_COMMIT = "drain_commit"      # before the copy is committed on the slower tier
     EMERGENCY_SAVE = "emergency_save"  # preemption: before the emergency checkpoint is saved
+    REPLICATE = "replicate"            # before this rank's files are sent to its peers
+    PEER_FETCH = "peer_fetch"          # a load, before files missing here are fetched from peers
 
     ALL = (STAGE, SAVE_BEGIN, WRITE_FILE, WRITE_METADATA, WRITE_MANIFEST, PUBLISH, RETAIN,
-           LOAD_BEGIN, READ_FILE, DRAIN_BEGIN, DRAIN_FILE, DRAIN_COMMIT, EMERGENCY_SAVE)
+           LOAD_BEGIN, READ_FILE, DRAIN_BEGIN, DRAIN_FILE, DRAIN_COMMIT, EMERGENCY_SAVE,
+           REPLICATE, PEER_FETCH)
 
 
 @dataclass(frozen=True)

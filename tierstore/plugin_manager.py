@@ -35,6 +35,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierstore_plugins.fsspec_backend",
     "tierstore_plugins.staging_cpu",
     "tierstore_plugins.zstd",
+    "tierstore_plugins.peer",
+    "tierstore_plugins.replication",
 )
 
 ENTRY_POINT_GROUP = "tierstore"

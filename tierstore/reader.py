@@ -8,6 +8,7 @@ the user unwrapped.
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 import time
@@ -25,7 +26,8 @@ from .errors import CheckpointNotFound, IntegrityError
 from .events import Event, EventKind, Phase
 from .ids import is_valid_checkpoint_id, validate_checkpoint_id
 from .item_io import FileReadError, read_items
-from .manifest import METADATA_NAME, Manifest
+from .manifest import METADATA_NAME, FileEntry, Manifest
+from .restore import fetch_from_peers
 
 if TYPE_CHECKING:
     from .store import Store
@@ -46,6 +48,8 @@ class TierstoreReader(StorageReader):
         self._metadata: Metadata | None = None
         self._rank = 0
         self._fresh = False
+        #: files a peer sent for this load: relative path -> (manifest entry, bytes)
+        self._fetched: dict[str, tuple[FileEntry, bytes]] = {}
 
     def reset(self, checkpoint_id=None) -> None:
         """Find the tiers holding a complete copy of ``checkpoint_id`` and read its metadata."""
@@ -54,20 +58,15 @@ class TierstoreReader(StorageReader):
         store.host.phase(Phase.LOAD_BEGIN, cid, None, store.ctx.rank)
         # Every tier with a manifest is a source, even one missing a file: files are read one
         # by one from the fastest tier that has a good copy.
-        sources = [(t, m) for t in store.tiers if (m := t.read_manifest(cid)) is not None]
+        store.slot.wait_idle()  # never load beside a save of this store in flight
+        sources = [(t, m) for t in store.read_tiers() if (m := t.read_manifest(cid)) is not None]
         raw, codecs, problems = self._local_metadata(cid, sources)
+        self._fetched = {}
         if store.node_local and store.process_group is not None:
             # With a directory per node, only the coordinator's node has .metadata, and one
             # rank may find nothing while others do: decide together, so that no rank goes on
             # into DCP's collectives while another has raised.
-            raw, codecs, missing = self._share_metadata(raw, codecs, bool(sources))
-            if raw is None or missing:
-                who = (f"ranks {missing} hold no part of it" if missing else
-                       f"no rank has a good copy of {METADATA_NAME}")
-                raise CheckpointNotFound(
-                    f"checkpoint '{cid}' cannot be loaded by this job: {who} on any tier "
-                    f"({', '.join(t.name for t in store.tiers)}); store.latest() gives the "
-                    f"newest loadable one")
+            raw, codecs = self._share_metadata(cid, raw, codecs, sources)
         elif not sources:
             available = [c.id for c in store.list()[:5]]
             hint = (f"newest available: {', '.join(available)}" if available
@@ -113,20 +112,49 @@ class TierstoreReader(StorageReader):
             return raw, manifest.codecs, problems
         return None, [], problems or ["no tier holds it"]
 
-    def _share_metadata(self, raw: bytes | None, codecs: list[str], has_sources: bool
-                        ) -> tuple[bytes | None, list[str], list[int]]:
-        """Collective: the metadata (and its codecs) from the lowest rank that has it, and the
-        ranks that hold no part of the checkpoint."""
-        group = self._store.process_group
-        status = all_gather_object((raw is not None, has_sources), group)
-        missing = [r for r, (_, has) in enumerate(status) if not has]
-        holders = [r for r, (has, _) in enumerate(status) if has]
-        if not holders:
-            return None, [], missing
+    def _share_metadata(self, cid: str, raw: bytes | None, codecs: list[str],
+                        sources: list[tuple["Tier", Manifest]]) -> tuple[bytes, list[str]]:
+        """Collective: check that every rank's files are held by some rank (on any tier, a
+        replica included) and take the metadata (and its codecs) from the lowest rank that has
+        it. Raises the same ``CheckpointNotFound`` on every rank otherwise."""
+        store = self._store
+        group = store.process_group
+        covered: set[int] = set()
+        saved_world, shared_complete = None, False
+        for tier, manifest in sources:
+            if len(tier.present_files(cid, manifest)) == len(manifest.files):
+                covered |= set(manifest.ranks)
+                shared_complete |= tier.layout.shared and tier not in store.replica_tiers \
+                    and manifest.has_metadata and set(manifest.ranks) >= set(range(manifest.world_size))
+            saved_world = manifest.world_size
+        status = all_gather_object((raw is not None, covered, saved_world, shared_complete),
+                                   group)
+        covered = set().union(*(c for _, c, _, _ in status))
+        saved_world = next((w for _, _, w, _ in status if w is not None), None)
+        tiers = ", ".join(t.name for t in store.tiers)
+        if saved_world is None:
+            raise CheckpointNotFound(
+                f"checkpoint '{cid}' is on no tier of any rank ({tiers}); store.latest() gives "
+                f"the newest loadable one")
+        if saved_world != store.ctx.world_size and not any(s for *_, s in status):
+            raise CheckpointNotFound(
+                f"checkpoint '{cid}' was saved by {saved_world} ranks and this job has "
+                f"{store.ctx.world_size}: its files are on node-local tiers and peer replicas, "
+                f"which restore only with the world size (and replication strategy) of the save; "
+                f"load it with {saved_world} ranks, or from a tier that holds all of it (DCP "
+                f"reshards from there)")
+        missing = sorted(set(range(saved_world)) - covered)
+        holders = [r for r, (has, *_) in enumerate(status) if has]
+        if missing or not holders:
+            who = (f"the files of rank(s) {missing} are on no tier of any rank and no peer "
+                   f"holds a replica of them" if missing else
+                   f"no rank has a good copy of {METADATA_NAME}")
+            raise CheckpointNotFound(
+                f"checkpoint '{cid}' cannot be loaded by this job: {who} ({tiers}); "
+                f"store.latest() gives the newest loadable one")
         src = holders[0]
-        mine = (raw, codecs) if self._store.ctx.rank == src else None
-        raw, codecs = broadcast_object(mine, group, src)
-        return raw, codecs, missing
+        mine = (raw, codecs) if store.ctx.rank == src else None
+        return broadcast_object(mine, group, src)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP calls reset only when a checkpoint id is given; never reuse the previous load's.
@@ -158,6 +186,9 @@ class TierstoreReader(StorageReader):
         for req in plan.items:
             per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
         started = time.perf_counter()
+        if store.node_local and store.process_group is not None:
+            self._fetched = fetch_from_peers(store, self._checkpoint_id, self._sources,
+                                             set(per_file))
 
         def read_file(relative: str) -> int:
             return self._read_one_file(relative, per_file[relative], planner)
@@ -177,6 +208,11 @@ class TierstoreReader(StorageReader):
     def _read_one_file(self, relative: str, reqs: list[ReadItem], planner: LoadPlanner) -> int:
         store, cid = self._store, self._checkpoint_id
         problems = []
+        fetched = self._fetched.get(relative)
+        if fetched is not None:  # not on this node: a peer sent it (verified)
+            entry, data = fetched
+            return read_items(io.BytesIO(data), entry, reqs, self._metadata.storage_data,
+                              self._metadata, planner, False)
         for n, (tier, manifest) in enumerate(self._sources):
             entry = manifest.files.get(relative)
             if entry is None:

@@ -7,6 +7,7 @@ process group, and hands out DCP writers and readers bound to them.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import signal
 import threading
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from . import __version__
 from .config import StoreConfig, load_source, validate_config, validate_store_table
 from .dist import RankContext, all_gather_object, make_store_group, rank_context
-from .layout import compute_layouts
+from .layout import TierLayout, compute_layouts
 from .drain import DrainJob, Drainer, PendingCopy, report_unfinished
 from .errors import CheckpointNotFound, CommitError, ConfigError, DrainError, PluginError
 from .events import Event, EventKind, Phase
@@ -28,7 +29,9 @@ from .ids import step_of, validate_checkpoint_id
 from .item_io import register_extension
 from .handoff import StoreSpec
 from .inflight import SaveSlot
+from .options import validate_table
 from .preemption import Preemption
+from .replication import Replicator
 from .info import CheckpointInfo, VerifyReport
 from .manifest import FileEntry, Manifest
 from .plugin_manager import PluginHost, build_plugin_host
@@ -80,6 +83,7 @@ class Store:
                                                             self.process_group, self.config.source)):
             tier.layout = layout
         self._check_drain_paths()
+        self.replicator: Replicator | None = self._build_replicator(process_group)
         self.drainer = Drainer(self, self.config.drain_threads, self.config.drain_chunk_mib << 20,
                                self.config.part_timeout)
         self._atexit = _exit_handler(weakref.ref(self))
@@ -117,6 +121,68 @@ class Store:
             manifest = source.read_manifest(cid)
             self.drainer.submit(DrainJob(cid, source, targets, manifest.save_token,
                                          manifest.files))
+
+    def _build_replicator(self, process_group: Any) -> "Replicator | None":
+        """The peer tier's replication (strategy checked against the world size, replica tiers
+        for the ranks this one holds, a gloo group of its own); None without a peer tier."""
+        peers = [t for t in self.tiers if hasattr(t.backend, "replication")]
+        if not peers:
+            return None
+        source = self.config.source
+        if len(peers) > 1:
+            raise ConfigError(
+                f"{source.where('tier', peers[1].config.index, 'backend')}: tiers "
+                f"{', '.join(repr(t.name) for t in peers)} are all peer tiers; keep one")
+        peer = peers[0]
+        where = source.where("tier", peer.config.index, "replication")
+        table = dict(peer.backend.replication)
+        name = table.pop("strategy", None)
+        reg = self.host.lookup("replication", name) if isinstance(name, str) else None
+        if reg is None:
+            raise ConfigError(
+                f"{where}: tier '{peer.name}': replication needs 'strategy' naming one of "
+                f"{', '.join(self.host.names('replication'))} (got {name!r}), e.g. "
+                f"replication = {{ strategy = \"clique\", factor = 2, jump = 1 }}")
+        options = validate_table(table, reg.options,
+                                 owner=f"tier '{peer.name}' replication strategy '{name}'",
+                                 source=source, table_name="tier", index=peer.config.index)
+        strategy = reg.factory(**options)
+        problem = strategy.check_world_size(self.ctx.world_size)
+        if problem:
+            raise ConfigError(f"{where}: tier '{peer.name}': {problem}")
+        world, rank = self.ctx.world_size, self.ctx.rank
+        held = [src for src in range(world) if rank in strategy.holders(src, world)]
+        replica_tiers = {src: self._replica_tier(peer, src) for src in held}
+        return Replicator(self, peer, strategy, replica_tiers, make_store_group(process_group),
+                          self.config.part_timeout, self.config.drain_chunk_mib << 20)
+
+    def _replica_tier(self, peer: Tier, src: int) -> Tier:
+        """The tier where this rank keeps rank ``src``'s replicas (beside the peer tier)."""
+        backend = peer.backend.replica_backend(src, self.ctx.rank)
+        config = dataclasses.replace(peer.config, name=f"{peer.name}:rank-{src}")
+        layout = TierLayout(0, 1, (src,), ((src,),))
+        return Tier(config, backend, peer.commit, peer.commit_name, layout=layout,
+                    codecs=peer.codecs)
+
+    @property
+    def replica_tiers(self) -> list[Tier]:
+        """Tiers holding the replicas this rank keeps for its peers ([] without a peer tier)."""
+        return list(self.replicator.replica_tiers.values()) if self.replicator else []
+
+    def read_tiers(self) -> list[Tier]:
+        """Every tier a load may read, fastest first: the replica tiers come right after the
+        peer tier (own copy, then replicas kept here, then slower tiers)."""
+        out = []
+        for tier in self.tiers:
+            out.append(tier)
+            if self.replicator is not None and tier is self.replicator.peer:
+                out += self.replica_tiers
+        return out
+
+    @property
+    def save_seq(self) -> int:
+        """How many saves this store has started (a save's number, for background jobs)."""
+        return self._saves
 
     def hand_off_spec(self) -> StoreSpec:
         """Called when a save goes to DCP's checkpoint process: how that process opens this
@@ -341,7 +407,7 @@ class Store:
         files are all present (a file may come from any tier), whether ``.metadata`` is, and
         when it was committed."""
         parts: dict[tuple[str, tuple[int, ...]], tuple[Manifest, set[str]]] = {}
-        for tier in self.tiers:
+        for tier in self.read_tiers():
             for cid in tier.checkpoint_names():
                 manifest = tier.read_manifest(cid)
                 if manifest is None:
@@ -411,7 +477,7 @@ class Store:
         """Remove what interrupted saves left on every tier (never a committed checkpoint)."""
         self._check_open()
         removed = []
-        for tier in self.tiers:
+        for tier in self.read_tiers():
             removed += [f"{tier.name}:{n}" for n in self.collect_garbage(tier)]
         return removed
 
@@ -421,9 +487,17 @@ class Store:
         checkpoint, the tier and the cause. ``TimeoutError`` when ``timeout`` seconds pass."""
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         self.slot.wait_idle()  # a save in flight queues its drains when it commits
         self.adopt_handed_off_saves()
-        self.drainer.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        try:
+            self.drainer.wait(left())
+        finally:
+            if self.replicator is not None:
+                self.replicator.wait(left())
 
     def stats(self) -> dict[str, TierFigures]:
         """Per-tier figures of this process since the store was opened: saves, drains, loads
@@ -458,11 +532,16 @@ class Store:
             self._closed = True
             atexit.unregister(self._atexit)
             self.drainer.close()
+            if self.replicator is not None:
+                self.replicator.close()
             self.stager.close()
             for tier in self.tiers:
                 tier.backend.close()
             if dist.is_initialized():
-                for group in (self.process_group, self.save_group):
+                groups = [self.process_group, self.save_group]
+                if self.replicator is not None:
+                    groups.append(self.replicator.group)
+                for group in groups:
                     if group is not None:
                         dist.destroy_process_group(group)
             self.process_group = self.save_group = None

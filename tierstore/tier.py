@@ -123,7 +123,7 @@ class Tier:
         problems = []
         for rel, entry in sorted(manifest.files.items()):
             try:
-                size, checksum = self._checksum_file(f"{checkpoint_id}/{rel}")
+                size, checksum = self.checksum_file(f"{checkpoint_id}/{rel}")
             except FileNotFoundError:
                 problems.append(problem(rel, "missing"))
                 continue
@@ -133,7 +133,7 @@ class Tier:
                 problems.append(problem(rel, f"checksum {checksum}, manifest says {entry.checksum}"))
         return problems
 
-    def _checksum_file(self, path: str) -> tuple[int, str]:
+    def checksum_file(self, path: str) -> tuple[int, str]:
         hasher = Hasher()
         size = 0
         buf = bytearray(_READ_CHUNK)

@@ -31,6 +31,7 @@ from .events import Event, EventKind, Phase
 from .ids import is_valid_checkpoint_id, validate_checkpoint_id
 from .item_io import HashingWriter, ItemLocation, split_items, write_items
 from .manifest import METADATA_NAME, FileEntry
+from .replication import ReplicationJob
 
 from .handoff import StoreSpec, checkpoint_process_store
 
@@ -61,6 +62,7 @@ class _SaveState:
     staging: str | None = None
     set_up: bool = False
     drain: bool = True  # queue copies to slower tiers after the commit (not for emergency saves)
+    seq: int = 0  # the store's save counter at reset
 
 
 class TierstoreWriter(StorageWriter, AsyncStager):
@@ -147,7 +149,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                         f"overwrite = true to replace it"
                     )
         store.save_running(None)  # a new save on this thread: any earlier one is over
-        self._save = _SaveState(cid, step, tier, time.perf_counter(), drain=not self._emergency)
+        self._save = _SaveState(cid, step, tier, time.perf_counter(), drain=not self._emergency,
+                                seq=store.save_seq)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember this rank's role; refuse a save that did not come with a checkpoint id
@@ -174,6 +177,16 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         """Write this rank's items into files in the tier's staging directory, in parallel,
         hashing on the way; each file is durable when this returns."""
         save = self._require_save()
+        wrote = False
+        try:
+            fut = self._write_data(save, plan, planner)
+            wrote = True
+            return fut
+        finally:
+            self._queue_replication(save, wrote)
+
+    def _write_data(self, save: _SaveState, plan: SavePlan, planner: SavePlanner
+                    ) -> Future[list[WriteResult]]:
         data: _PlanData = plan.storage_data
         store, tier = self._store, save.tier
         save.token = data.token
@@ -224,11 +237,22 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         finally:
             if failure is not None or not self._is_coordinator:
                 store.save_running(None)  # only the coordinator has more to do (finish)
+
         if failure is not None:
             raise failure
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _queue_replication(self, save: _SaveState, wrote: bool) -> None:
+        """Every rank, once per save the peer tier takes (so that the ranks' replication jobs
+        pair up): send this rank's files to its peers once they are committed."""
+        store = self._store
+        replicator = store.replicator
+        if replicator is None or not save.drain or not replicator.peer.takes(save.step):
+            return
+        replicator.submit(ReplicationJob(save.checkpoint_id, save.tier, save.step,
+                                         save.token or "", wrote, save.seq))
 
     def _publish_part(self, save: _SaveState, results: list[WriteResult],
                       failure: BaseException | None) -> None:

@@ -1,7 +1,10 @@
 """PyTorch's async-checkpoint recipe on CPU, with tierstore as the storage writer.
 
-Run under ``torchrun --nproc-per-node=2`` (gloo, CPU) by tests/test_async_recipe.py; argv[1] is
-the directory holding the tier roots.
+Run under ``torchrun --nproc-per-node=2`` (gloo, CPU) by tests/test_async_recipe.py.
+argv: ROOT [MODE]. ROOT holds the tier roots. MODE "recipe" (the default) or "slow-drain": the
+same job with the drain of the last checkpoint to "disk" slowed down (1 s before its commit, as a
+slow disk or object store would), which makes every rank check ``store.list()`` right after its
+own ``store.wait()`` (see the test module).
 
 The recipe (recipes_source/distributed_async_checkpoint_recipe.rst) with FSDP2
 (``fully_shard``) instead of FSDP1: its ToyModel and Adam, 10 training steps, ``dcp.async_save``
@@ -28,15 +31,15 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
+from worker_exit import run_worker
 
 import tierstore
-
-from worker_exit import run_worker
+from tierstore.events import Phase
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -44,6 +47,8 @@ warnings.filterwarnings("ignore", category=UserWarning)
 WORLD = 2
 STEPS = 10
 RAM_KEEP = 3
+
+SLOW_DRAIN_S = 1.0
 
 problems: list[str] = []
 
@@ -121,11 +126,11 @@ def differences(actual, expected, path: str = "") -> list[str]:
         if not isinstance(actual, torch.Tensor):
             return [f"{path}: {type(actual).__name__}, expected a tensor"]
         if actual.dtype != expected.dtype or actual.shape != expected.shape:
-            return [f"{path}: {actual.dtype} {tuple(actual.shape)}, "
-                    f"expected {expected.dtype} {tuple(expected.shape)}"]
+            return [(f"{path}: {actual.dtype} {tuple(actual.shape)}, "
+                     f"expected {expected.dtype} {tuple(expected.shape)}")]
         if not torch.equal(actual, expected):
-            return [f"{path}: values differ (max abs diff "
-                    f"{(actual.double() - expected.double()).abs().max().item():.3g})"]
+            return [(f"{path}: values differ (max abs diff "
+                     f"{(actual.double() - expected.double()).abs().max().item():.3g})")]
         return []
     if isinstance(expected, dict):
         if not isinstance(actual, dict) or set(actual) != set(expected):
@@ -155,6 +160,34 @@ def count_leaves(sd) -> int:
     return 1
 
 
+class SlowLastDrain:
+    """Sleeps before the drain of the last checkpoint commits on "disk"."""
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase, checkpoint_id, tier, rank, detail):
+        if phase == Phase.DRAIN_COMMIT and checkpoint_id == f"step-{STEPS - 1}":
+            time.sleep(SLOW_DRAIN_S)
+
+
+def check_listing(listed, root: str, when: str) -> None:
+    """step-9 on both tiers, the newest 3 in "ram", every checkpoint on "disk"."""
+    tiers_of = {c.id: c.tiers for c in listed}
+    last = f"step-{STEPS - 1}"
+    if tiers_of.get(last) != ["ram", "disk"]:
+        fail(f"{when}: {last} is on tiers {tiers_of.get(last)}, expected ['ram', 'disk']")
+    in_ram = [c.id for c in listed if "ram" in c.tiers]
+    if len(in_ram) > RAM_KEEP:
+        fail(f"{when}: tier 'ram' holds {len(in_ram)} checkpoints {in_ram}, keep = {RAM_KEEP}")
+    elif in_ram != [f"step-{s}" for s in range(STEPS - 1, STEPS - 1 - RAM_KEEP, -1)]:
+        fail(f"{when}: tier 'ram' holds {in_ram}, expected the newest {RAM_KEEP}")
+    on_ram_dir = sorted(n for n in os.listdir(f"{root}/ram") if not n.startswith("."))
+    if len(on_ram_dir) > RAM_KEEP:
+        fail(f"{when}: the ram tier's directory holds {on_ram_dir}, keep = {RAM_KEEP}")
+    on_disk = sorted((c.id for c in listed if "disk" in c.tiers), key=lambda c: int(c[5:]))
+    if on_disk != [f"step-{s}" for s in range(STEPS)]:
+        fail(f"{when}: tier 'disk' holds {on_disk}, expected every step-0..step-{STEPS - 1}")
+
+
 def upload_future(response):
     """async_save returns a Future, or an AsyncSaveResponse when the stager stages in the
     background; the save is done when its upload completes."""
@@ -163,6 +196,8 @@ def upload_future(response):
 
 def main() -> int:
     root = sys.argv[1]
+    mode = sys.argv[2] if len(sys.argv) > 2 else "recipe"
+    assert mode in ("recipe", "slow-drain"), mode
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     assert dist.get_world_size() == WORLD, dist.get_world_size()
@@ -170,7 +205,7 @@ def main() -> int:
     store = tierstore.open({"tier": [
         {"name": "ram", "backend": "local", "path": f"{root}/ram", "keep": RAM_KEEP},
         {"name": "disk", "backend": "local", "path": f"{root}/disk"},
-    ]})
+    ]}, plugins=[SlowLastDrain()] if mode == "slow-drain" else ())
     pg = store.process_group
     if pg is None:
         fail("store.process_group is None under torch.distributed")
@@ -185,12 +220,14 @@ def main() -> int:
     snapshots: dict[str, dict] = {}
     checkpoint_future = None
     started = time.perf_counter()
+    overlapped = 0  # steps whose training ran while the previous save was still in flight
     for step in range(STEPS):
         train_step(model, optimizer, data)
         snapshots[f"step-{step}"] = state_of(model, optimizer)
 
         # The recipe: wait for the previous checkpoint, one request in flight at a time.
         if checkpoint_future is not None:
+            overlapped += not checkpoint_future.done()
             checkpoint_future.result()
         checkpoint_future = upload_future(dcp.async_save(
             {"app": AppState(model, optimizer)}, storage_writer=store.writer(),
@@ -198,7 +235,8 @@ def main() -> int:
     checkpoint_future.result()
     store.wait()
     print(f"RANK {rank} TRAINED {STEPS} STEPS WITH ASYNC SAVES IN "
-          f"{time.perf_counter() - started:.2f} s", flush=True)
+          f"{time.perf_counter() - started:.2f} s; {overlapped} of {STEPS - 1} saves were still "
+          f"in flight when the next step's training had finished", flush=True)
 
     # The training really ran collectives and the shards really differ between ranks: the
     # ranks' local shards of net1.weight are different rows of one logical matrix.
@@ -212,27 +250,20 @@ def main() -> int:
     if float(steps) != STEPS:
         fail(f"Adam's step count is {steps}, expected {STEPS}")
 
-    # What is stored after store.wait().
+    # What is stored after store.wait(). The drains of a checkpoint on a shared first tier run on
+    # rank 0 (the coordinator, which commits it); in "recipe" mode only rank 0 checks right after
+    # its own wait(), every rank checks once every rank's wait() has returned. In "slow-drain"
+    # mode every rank checks right after its own wait().
     listed = store.list()
-    tiers_of = {c.id: c.tiers for c in listed}
-    print(f"RANK {rank} LIST " + " ".join(f"{c.id}:{'+'.join(c.tiers)}" for c in listed),
-          flush=True)
-    last = f"step-{STEPS - 1}"
-    if tiers_of.get(last) != ["ram", "disk"]:
-        fail(f"{last} is on tiers {tiers_of.get(last)}, expected ['ram', 'disk']")
-    in_ram = [c.id for c in listed if "ram" in c.tiers]
-    if len(in_ram) > RAM_KEEP:
-        fail(f"tier 'ram' holds {len(in_ram)} checkpoints {in_ram}, keep = {RAM_KEEP}")
-    if in_ram != [f"step-{s}" for s in range(STEPS - 1, STEPS - 1 - RAM_KEEP, -1)]:
-        fail(f"tier 'ram' holds {in_ram}, expected the newest {RAM_KEEP}")
-    on_ram_dir = sorted(n for n in os.listdir(f"{root}/ram") if not n.startswith("."))
-    if len(on_ram_dir) > RAM_KEEP:
-        fail(f"the ram tier's directory holds {on_ram_dir}, keep = {RAM_KEEP}")
-    on_disk = sorted((c.id for c in listed if "disk" in c.tiers), key=lambda c: int(c[5:]))
-    if on_disk != [f"step-{s}" for s in range(STEPS)]:
-        fail(f"tier 'disk' holds {on_disk}, expected every step-0..step-{STEPS - 1}")
+    print(f"RANK {rank} LIST AFTER WAIT "
+          + " ".join(f"{c.id}:{'+'.join(c.tiers)}" for c in listed), flush=True)
     if store.pending():
         fail(f"copies still pending after store.wait(): {store.pending()}")
+    if mode == "slow-drain" or rank == 0:
+        check_listing(listed, root, f"rank {rank} right after store.wait()")
+    dist.barrier()
+    check_listing(store.list(), root, "after every rank's store.wait()")
+    last = f"step-{STEPS - 1}"
 
     ckpt = store.latest()
     everyone = [None] * WORLD

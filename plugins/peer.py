@@ -1,0 +1,50 @@
+"""Backend ``peer``: a node's RAM (or disk) holding its own ranks' files plus the replicas other
+ranks send it over torch.distributed, so that a lost node's shards come back from its peers.
+
+The directory holds checkpoints in the usual layout; the replicas this rank keeps for rank ``s``
+live under ``.replicas/rank-<s>/`` in the same layout (a manifest naming rank ``s``). Which ranks
+send to which is the ``replication`` table's strategy (a plugin: ``clique``, ``ring``); moving
+the bytes is the store's (tierstore.replication).
+"""
+
+from __future__ import annotations
+
+import os
+
+import tierstore
+from tierstore.options import Option
+
+from .local import LocalBackend
+
+__all__ = ["PeerBackend", "REPLICA_DIR"]
+
+#: directory (under the tier root) of the replicas this rank keeps for other ranks
+REPLICA_DIR = ".replicas"
+
+
+class PeerBackend(LocalBackend):
+    """A local directory (tmpfs by default, no fsync) that also receives peers' replicas."""
+
+    options = (
+        Option("path", str, default="/dev/shm/tierstore-peer/{node}", expand=True,
+               description="directory of this node's copies; use {node} (or {rank})"),
+        Option("replication", dict, required=True,
+               description="table with 'strategy' (clique, ring) and the strategy's options, "
+                           "e.g. { strategy = \"clique\", factor = 2, jump = 1 }"),
+        Option("fsync", bool, default=False, description="fsync files (for a disk path)"),
+    )
+
+    def __init__(self, root: str, path: str | None = None, replication: dict | None = None,
+                 fsync: bool = False):
+        super().__init__(root, path, fsync=fsync)
+        self.replication = dict(replication or {})
+
+    def replica_backend(self, src: int, holder: int) -> LocalBackend:
+        """Where rank ``holder`` keeps the replicas of rank ``src``'s files."""
+        return LocalBackend(os.path.join(self.root, REPLICA_DIR, f"{src}-held-by-{holder}"),
+                            fsync=self.durable)
+
+
+@tierstore.hookimpl
+def tierstore_register_backends(register):
+    register("peer", PeerBackend)

@@ -1,0 +1,125 @@
+"""torchrun worker for 2 simulated nodes x 2 ranks with a peer tier (tests/test_peer.py).
+
+Tiers: "ram" (node-local RAM), "peer" (node-local, replicas over torch.distributed with the
+strategy given), and, unless argv says "noobj", "objects" (an fsspec ``file://`` object-store
+tier every rank sees). argv: ROOT STRATEGY OBJ PHASE [EXPECTED]. PHASE "save" saves step-1..3
+and waits for drains and replication; "load" checks latest() == EXPECTED and loads it bitwise,
+printing where each file came from; "load-missing" loads EXPECTED and prints the
+CheckpointNotFound it expects.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+import tierstore
+from tierstore import EventKind
+from tierstore.events import Phase
+from worker_exit import run_worker
+
+warnings.filterwarnings("ignore")
+problems: list[str] = []
+
+STRATEGIES = {"clique": {"strategy": "clique", "factor": 2, "jump": 2},
+              "ring": {"strategy": "ring", "offset": 2}}
+
+
+class Observer:
+    """Records which tier each file was read from, and peer fetches and replications."""
+
+    def __init__(self):
+        self.reads, self.fetched, self.replicated = [], [], []
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase, tier, detail):
+        if phase == Phase.READ_FILE:
+            self.reads.append((detail["file"], tier))
+
+    @tierstore.hookimpl
+    def tierstore_event(self, event):
+        if event.kind == EventKind.PEER_FETCHED:
+            self.fetched.append((event.detail["file"], event.detail["from"]))
+        elif event.kind == EventKind.REPLICATED:
+            self.replicated.append((event.checkpoint_id, event.detail["to"],
+                                    event.detail["from"]))
+
+
+def config(root, strategy, with_objects):
+    tiers = [
+        {"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 2},
+        {"name": "peer", "backend": "peer", "path": root + "/peer/{node}", "keep": 3,
+         "replication": STRATEGIES[strategy]},
+    ]
+    if with_objects:
+        tiers.append({"name": "objects", "backend": "fsspec", "url": f"file://{root}/objects"})
+    return {"tier": tiers}
+
+
+def state(step, rank, mesh, zero=False):
+    gen = torch.Generator().manual_seed(step)
+    full = torch.randn(64, 32, generator=gen)
+    replicated = torch.randn(10, generator=gen)
+    mine = torch.randn(5000, generator=torch.Generator().manual_seed(step * 10 + rank))
+    if zero:
+        full, replicated, mine = (torch.zeros_like(full), torch.zeros_like(replicated),
+                                  torch.zeros_like(mine))
+    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "replicated": replicated,
+            f"rank{rank}": mine, "step": 0 if zero else step}
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root, strategy, obj, phase = sys.argv[1:5]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    seen = Observer()
+    store = tierstore.open(config(root, strategy, obj == "obj"), plugins=[seen])
+    if phase == "save":
+        for step in (1, 2, 3):
+            dcp.save(state(step, rank, mesh), storage_writer=store.writer(),
+                     checkpoint_id=f"step-{step}", process_group=store.process_group)
+        store.wait()
+        for cid, to, frm in seen.replicated:
+            print(f"RANK {rank} REPLICATED {cid} TO {to} FROM {frm}", flush=True)
+        dist.barrier()
+    elif phase == "load":
+        expected = sys.argv[5]
+        latest = store.latest()
+        print(f"RANK {rank} LATEST {latest}", flush=True)
+        if latest != expected:
+            problems.append(f"latest() is {latest!r}, expected {expected!r}")
+        step = int(expected.split("-")[1])
+        out = state(step, rank, mesh, zero=True)
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id=expected,
+                 process_group=store.process_group)
+        want = state(step, rank, mesh)
+        for key in ("replicated", f"rank{rank}"):
+            if not torch.equal(out[key], want[key]):
+                problems.append(f"{key} differs")
+        if not torch.equal(out["w"].to_local(), want["w"].to_local()):
+            problems.append("w (local shard) differs")
+        if out["step"] != step:
+            problems.append(f"step is {out['step']}")
+        for file, tier in sorted(set(seen.reads)):
+            print(f"RANK {rank} READ {file} FROM {tier}", flush=True)
+        for file, src in sorted(set(seen.fetched)):
+            print(f"RANK {rank} FETCHED {file} FROM RANK {src}", flush=True)
+    elif phase == "load-missing":
+        out = state(3, rank, mesh, zero=True)
+        try:
+            dcp.load(out, storage_reader=store.reader(), checkpoint_id=sys.argv[5],
+                     process_group=store.process_group)
+            problems.append("the load succeeded")
+        except tierstore.CheckpointNotFound as exc:
+            print(f"RANK {rank} NOTFOUND {exc}", flush=True)
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    run_worker(main, problems, "PROBLEM")

@@ -1,0 +1,81 @@
+"""Peer replica tier: 2 simulated nodes x 2 ranks (two torchrun invocations on a localhost
+rendezvous, GROUP_RANK 0 and 1, ``{node}`` in the tier paths). With ``clique`` factor 2 jump 2
+(or ``ring`` offset 2) every rank's files have a replica on the other node; losing node 1
+entirely, its ranks get their shards back from node 0 over torch.distributed, not from the
+object-store tier."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import tierstore
+from test_node_local import run_two_nodes as _run_two_nodes
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "scripts" / "peer_worker.py"
+
+
+def run(*args: str) -> str:
+    return _run_two_nodes(*args, worker=WORKER)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["clique", "ring"])
+def test_a_lost_node_comes_back_from_its_peers(tmp_path, strategy):
+    root = str(tmp_path)
+    out = run(root, strategy, "obj", "save")
+    # Every rank sent its files to the rank on the other node and kept that rank's files.
+    for rank, peer in ((0, 2), (1, 3), (2, 0), (3, 1)):
+        assert f"RANK {rank} REPLICATED step-3 TO [{peer}] FROM [{peer}]" in out, out[-5000:]
+    assert (tmp_path / "peer/0/.replicas/2-held-by-0/step-3/tierstore.json").exists()
+    assert (tmp_path / "peer/1/.replicas/0-held-by-2/step-3/tierstore.json").exists()
+
+    # Node 1 is replaced: nothing of its RAM or peer tier is left.
+    shutil.rmtree(tmp_path / "ram/1")
+    shutil.rmtree(tmp_path / "peer/1")
+    out = run(root, strategy, "obj", "load", "step-3")
+    for rank in range(4):
+        assert f"RANK {rank} LATEST step-3" in out
+    # Ranks 2 and 3 got their own shards from their peers on node 0, and nobody read the
+    # object store.
+    assert "RANK 2 FETCHED __2_0.distcp FROM RANK 0" in out, out[-8000:]
+    assert "RANK 3 FETCHED __3_0.distcp FROM RANK 1" in out, out[-8000:]
+    assert "FROM objects" not in out, out[-8000:]
+    assert "RANK 0 READ __0_0.distcp FROM ram" in out
+
+    # Both copies of rank 2's files gone (node 1 and the replica on node 0): they come from
+    # the object-store tier, the rest still from RAM and peers.
+    for held in (tmp_path / "peer/0/.replicas").glob("2-held-by-*"):
+        shutil.rmtree(held / "step-3")
+    out = run(root, strategy, "obj", "load", "step-3")
+    assert "RANK 2 READ __2_0.distcp FROM objects" in out, out[-8000:]
+    assert "RANK 3 FETCHED __3_0.distcp FROM RANK 1" in out, out[-8000:]
+
+    # And with no object-store tier, the load names the rank whose files are nowhere.
+    out = run(root, strategy, "noobj", "load-missing", "step-3")
+    for rank in range(4):
+        assert f"RANK {rank} NOTFOUND" in out, out[-8000:]
+    assert "the files of rank(s) [2] are on no tier of any rank" in out
+
+
+def test_a_world_size_the_strategy_cannot_serve_is_a_config_error(tmp_path):
+    config = {"tier": [{"name": "peer", "backend": "peer", "path": str(tmp_path / "peer"),
+                        "replication": {"strategy": "clique", "factor": 2, "jump": 2}}]}
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.open(config)
+    message = str(info.value)
+    assert "tier 'peer'" in message and "multiple of 4 (4, 8, 12" in message
+    assert "this job has 1 ranks" in message
+
+
+def test_replication_table_errors_name_the_strategies(tmp_path):
+    config = {"tier": [{"name": "peer", "backend": "peer", "path": str(tmp_path / "peer"),
+                        "replication": {"strategy": "cliq"}}]}
+    with pytest.raises(tierstore.ConfigError, match="clique, ring"):
+        tierstore.open(config)
+    config["tier"][0]["replication"] = {"strategy": "ring", "ofset": 1}
+    with pytest.raises(tierstore.ConfigError, match="Did you mean 'offset'"):
+        tierstore.open(config)

@@ -1,0 +1,237 @@
+"""Peer replicas: after a save commits, each rank sends its files to the ranks the peer tier's
+strategy names, and keeps the files of the ranks it holds for, over torch.distributed.
+
+One replication thread per store, with a gloo group of its own (its collectives run beside the
+training's and the save's). Every rank queues one job per save that the peer tier takes, in save
+order, so the jobs of all ranks pair up. A job waits until this rank's files are committed on
+the tier the save went to, then all ranks agree (a small all-gather) whether the save committed
+everywhere; if so, headers (file lists) and then files move point to point, and each holder
+commits what it received as a checkpoint of its replica tier (``.replicas/<rank>-held-by-<me>``
+under the peer tier's directory), whose manifest names the rank it came from. The coordinator's
+replicas carry DCP's global ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import __version__
+from .dist import all_gather_object
+from .errors import DrainError
+from .events import Event, EventKind, Phase
+from .item_io import HashingWriter
+from .manifest import METADATA_NAME, FileEntry, Manifest
+from .transfer import Transfer, exchange_objects, run_transfers
+
+if TYPE_CHECKING:
+    from .kinds import ReplicationStrategy
+    from .store import Store
+    from .tier import Tier
+
+__all__ = ["ReplicationJob", "Replicator"]
+
+log = logging.getLogger("tierstore.replication")
+
+
+@dataclass
+class ReplicationJob:
+    """Replicate this rank's files of ``checkpoint_id`` (saved to ``source``)."""
+
+    checkpoint_id: str
+    source: "Tier"
+    step: int
+    token: str
+    wrote: bool  # this rank's write succeeded
+    save_seq: int  # the store's save counter when the save started
+    carrier: threading.Thread = field(default_factory=threading.current_thread)
+
+
+class Replicator:
+    """Runs the replication jobs of one store (see the module docstring)."""
+
+    def __init__(self, store: "Store", peer: "Tier", strategy: "ReplicationStrategy",
+                 replica_tiers: dict[int, "Tier"], group: Any, commit_timeout: float,
+                 piece_bytes: int):
+        self._store = store
+        self.peer = peer
+        self.strategy = strategy
+        self.replica_tiers = replica_tiers
+        self.group = group
+        self._commit_timeout = commit_timeout
+        self._piece_bytes = piece_bytes
+        self._jobs: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._pending: list[ReplicationJob] = []
+        self._failures: list[DrainError] = []
+        self._thread = threading.Thread(target=self._run, name="tierstore-replicate",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, job: ReplicationJob) -> None:
+        """Queue a job; returns at once."""
+        with self._cond:
+            self._pending.append(job)
+        self._jobs.put(job)
+
+    def pending(self) -> list[str]:
+        """Checkpoint ids whose replication is not finished."""
+        with self._cond:
+            return [j.checkpoint_id for j in self._pending]
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued job is done; raise the first failure since the last call."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"replication still running after {timeout} s: "
+                                       + ", ".join(self.pending()))
+                self._cond.wait(left)
+            failures, self._failures = self._failures, []
+        if failures:
+            raise failures[0]
+
+    def close(self) -> None:
+        """Stop the thread (after ``wait``)."""
+        self._jobs.put(None)
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._replicate(job)
+            except BaseException as exc:  # reported through wait()
+                log.exception("replication of %s failed", job.checkpoint_id)
+                err = DrainError(
+                    f"checkpoint '{job.checkpoint_id}' was not replicated to the peers of rank "
+                    f"{self._store.ctx.rank} (tier '{self.peer.name}'): {type(exc).__name__}: "
+                    f"{exc}; it is still complete on tier '{job.source.name}'",
+                    job.checkpoint_id, self.peer.name)
+                self._store.host.event(Event(EventKind.FAILED, job.checkpoint_id, self.peer.name,
+                                             self._store.ctx.rank, detail={"error": str(err)}))
+                with self._cond:
+                    self._failures.append(err)
+            finally:
+                with self._cond:
+                    self._pending.remove(job)
+                    self._cond.notify_all()
+
+    def _committed_files(self, job: ReplicationJob) -> dict[str, FileEntry] | None:
+        """This rank's files of the save once committed on the source tier (the coordinator's
+        include ``.metadata``), or None when the save is over without committing them."""
+        rank = self._store.ctx.rank
+        deadline = time.monotonic() + self._commit_timeout
+        while job.wrote:
+            manifest = job.source.read_manifest(job.checkpoint_id)
+            if manifest is not None and manifest.save_token == job.token:
+                files = {rel: e for rel, e in manifest.files.items() if e.rank == rank}
+                if rank == 0 and METADATA_NAME in manifest.files:
+                    files[METADATA_NAME] = manifest.files[METADATA_NAME]
+                if files or rank not in manifest.ranks:
+                    return files if rank in manifest.ranks else None
+            over = (not job.carrier.is_alive() or self._store.save_seq != job.save_seq
+                    or time.monotonic() > deadline)
+            if over:
+                # The save's thread is gone (or a newer save began) and nothing is committed.
+                manifest = job.source.read_manifest(job.checkpoint_id)
+                if manifest is None or manifest.save_token != job.token:
+                    return None
+                continue
+            time.sleep(0.005)
+        return None
+
+    def _replicate(self, job: ReplicationJob) -> None:
+        store, rank = self._store, self._store.ctx.rank
+        world = store.ctx.world_size
+        files = self._committed_files(job)
+        agreed = all_gather_object((job.checkpoint_id, files is not None), self.group)
+        if not all(ok and cid == job.checkpoint_id for cid, ok in agreed):
+            log.info("not replicating %s: the save did not commit on every rank",
+                     job.checkpoint_id)
+            return
+        assert files is not None
+        store.host.phase(Phase.REPLICATE, job.checkpoint_id, self.peer.name, rank)
+        started = time.perf_counter()
+        manifest = job.source.read_manifest(job.checkpoint_id)
+        header = {"files": files, "step": job.step, "token": job.token,
+                  "codecs": manifest.codecs, "created": manifest.created,
+                  "world_size": world}
+        holders = self.strategy.holders(rank, world)
+        held = sorted(self.replica_tiers)
+        headers = exchange_objects(self.group, {h: header for h in holders}, held)
+        # Each rank lists the transfers of its own pairs only (it knows their files): both
+        # ranks of a pair list that pair's files alike, which is all run_transfers needs.
+        transfers = [Transfer(rank, dst, rel, e.size)
+                     for dst in holders for rel, e in sorted(files.items())]
+        transfers += [Transfer(src, rank, rel, e.size)
+                      for src in held for rel, e in sorted(headers[src]["files"].items())]
+        staging = {src: self.replica_tiers[src].commit.begin(self.replica_tiers[src].backend,
+                                                            job.checkpoint_id, job.token)
+                   for src in held}
+        writers: dict[tuple[int, str], HashingWriter] = {}
+        raws: dict[tuple[int, str], Any] = {}
+
+        def open_source(t: Transfer):
+            return job.source.backend.open_read(f"{job.checkpoint_id}/{t.key}")
+
+        def sink(t: Transfer, offset: int, data) -> None:
+            key = (t.src, t.key)
+            if key not in writers:
+                tier = self.replica_tiers[t.src]
+                raws[key] = tier.backend.open_write(f"{staging[t.src]}/{t.key}")
+                writers[key] = HashingWriter(raws[key])
+            if data.numel():
+                writers[key].write(memoryview(data.numpy()))
+            if offset + data.numel() >= t.size:
+                raws.pop(key).close()
+
+        try:
+            received = run_transfers(self.group, rank, transfers, open_source, sink,
+                                     self._piece_bytes)
+            for src in held:
+                self._commit_replica(job, src, headers[src], staging[src], writers)
+        except BaseException:
+            for raw in raws.values():
+                raw.close()
+            for src in held:
+                tier = self.replica_tiers[src]
+                tier.commit.abort(tier.backend, job.checkpoint_id, staging[src])
+            raise
+        sent = sum(e.size for e in files.values()) * len(holders)
+        store.host.event(Event(EventKind.REPLICATED, job.checkpoint_id, self.peer.name, rank,
+                               time.perf_counter() - started, sent + received,
+                               {"sent": sent, "received": received, "to": holders,
+                                "from": held}))
+
+    def _commit_replica(self, job: ReplicationJob, src: int, header: dict, staging: str,
+                        writers: dict[tuple[int, str], HashingWriter]) -> None:
+        tier, store = self.replica_tiers[src], self._store
+        files: dict[str, FileEntry] = header["files"]
+        for rel, entry in files.items():
+            w = writers.get((src, rel))
+            got = (w.offset, w.hasher.hexdigest()) if w else (0, None)
+            if entry.size and got != (entry.size, entry.checksum):
+                raise OSError(f"the replica of {rel} from rank {src} does not match its "
+                              f"manifest (size {got[0]} of {entry.size}, checksum differs)")
+        manifest = Manifest(
+            checkpoint_id=job.checkpoint_id, files=files, world_size=header["world_size"],
+            codecs=header["codecs"], step=header["step"], part=0, parts=1, ranks=[src],
+            save_token=header["token"], created=header["created"],
+            plugins={"backend": tier.config.backend, "commit": tier.commit_name,
+                     "replication": str(self.strategy)},
+            tierstore_version=__version__,
+        )
+        manifest.committed = time.time()
+        tier.commit.commit(tier.backend, job.checkpoint_id, staging, manifest.to_json(),
+                           lambda phase: store.host.phase(phase, job.checkpoint_id, tier.name,
+                                                          store.ctx.rank))
+        store.apply_retention(tier)

@@ -1,0 +1,117 @@
+"""Loading files this node does not hold from the ranks that do, before DCP reads them.
+
+With node-local tiers (and peer replicas) a rank may need files that only other nodes hold: its
+own shards after its node was replaced, or another rank's file that DCP's plan sends its way.
+Every rank lists the files its plan needs that it has no good copy of here, and the files it can
+serve; all ranks derive the same schedule from that, and the files move over torch.distributed
+(tierstore.transfer). A received file is checked against its manifest checksum; what no peer has
+is left to the slower (shared) tiers, file by file, as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .checksum import checksum_of
+from .dist import all_gather_object
+from .events import Event, EventKind, Phase
+from .manifest import FileEntry, Manifest
+from .transfer import Transfer, run_transfers
+
+if TYPE_CHECKING:
+    from .store import Store
+    from .tier import Tier
+
+__all__ = ["fetch_from_peers"]
+
+log = logging.getLogger("tierstore.restore")
+
+
+def _local_sources(store: "Store", sources: list[tuple["Tier", Manifest]]
+                   ) -> list[tuple["Tier", Manifest]]:
+    """The sources that count as "here": every tier up to the last node-local one (a shared
+    tier after it is a slower tier, read only when no peer has the file)."""
+    order = store.read_tiers()
+    last_local = max((i for i, t in enumerate(order)
+                      if not t.layout.shared or t in store.replica_tiers), default=-1)
+    return [(t, m) for t, m in sources if order.index(t) <= last_local]
+
+
+def _good_copy(store: "Store", cid: str, rel: str, local: list[tuple["Tier", Manifest]],
+               verify: bool) -> tuple["Tier", FileEntry] | None:
+    for tier, manifest in local:
+        entry = manifest.files.get(rel)
+        if entry is None or tier.backend.size(f"{cid}/{rel}") != entry.size:
+            continue
+        if verify:
+            _, digest = tier.checksum_file(f"{cid}/{rel}")
+            if digest != entry.checksum:
+                log.warning("checkpoint %s: %s on tier '%s' is corrupt; asking peers", cid, rel,
+                            tier.name)
+                continue
+        return tier, entry
+    return None
+
+
+def fetch_from_peers(store: "Store", cid: str, sources: list[tuple["Tier", Manifest]],
+                     needed: set[str]) -> dict[str, tuple[FileEntry, bytes]]:
+    """Collective on the store's save group: fetch the files of ``needed`` that this rank has
+    no good copy of here from ranks that do. Returns relative path -> (entry, bytes)."""
+    rank, group = store.ctx.rank, store.save_group
+    local = _local_sources(store, sources)
+    verify = store.config.verify_on_load
+    missing = sorted(r for r in needed if _good_copy(store, cid, r, local, verify) is None)
+    servable: dict[str, int] = {}
+    for tier, manifest in local:
+        for rel, entry in manifest.files.items():
+            if rel not in servable and tier.backend.size(f"{cid}/{rel}") == entry.size:
+                servable[rel] = entry.size
+    views = all_gather_object((missing, servable), group)
+    if not any(m for m, _ in views):
+        return {}
+    store.host.phase(Phase.PEER_FETCH, cid, None, rank)
+    schedule: list[Transfer] = []
+    for dst, (wants, _) in enumerate(views):
+        for rel in wants:
+            holders = [h for h, (_, has) in enumerate(views) if h != dst and rel in has]
+            if holders:
+                # Spread the load over the holders, the same way on every rank.
+                src = holders[(dst + len(schedule)) % len(holders)]
+                schedule.append(Transfer(src, dst, rel, views[src][1][rel]))
+    mine = [t for t in schedule if rank in (t.src, t.dst)]
+    entries = {rel: m.files[rel] for _, m in sources for rel in m.files}
+    buffers: dict[str, bytearray] = {}
+
+    def open_source(t: Transfer):
+        found = _good_copy(store, cid, t.key, local, False)
+        if found is None:
+            raise FileNotFoundError(f"{cid}/{t.key} vanished from this node while a peer "
+                                    f"needed it")
+        return found[0].backend.open_read(f"{cid}/{t.key}")
+
+    def sink(t: Transfer, offset: int, data: torch.Tensor) -> None:
+        buf = buffers.setdefault(t.key, bytearray(t.size))
+        buf[offset:offset + data.numel()] = memoryview(data.numpy())
+
+    started = time.perf_counter()
+    run_transfers(group, rank, mine, open_source, sink, store.config.drain_chunk_mib << 20)
+    seconds = time.perf_counter() - started
+    out: dict[str, tuple[FileEntry, bytes]] = {}
+    for t in mine:
+        if t.dst != rank:
+            continue
+        entry, data = entries.get(t.key), bytes(buffers.get(t.key, b""))
+        if entry is None or len(data) != entry.size or checksum_of(data) != entry.checksum:
+            log.warning("checkpoint %s: the copy of %s from rank %d does not match its "
+                        "manifest; trying slower tiers", cid, t.key, t.src)
+            continue
+        out[t.key] = (entry, data)
+        store.host.event(Event(EventKind.PEER_FETCHED, cid, None, rank, seconds, len(data),
+                               {"file": t.key, "from": t.src}))
+        log.info("checkpoint %s: fetched %s (%d bytes) from rank %d", cid, t.key, len(data),
+                 t.src)
+    return out
