@@ -30,6 +30,7 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed
 	$(PY) benchmarks/save_load.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/staging.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -46,6 +46,9 @@ def test_a_lost_node_comes_back_from_its_peers(tmp_path, strategy):
     assert "FROM objects" not in out, out[-8000:]
     assert "RANK 0 READ __0_0.distcp FROM ram" in out
 
+    if strategy == "ring":
+        return  # the fallbacks below do not depend on the strategy; clique covers them
+
     # Both copies of rank 2's files gone (node 1 and the replica on node 0): they come from
     # the object-store tier, the rest still from RAM and peers.
     for held in (tmp_path / "peer/0/.replicas").glob("2-held-by-*"):
