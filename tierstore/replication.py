@@ -136,8 +136,7 @@ class Replicator:
                 files = {rel: e for rel, e in manifest.files.items() if e.rank == rank}
                 if rank == 0 and METADATA_NAME in manifest.files:
                     files[METADATA_NAME] = manifest.files[METADATA_NAME]
-                if files or rank not in manifest.ranks:
-                    return files if rank in manifest.ranks else None
+                return files if rank in manifest.ranks else None
             over = (not job.carrier.is_alive() or self._store.save_seq != job.save_seq
                     or time.monotonic() > deadline)
             if over:
