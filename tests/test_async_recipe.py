@@ -90,6 +90,6 @@ def test_async_recipe_with_fsdp2_saves_every_step_and_restores_bitwise(tmp_path)
 def test_every_ranks_wait_covers_the_drains_of_the_last_save(tmp_path):
     """The same job with a slow last drain to "disk" (1 s before it commits): on every rank,
     ``store.list()`` right after that rank's own ``store.wait()`` shows step-9 on "disk" too.
-    Rank 1 runs no drain itself (rank 0 commits the shared tiers), so this checks that its
-    ``wait()`` still waits for the job's drains, as README's "every drain so far" says."""
+    Rank 1 runs no drain itself (rank 0 commits the shared tiers), so this checks that
+    ``store.wait(all_ranks=True)`` waits for the whole job's drains on every rank."""
     run_recipe(tmp_path / "tiers", "slow-drain")

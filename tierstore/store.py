@@ -481,10 +481,15 @@ class Store:
             removed += [f"{tier.name}:{n}" for n in self.collect_garbage(tier)]
         return removed
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, all_ranks: bool = False) -> None:
         """Block until every background transfer started so far is done (drains to slower
         tiers); raise the first failure since the last ``wait`` as a ``DrainError`` naming the
-        checkpoint, the tier and the cause. ``TimeoutError`` when ``timeout`` seconds pass."""
+        checkpoint, the tier and the cause. ``TimeoutError`` when ``timeout`` seconds pass.
+
+        Drains run on the rank that committed the copy they read (rank 0 for a shared tier,
+        each node's leader for a node-local one), so a plain ``wait()`` covers this process's
+        work. ``all_ranks=True`` (a collective: every rank calls it) returns on every rank once
+        every rank's work is done, and raises there the first failure of any rank."""
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -493,11 +498,21 @@ class Store:
 
         self.slot.wait_idle()  # a save in flight queues its drains when it commits
         self.adopt_handed_off_saves()
+        failure: BaseException | None = None
         try:
-            self.drainer.wait(left())
-        finally:
-            if self.replicator is not None:
-                self.replicator.wait(left())
+            try:
+                self.drainer.wait(left())
+            finally:
+                if self.replicator is not None:
+                    self.replicator.wait(left())
+        except (DrainError, TimeoutError) as exc:
+            if not all_ranks:
+                raise
+            failure = exc
+        if all_ranks:
+            failures = [f for f in all_gather_object(failure, self.process_group) if f]
+            if failures:
+                raise failures[0]
 
     def stats(self) -> dict[str, TierFigures]:
         """Per-tier figures of this process since the store was opened: saves, drains, loads

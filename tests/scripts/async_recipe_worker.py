@@ -233,7 +233,9 @@ def main() -> int:
             {"app": AppState(model, optimizer)}, storage_writer=store.writer(),
             checkpoint_id=f"step-{step}", process_group=pg))
     checkpoint_future.result()
-    store.wait()
+    # Drains of a shared first tier run on rank 0; all_ranks=True returns on every rank once
+    # they are done everywhere ("slow-drain" checks that on every rank).
+    store.wait(all_ranks=(mode == "slow-drain"))
     print(f"RANK {rank} TRAINED {STEPS} STEPS WITH ASYNC SAVES IN "
           f"{time.perf_counter() - started:.2f} s; {overlapped} of {STEPS - 1} saves were still "
           f"in flight when the next step's training had finished", flush=True)
