@@ -8,7 +8,6 @@ printing where each file came from; "load-missing" loads EXPECTED and prints the
 CheckpointNotFound it expects.
 """
 
-import os
 import sys
 import warnings
 
