@@ -102,6 +102,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -277,6 +278,23 @@ class Env:
     tierstore_saves: list[tuple[str, int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One timed operation: stall seconds, total seconds until committed, process CPU seconds
+    (all threads) and minor page faults during the stall."""
+
+    stall: float
+    total: float
+    cpu: float
+    faults: int
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (all threads): touching freshly allocated
+    memory costs one per page, so they tell a fresh buffer from a reused one."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def settle(env: Env) -> None:
     """Untimed, before each timed operation: collect garbage, flush dirty pages, and let the GPU
     finish what is queued, so no earlier work is paid for on the next clock."""
@@ -299,9 +317,9 @@ def mutate(env: Env) -> None:
     env.last_change = (env.mutations, key, before)
 
 
-def async_save(env: Env, method: str) -> tuple[float, float, float]:
-    """One ``dcp.async_save`` by ``method`` ("tierstore" or "stock"); returns (stall seconds,
-    total seconds until committed, process CPU seconds during the stall)."""
+def async_save(env: Env, method: str) -> Timing:
+    """One ``dcp.async_save`` by ``method`` ("tierstore" or "stock"), waited for until
+    committed."""
     env.saves += 1
     if method == "tierstore":
         cid = f"step-{env.saves}"
@@ -310,12 +328,12 @@ def async_save(env: Env, method: str) -> tuple[float, float, float]:
     else:
         path = os.path.join(env.stock_dir, f"stock-{env.saves}")
         kwargs = dict(storage_writer=FileSystemWriter(path), checkpoint_id=path)
-    c0, t0 = time.process_time(), time.perf_counter()
+    f0, c0, t0 = minor_faults(), time.process_time(), time.perf_counter()
     resp = dcp.async_save(env.sd, async_checkpointer_type=env.executor, **kwargs)
     staging_completion = getattr(resp, "staging_completion", None)
     if staging_completion is not None:  # an AsyncSaveResponse
         staging_completion.result()
-    stall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    stall, cpu, faults = time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
     upload = getattr(resp, "upload_completion", resp)
     upload.result()
     total = time.perf_counter() - t0
@@ -323,14 +341,14 @@ def async_save(env: Env, method: str) -> tuple[float, float, float]:
         env.tierstore_saves.append((cid, env.mutations))
     else:
         remove(path)  # untimed; tmpfs memory back before the next operation
-    return stall, total, cpu
+    return Timing(stall, total, cpu, faults)
 
 
-def plain_copy(env: Env) -> tuple[float, float, float]:
-    """The one-memory-copy baseline into the preallocated destination; returns (seconds,
-    seconds, process CPU seconds), the first two alike (a copy has no background part)."""
+def plain_copy(env: Env) -> Timing:
+    """The one-memory-copy baseline into the preallocated destination (stall and total alike:
+    a copy has no background part)."""
     sd, dst = env.sd, env.dst
-    c0, t0 = time.process_time(), time.perf_counter()
+    f0, c0, t0 = minor_faults(), time.process_time(), time.perf_counter()
     if env.args.cuda:
         for k, t in sd.items():
             dst[k].copy_(t, non_blocking=True)
@@ -338,12 +356,12 @@ def plain_copy(env: Env) -> tuple[float, float, float]:
     else:
         for k, t in sd.items():
             dst[k].copy_(t)
-    secs, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return secs, secs, cpu
+    secs, cpu, faults = time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
+    return Timing(secs, secs, cpu, faults)
 
 
-def run_method(env: Env, method: str) -> tuple[float, float, float]:
-    """Settle, then the timed operation of ``method``: (stall, total, stall CPU) seconds."""
+def run_method(env: Env, method: str) -> Timing:
+    """Settle, then the timed operation of ``method``."""
     settle(env)
     if method == "copy":
         return plain_copy(env)
@@ -359,52 +377,55 @@ def _lists() -> dict[str, list[float]]:
 
 @dataclass
 class Results:
-    """Per method and round: stall, total and stall CPU seconds; the first saves; tierstore's
-    staged events (copy seconds, seconds waited for the previous save, buffers reused)."""
+    """Per method and round: stall, total and stall CPU seconds and stall page faults; the
+    first saves; tierstore's staged events (copy seconds, seconds waited for the previous save,
+    buffers reused)."""
 
     stall: dict[str, list[float]] = field(default_factory=_lists)
     total: dict[str, list[float]] = field(default_factory=_lists)
     cpu: dict[str, list[float]] = field(default_factory=_lists)
+    faults: dict[str, list[float]] = field(default_factory=_lists)
     first: dict[str, dict[str, float]] = field(default_factory=dict)
     staged_copy: list[float] = field(default_factory=list)
     staged_wait: list[float] = field(default_factory=list)
     staged_reused: list[bool] = field(default_factory=list)
 
 
-def line(log: Callable[[str], None], label: str, method: str, stall: float, total: float,
-         cpu: float, payload: int) -> None:
+def line(log: Callable[[str], None], label: str, method: str, t: Timing, payload: int) -> None:
     """One progress line on stderr."""
-    log(f"  {label} {method:<9} stall {stall:7.3f} s  {payload / stall / GB:6.2f} GB/s"
-        f"  cpu {cpu:6.3f} s  total {total:7.3f} s")
+    log(f"  {label} {method:<9} stall {t.stall:7.3f} s  {payload / t.stall / GB:6.2f} GB/s"
+        f"  cpu {t.cpu:6.3f} s  faults {t.faults:7d}  total {t.total:7.3f} s")
 
 
 def first_saves(env: Env, res: Results, log: Callable[[str], None]) -> None:
     """The first ``async_save`` of each method (tierstore, then stock): buffers allocated."""
     for method in SAVES:
-        stall, total, cpu = run_method(env, method)
+        t = run_method(env, method)
         ev = env.timer.take()
-        res.first[method] = {"stall_s": stall, "total_s": total, "cpu_s": cpu}
+        res.first[method] = {"stall_s": t.stall, "total_s": t.total, "cpu_s": t.cpu,
+                             "faults": t.faults}
         if method == "tierstore" and ev is not None:
             res.first[method]["staged_copy_s"] = ev.seconds
             res.first[method]["reused"] = bool(ev.detail.get("reused"))
-        line(log, "first save", method, stall, total, cpu, env.payload)
+        line(log, "first save", method, t, env.payload)
 
 
 def run_round(rnd: int, env: Env, res: Results, log: Callable[[str], None]) -> None:
     """One round: change one tensor, then the three methods in rotated order."""
     mutate(env)
     for method in rotated(METHODS, rnd):
-        stall, total, cpu = run_method(env, method)
-        res.stall[method].append(stall)
-        res.total[method].append(total)
-        res.cpu[method].append(cpu)
+        t = run_method(env, method)
+        res.stall[method].append(t.stall)
+        res.total[method].append(t.total)
+        res.cpu[method].append(t.cpu)
+        res.faults[method].append(t.faults)
         if method == "tierstore":
             ev = env.timer.take()
             if ev is not None:
                 res.staged_copy.append(ev.seconds)
                 res.staged_wait.append(float(ev.detail.get("waited_s") or 0.0))
                 res.staged_reused.append(bool(ev.detail.get("reused")))
-        line(log, f"round {rnd + 1}", method, stall, total, cpu, env.payload)
+        line(log, f"round {rnd + 1}", method, t, env.payload)
 
 
 def load_and_compare(env: Env, cid: str, expected: Callable[[str], torch.Tensor]) -> list[str]:
@@ -454,7 +475,8 @@ def summarize(res: Results, payload: int, check: dict) -> dict:
         med = statistics.median(res.stall[m])
         figures[m] = {"stall_s": res.stall[m], "median_stall_s": med, "gbps": payload / med / GB,
                       "total_s": res.total[m], "median_total_s": statistics.median(res.total[m]),
-                      "cpu_s": res.cpu[m], "median_cpu_s": statistics.median(res.cpu[m])}
+                      "cpu_s": res.cpu[m], "median_cpu_s": statistics.median(res.cpu[m]),
+                      "faults": res.faults[m], "median_faults": statistics.median(res.faults[m])}
         if m in res.first:
             figures[m]["first"] = dict(res.first[m],
                                        gbps=payload / res.first[m]["stall_s"] / GB)

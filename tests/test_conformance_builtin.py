@@ -1,4 +1,5 @@
-"""The built-in backends ``local`` and ``memory`` pass the conformance kit, like any plugin.
+"""The built-in backends ``local``, ``memory`` and ``peer`` pass the conformance kit, like any
+plugin (``peer``'s round trips need several ranks: tests/test_peer.py).
 
 Both declare ``supports_rename = True`` and have local paths, so they use the rename and
 stock-loadable classes.
@@ -46,6 +47,10 @@ class TestLocalBackend(_BuiltinBackend):
 
 class TestMemoryBackend(_BuiltinBackend):
     backend_name = "memory"
+
+
+class TestPeerBackend(_BuiltinBackend):
+    backend_name = "peer"
 
 
 class TestLocalRoundTrip(StockLoadableRoundTripTests):
