@@ -150,20 +150,26 @@ def test_shm_staging_buffers_are_in_shared_memory(tmp_path):
         store.slot.release_pending()  # staged by hand, never saved
 
 
+class HoldFirstWrite:
+    """Holds the save of step-1 inside its first file write until ``gate`` is set."""
+
+    def __init__(self, gate: threading.Event):
+        self.gate = gate
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase, checkpoint_id, tier, detail):
+        if phase == tierstore.Phase.WRITE_FILE and checkpoint_id == "step-1":
+            self.gate.wait(30)
+
+
 def test_a_second_async_save_waits_for_the_first(tmp_path):
     """The first save is held inside its file write; the second async_save must not stage over
     its buffers (nor start its collectives) before the first has committed."""
     gate = threading.Event()
 
-    class HoldFirstWrite:
-        @tierstore.hookimpl
-        def tierstore_phase(self, phase, checkpoint_id, tier, detail):
-            if phase == tierstore.Phase.WRITE_FILE and checkpoint_id == "step-1":
-                gate.wait(30)
-
     rec = Recorder()
     sd = {"w": torch.full((1000,), 1.0)}
-    with tierstore.open(two_tiers(tmp_path), plugins=[HoldFirstWrite(), rec]) as store:
+    with tierstore.open(two_tiers(tmp_path), plugins=[HoldFirstWrite(gate), rec]) as store:
         first = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
         sd["w"].fill_(2.0)
         threading.Timer(0.5, gate.set).start()
@@ -187,14 +193,8 @@ def test_a_second_async_save_waits_for_the_first(tmp_path):
 def test_a_plain_save_waits_for_an_async_save_in_flight(tmp_path):
     gate = threading.Event()
 
-    class HoldFirstWrite:
-        @tierstore.hookimpl
-        def tierstore_phase(self, phase, checkpoint_id, tier, detail):
-            if phase == tierstore.Phase.WRITE_FILE and checkpoint_id == "step-1":
-                gate.wait(30)
-
     sd = {"w": torch.full((100,), 1.0)}
-    with tierstore.open(two_tiers(tmp_path), plugins=[HoldFirstWrite()]) as store:
+    with tierstore.open(two_tiers(tmp_path), plugins=[HoldFirstWrite(gate)]) as store:
         first = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
         threading.Timer(0.3, gate.set).start()
         dcp.save({"w": torch.full((100,), 2.0)}, storage_writer=store.writer(),
