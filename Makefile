@@ -31,6 +31,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/save_load.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/staging.py
+	$(PY) benchmarks/replication.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

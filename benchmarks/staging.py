@@ -58,10 +58,12 @@ Order and fairness
    into the reused buffers.
 
 The report gives each method's median stall, GB/s (10^9 bytes of tensor payload per second of
-stall), the median process CPU seconds during the stall (all threads), the median total time,
-and the per-round stalls; tierstore's own ``staged`` event (copy seconds inside ``stage()`` and
-seconds waited for the previous save) for information; then the verdicts, ratios of medians with
-the per-round ratios beside them (same round, same machine state: the noise indicator):
+stall), the median process CPU seconds (all threads) and minor page faults during the stall
+(touching fresh memory costs a fault per page, so this tells fresh buffers from reused ones
+without timing noise), the median total time and the per-round stalls; tierstore's own
+``staged`` events (copy seconds inside the staging plugin, seconds waited for the previous save)
+for information; then the verdicts, ratios of medians with the per-round ratios beside them
+(same round, same machine state: the noise indicator):
 
 * tierstore stall <= 1.3x one plain copy
 * tierstore stall <= 0.7x stock DCP's stall
@@ -88,10 +90,10 @@ How to run
 ----------
 From the repository root::
 
-    .venv/bin/python benchmarks/staging.py                       # 1 GiB, 64 tensors, 1 warm-up + 5 rounds
+    .venv/bin/python benchmarks/staging.py              # 1 GiB, 64 tensors, 1 warm-up + 5 rounds
     .venv/bin/python benchmarks/staging.py --repeat 9 --json /tmp/staging.json
     .venv/bin/python benchmarks/staging.py --executor process --size-mib 256
-    .venv/bin/python benchmarks/staging.py --cuda               # GPU machine: 4 GiB on the GPU
+    .venv/bin/python benchmarks/staging.py --cuda       # GPU machine: 4 GiB on the GPU
 
 Progress lines go to stderr, the report to stdout. ``--strict`` makes the exit status 1 when a
 target is missed (for CI). The temp directory is removed at the end, also after an error.
@@ -255,7 +257,7 @@ def build_state(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor],
     return sd, dst
 
 
-# -- the timed operations ----------------------------------------------------------------------------
+# -- the timed operations --------------------------------------------------------------------------
 
 @dataclass
 class Env:
@@ -368,7 +370,7 @@ def run_method(env: Env, method: str) -> Timing:
     return async_save(env, method)
 
 
-# -- the run -----------------------------------------------------------------------------------------
+# -- the run ---------------------------------------------------------------------------------------
 
 def _lists() -> dict[str, list[float]]:
     """An empty list per method."""
@@ -466,7 +468,7 @@ def verify(env: Env) -> dict:
     return {"checked": [prev_cid, last_cid], "changed_tensor": key, "ok": True}
 
 
-# -- report ------------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
 
 def summarize(res: Results, payload: int, check: dict) -> dict:
     """Medians, GB/s, ratios and verdicts as a JSON-able dict."""
@@ -521,12 +523,14 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, why: str,
           f"{os.cpu_count()} CPUs, torch {torch.__version__}")
     print("Stall: dcp.async_save's call until it returns (+ staging_completion when it returns "
           "an AsyncSaveResponse); total: until the save is committed. For copy both are the "
-          "copy. GB/s of tensor payload per second of stall; CPU s: median process CPU time "
-          "(user+system, all threads) during the stall.")
+          "copy. GB/s of tensor payload per second of stall; CPU s and faults: median process "
+          "CPU time (user+system, all threads) and minor page faults during the stall (fresh "
+          f"memory costs a fault per page: {payload // resource.getpagesize()} pages of "
+          f"{resource.getpagesize() >> 10} KiB here, fewer with huge pages).")
     print()
-    print("| method | first save stall s | median stall s | GB/s | ratio | CPU s "
+    print("| method | first save stall s | median stall s | GB/s | ratio | CPU s | faults "
           "| median total s | stalls per round (s) |")
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |")
     for m in METHODS:
         s = f[m]
         first = f"{s['first']['stall_s']:.3f}" if "first" in s else "-"
@@ -539,7 +543,8 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, why: str,
             r = "1.00x (baseline)"
         rounds = " ".join(f"{t:.3f}" for t in s["stall_s"])
         print(f"| {LABELS[m]} | {first} | {s['median_stall_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['median_cpu_s']:.2f} | {s['median_total_s']:.3f} | {rounds} |")
+              f"{s['median_cpu_s']:.2f} | {s['median_faults']:.0f} | {s['median_total_s']:.3f} "
+              f"| {rounds} |")
     print()
     for m in SAVES:
         fs = f[m]["first"]
@@ -547,15 +552,20 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, why: str,
         if "staged_copy_s" in fs:
             extra = (f"; stage() {fs['staged_copy_s']:.3f} s, buffers "
                      f"{'reused' if fs['reused'] else 'allocated'}")
-        print(f"First save, {m}: stall {fs['stall_s']:.3f} s ({fs['gbps']:.2f} GB/s), total "
-              f"{fs['total_s']:.3f} s{extra}.")
+        print(f"First save, {m}: stall {fs['stall_s']:.3f} s ({fs['gbps']:.2f} GB/s, "
+              f"{fs['faults']} faults), total {fs['total_s']:.3f} s{extra}.")
     st = summary["tierstore_staged"]
     if st:
         reused = sum(st["reused"])
         print(f"tierstore staged events (timed rounds): stage() copy median "
               f"{st['median_copy_s']:.3f} s, waited for the previous save median "
               f"{st['median_waited_s'] * 1e3:.1f} ms, buffers reused in {reused} of "
-              f"{len(st['reused'])} saves; the rest of the stall is dcp.async_save's own.")
+              f"{len(st['reused'])} saves; the rest of the stall is spent outside the staging "
+              f"plugin's copy (the writer's stage() bookkeeping, dcp.async_save's own work).")
+    pages = payload // resource.getpagesize()
+    for m in SAVES:
+        faults = " ".join(str(x) for x in f[m]["faults"])
+        print(f"{m} page faults per round: {faults} (of {pages} pages of payload).")
     v = summary["verify"]
     print(f"Correctness: tierstore checkpoints {v['checked'][0]} (before the last change of "
           f"{v['changed_tensor']}) and {v['checked'][1]} (after it) loaded with dcp.load and "

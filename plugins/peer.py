@@ -2,7 +2,7 @@
 ranks send it over torch.distributed, so that a lost node's shards come back from its peers.
 
 The directory holds checkpoints in the usual layout; the replicas this rank keeps for rank ``s``
-live under ``.replicas/rank-<s>/`` in the same layout (a manifest naming rank ``s``). Which ranks
+live under ``.replicas/<s>-held-by-<this rank>/`` in the same layout (a manifest naming rank ``s``). Which ranks
 send to which is the ``replication`` table's strategy (a plugin: ``clique``, ``ring``); moving
 the bytes is the store's (tierstore.replication).
 """

@@ -56,6 +56,7 @@ class Store:
         # training process's store (see tierstore.handoff).
         self._hand_off = hand_off
         self._handed_off = False  # this store gave saves to DCP's checkpoint process
+        self._adopt_lock = threading.Lock()
         self.slot = SaveSlot()
         data, source = load_source(config)
         store_table = validate_store_table(data.get("store", {}), source)
@@ -201,9 +202,17 @@ class Store:
         committed; a no-op unless this store handed saves to it."""
         if not self._handed_off or self.ctx.rank != 0:
             return
-        self._queue_missing_copies()
-        for tier in self.tiers:
-            self.apply_retention(tier)
+        with self._adopt_lock:  # one scan at a time, or both would queue the same copy
+            self._queue_missing_copies()
+            for tier in self.tiers:
+                self.apply_retention(tier)
+
+    def adopt_handed_off_saves_later(self) -> None:
+        """``adopt_handed_off_saves`` in a background thread: listing tiers and deleting what
+        ``keep`` drops must not lengthen the training stall of the next ``async_save``."""
+        if self._handed_off and self.ctx.rank == 0:
+            threading.Thread(target=self.adopt_handed_off_saves, name="tierstore-adopt",
+                             daemon=True).start()
 
     @property
     def node_local(self) -> bool:

@@ -108,7 +108,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         store.host.phase(Phase.STAGE, rank=store.ctx.rank)
         waited = store.slot.staged()
         try:
-            store.adopt_handed_off_saves()
+            store.adopt_handed_off_saves_later()
             started = time.perf_counter()
             staged = store.stager.stage(state_dict)
         except BaseException:
