@@ -64,37 +64,55 @@ def run_transfers(group: Any, rank: int, transfers: list[Transfer],
     for t in transfers:
         if t.dst == rank and t.size == 0:
             sink(t, 0, torch.empty(0, dtype=torch.uint8))
-    writer = ThreadPoolExecutor(1, thread_name_prefix="tierstore-transfer-sink")
+    rounds = _rounds(transfers, piece_bytes)
+    # Two sets of send buffers, reused: round k+1's pieces are read from disk while round k
+    # is on the wire (fresh tensors per piece cost a page fault per 4 KiB).
+    send_pools: list[dict[int, torch.Tensor]] = [{}, {}]
+
+    def read_round(k: int) -> list[tuple[_Piece, torch.Tensor]]:
+        out = []
+        for i, p in enumerate(q for q in rounds[k] if q.transfer.src == rank):
+            t = p.transfer
+            pool = send_pools[k % 2]
+            buf = pool.get(i)
+            if buf is None or buf.numel() < p.length:
+                buf = pool[i] = torch.empty(piece_bytes, dtype=torch.uint8)
+            view = buf[:p.length]
+            f = sources.get(t)
+            if f is None:
+                f = sources[t] = open_source(t)
+            f.seek(p.offset)
+            if f.readinto(memoryview(view.numpy())) != p.length:
+                raise OSError(f"{t.key}: short read at offset {p.offset}")
+            out.append((p, view))
+        return out
+
+    helper = ThreadPoolExecutor(2, thread_name_prefix="tierstore-transfer")
     pending_sink: Future | None = None
     try:
-        for pieces in _rounds(transfers, piece_bytes):
+        next_reads: Future | None = helper.submit(read_round, 0) if rounds else None
+        for k, pieces in enumerate(rounds):
+            outgoing = next_reads.result()
+            next_reads = helper.submit(read_round, k + 1) if k + 1 < len(rounds) else None
             works, inbox = [], []
+            for p, view in outgoing:
+                works.append(dist.isend(view, group_dst=p.transfer.dst, group=group))
             for p in pieces:
-                t = p.transfer
-                if t.src == rank:
-                    f = sources.get(t)
-                    if f is None:
-                        f = sources[t] = open_source(t)
+                if p.transfer.dst == rank:
                     buf = torch.empty(p.length, dtype=torch.uint8)
-                    f.seek(p.offset)
-                    if f.readinto(memoryview(buf.numpy())) != p.length:
-                        raise OSError(f"{t.key}: short read at offset {p.offset}")
-                    works.append(dist.isend(buf, group_dst=t.dst, group=group))
-                elif t.dst == rank:
-                    buf = torch.empty(p.length, dtype=torch.uint8)
-                    works.append(dist.irecv(buf, group_src=t.src, group=group))
+                    works.append(dist.irecv(buf, group_src=p.transfer.src, group=group))
                     inbox.append((p, buf))
             for w in works:
                 w.wait()
             if pending_sink is not None:
                 pending_sink.result()
             if inbox:
-                pending_sink = writer.submit(_deliver, sink, inbox)
+                pending_sink = helper.submit(_deliver, sink, inbox)
                 received += sum(p.length for p, _ in inbox)
         if pending_sink is not None:
             pending_sink.result()
     finally:
-        writer.shutdown(wait=True)
+        helper.shutdown(wait=True)
         for f in sources.values():
             f.close()
     return received
