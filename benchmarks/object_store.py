@@ -94,7 +94,6 @@ import sys
 import tempfile
 import time
 import uuid
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -112,7 +111,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa
 
 import tierstore  # noqa: E402
 from pipeline import DrainTimer  # noqa: E402
-from save_load import (GB, benchmark_parser, finish_report, fs_type, make_state_dict, nbytes_of,  # noqa: E402
+from save_load import (GB, benchmark_parser, disk_parent, finish_report, progress_log, fs_type, make_state_dict, nbytes_of,  # noqa: E402
                        remove, rotated, warm_page_cache)
 from servers import SeaweedS3  # noqa: E402
 
@@ -601,14 +600,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    parent = args.dir or tempfile.gettempdir()
-    kind = fs_type(parent)
-    if kind in ("tmpfs", "ramfs"):
-        # No disk behind it: fsync costs nothing, so the local tier would not be a disk tier.
-        raise SystemExit(f"{parent} is on {kind}; point --dir at a disk-backed filesystem")
-    warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
-    warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-    log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    parent, kind = disk_parent(args, "the local tier would not be a disk tier")
+    log = progress_log(args.quiet)
 
     t_start = time.perf_counter()
     sd = make_state_dict(args.size_mib, args.tensors)

@@ -89,7 +89,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -107,7 +106,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import tierstore  # noqa: E402
 from tierstore.events import EventKind  # noqa: E402
-from save_load import (GB, benchmark_parser, finish_report, fs_type, make_state_dict, nbytes_of,  # noqa: E402
+from save_load import (GB, benchmark_parser, disk_parent, finish_report, progress_log, fs_type, make_state_dict, nbytes_of,  # noqa: E402
                        remove, rotated)
 
 SAVE_CONTENDERS = ("pipeline", "alone")
@@ -393,20 +392,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    parent = args.dir or tempfile.gettempdir()
-    kind, shm_kind = fs_type(parent), fs_type(args.shm_dir)
-    if kind in ("tmpfs", "ramfs"):
-        # No disk behind it: fsync costs nothing, so the drain figures would mean nothing.
-        raise SystemExit(f"{parent} is on {kind}; point --dir at a disk-backed filesystem")
+    parent, kind = disk_parent(args, "the drain figures would mean nothing")
+    shm_kind = fs_type(args.shm_dir)
     if shm_kind not in ("tmpfs", "ramfs"):
         print(f"warning: --shm-dir {args.shm_dir} is on {shm_kind}, not tmpfs", file=sys.stderr)
     st = os.statvfs(args.shm_dir)
     if st.f_bavail * st.f_frsize < 2.2 * args.size_mib * (1 << 20):
         raise SystemExit(f"{args.shm_dir} has less free space than two checkpoints need")
-    # dcp.save without a process group warns once per call; the benchmark is single-process.
-    warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
-    warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-    log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    log = progress_log(args.quiet)
 
     t_start = time.perf_counter()
     sd = make_state_dict(args.size_mib, args.tensors)

@@ -110,7 +110,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -129,7 +128,7 @@ import xxhash  # noqa: E402
 
 import tierstore  # noqa: E402
 from tierstore.events import EventKind, Phase  # noqa: E402
-from save_load import (GB, benchmark_parser, finish_report, fs_type, make_state_dict,  # noqa: E402
+from save_load import (GB, benchmark_parser, finish_report, progress_log, fs_type, make_state_dict,  # noqa: E402
                        nbytes_of, rotated)
 
 REP_CONTENDERS = ("replicate", "raw-gloo")
@@ -789,13 +788,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def worker(args: argparse.Namespace) -> int:
     """One rank: set up, warm-up and timed rounds, then rank 0 reports."""
-    warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
-    warnings.filterwarnings("ignore", message=".*torch.distributed.*")
     t_start = time.perf_counter()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    log = ((lambda _m: None) if args.quiet or rank != 0
-           else (lambda m: print(m, file=sys.stderr, flush=True)))
+    log = progress_log(args.quiet or rank != 0)
     base = None
     stores: dict[str, tierstore.Store] = {}
     status = 0

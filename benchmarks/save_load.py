@@ -419,6 +419,25 @@ def benchmark_parser(doc: str, repeat: int, warmup_costs: str,
     return p
 
 
+def disk_parent(args: argparse.Namespace, why: str) -> tuple[str, str]:
+    """``--dir`` (default: the system temp dir) and its filesystem type; exits when it is tmpfs,
+    where fsync costs nothing and ``why`` would mean nothing."""
+    parent = args.dir or tempfile.gettempdir()
+    kind = fs_type(parent)
+    if kind in ("tmpfs", "ramfs"):
+        raise SystemExit(f"{parent} is on {kind} ({why}); point --dir at a disk-backed "
+                         f"filesystem")
+    return parent, kind
+
+
+def progress_log(quiet: bool) -> Callable[[str], None]:
+    """Per-round progress lines on stderr (none with ``--quiet``); also silences the warning DCP
+    gives on every call without a process group (these benchmarks mean to do that)."""
+    warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
+    warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+    return (lambda _m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = benchmark_parser(__doc__, 3, "lazy imports, allocator and page-cache growth",
                          "parent of the temp directory (default: system temp dir); not tmpfs")
@@ -427,15 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    parent = args.dir or tempfile.gettempdir()
-    kind = fs_type(parent)
-    if kind in ("tmpfs", "ramfs"):
-        # No disk behind it: fsync costs nothing, so the save figures would mean nothing.
-        raise SystemExit(f"{parent} is on {kind}; point --dir at a disk-backed filesystem")
-    # dcp.save/load without a process group warn once per call; the benchmark is single-process.
-    warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
-    warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-    log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    parent, kind = disk_parent(args, "the save figures would mean nothing")
+    log = progress_log(args.quiet)
 
     t_start = time.perf_counter()
     sd = make_state_dict(args.size_mib, args.tensors)

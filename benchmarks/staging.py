@@ -112,7 +112,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -132,7 +131,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType 
 
 import tierstore  # noqa: E402
 from tierstore.events import EventKind  # noqa: E402
-from save_load import (GB, benchmark_parser, finish_report, fs_type, make_state_dict, nbytes_of,  # noqa: E402
+from save_load import (GB, benchmark_parser, finish_report, progress_log, fs_type, make_state_dict, nbytes_of,  # noqa: E402
                        remove, rotated)
 
 METHODS = ("tierstore", "stock", "copy")
@@ -609,11 +608,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Set up, run the first saves, warm-up and timed rounds, verify, report."""
     args = parse_args(argv)
-    # dcp.async_save/load without a process group warn on every call; the benchmark is
-    # single-process.
-    warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
-    warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-    log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    log = progress_log(args.quiet)
 
     t_start = time.perf_counter()
     executor = (AsyncCheckpointerType.PROCESS if args.executor == "process"
