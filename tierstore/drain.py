@@ -99,6 +99,18 @@ class _CopyPool:
             self._queue.put(None)
 
 
+def wait_until_empty(cond: threading.Condition, pending: list, timeout: float | None,
+                     message: Callable[[], str]) -> None:
+    """With ``cond`` held: wait until ``pending`` is empty (its owner notifies ``cond`` when it
+    shrinks); ``TimeoutError(message())`` after ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError(message())
+        cond.wait(left)
+
+
 class Drainer:
     """One drain worker per store: jobs run in submission order (the order of saves)."""
 
@@ -136,16 +148,10 @@ class Drainer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every queued drain is done; raise the first failure since the last call."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(
-                        f"drains still running after {timeout} s: "
-                        + ", ".join(map(str, self.pending()))
-                    )
-                self._lock.wait(left)
+            wait_until_empty(self._lock, self._pending, timeout,
+                             lambda: f"drains still running after {timeout} s: "
+                             + ", ".join(map(str, self.pending())))
             failures, self._failures = self._failures, []
         if failures:
             first = failures[0]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .dist import all_gather_object
+from .drain import wait_until_empty
 from .errors import DrainError
 from .events import Event, EventKind, Phase
 from .item_io import HashingWriter
@@ -85,14 +86,10 @@ class Replicator:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every queued job is done; raise the first failure since the last call."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"replication still running after {timeout} s: "
-                                       + ", ".join(self.pending()))
-                self._cond.wait(left)
+            wait_until_empty(self._cond, self._pending, timeout,
+                             lambda: f"replication still running after {timeout} s: "
+                             + ", ".join(self.pending()))
             failures, self._failures = self._failures, []
         if failures:
             raise failures[0]
