@@ -108,12 +108,13 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         store.host.phase(Phase.STAGE, rank=store.ctx.rank)
         waited = store.slot.staged()
         try:
-            store.adopt_handed_off_saves_later()
             started = time.perf_counter()
             staged = store.stager.stage(state_dict)
         except BaseException:
             store.slot.release_pending()
             raise
+        # After the copy, not beside it: the scan and keep's deletes would compete for CPU.
+        store.adopt_handed_off_saves_later()
         stager = store.stager
         store.host.event(Event(EventKind.STAGED, rank=store.ctx.rank,
                                seconds=time.perf_counter() - started,
