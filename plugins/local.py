@@ -16,7 +16,11 @@ from typing import IO
 
 import tierstore
 from tierstore.kinds import Backend
+from tierstore.mapped import MappedFile, WrittenFile
 from tierstore.options import Option
+from tierstore.transfer import PieceTarget
+
+from .recycle import RECYCLE_DIR, PageRecycler
 
 # Start writeback of every this-many bytes while the file is still being written, so that the
 # final fsync has little left to flush: write and disk flush overlap (about +20% on this disk).
@@ -42,10 +46,17 @@ _sync_file_range = _load_sync_file_range()
 class LocalWriteFile(io.RawIOBase):
     """A file being written on a local disk: unbuffered writes, early writeback, fsync on close."""
 
-    def __init__(self, path: str, durable: bool):
+    def __init__(self, path: str, durable: bool, recycler: PageRecycler | None = None):
         super().__init__()
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
-                           0o644)
+        # A recycled file is written over in place (its pages are why it was kept) and cut to
+        # the length written at close.
+        self._recycler = recycler
+        truncate = 0 if recycler is not None and recycler.take_for_write(path) else os.O_TRUNC
+        self._reused = not truncate
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | truncate
+                           | getattr(os, "O_CLOEXEC", 0), 0o644)
+        if recycler is not None:
+            recycler.owns(self._fd)
         self._durable = durable
         self._pos = 0
         self._flushed_to = 0
@@ -76,6 +87,8 @@ class LocalWriteFile(io.RawIOBase):
         if self.closed:
             return
         try:
+            if self._reused:
+                self._recycler.truncate(self._fd, self._pos)
             if self._durable:
                 os.fsync(self._fd)
         finally:
@@ -95,9 +108,12 @@ class LocalBackend(Backend):
     default_commit = "atomic"
     supports_rename = True
 
-    def __init__(self, root: str, path: str | None = None, fsync: bool = True):
+    def __init__(self, root: str, path: str | None = None, fsync: bool = True,
+                 recycle: bool = False):
         self.root = os.path.abspath(os.path.expanduser(path or root))
         self.durable = fsync
+        #: with ``recycle``, dropped checkpoints' pages are reused (see tierstore_plugins.recycle)
+        self.recycler = PageRecycler(self.root) if recycle else None
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -116,7 +132,8 @@ class LocalBackend(Backend):
         return None
 
     def open_write(self, path: str) -> IO[bytes]:
-        return LocalWriteFile(self._abs(path), self.durable)  # type: ignore[return-value]
+        return LocalWriteFile(self._abs(path), self.durable,  # type: ignore[return-value]
+                              self.recycler)
 
     def open_read(self, path: str) -> IO[bytes]:
         return open(self._abs(path), "rb", buffering=0)
@@ -130,9 +147,12 @@ class LocalBackend(Backend):
 
     def list(self, path: str) -> list[str]:
         try:
-            return sorted(os.listdir(self._abs(path)))
+            names = sorted(os.listdir(self._abs(path)))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        if self.recycler is not None and not path:
+            names = [n for n in names if n != RECYCLE_DIR]  # the recycler's, not a checkpoint
+        return names
 
     def makedirs(self, path: str) -> None:
         os.makedirs(self._abs(path), exist_ok=True)
@@ -140,6 +160,8 @@ class LocalBackend(Backend):
     def delete(self, path: str) -> None:
         target = self._abs(path)
         if os.path.isdir(target) and not os.path.islink(target):
+            if self.recycler is not None and path:
+                self.recycler.recycle(target)
             shutil.rmtree(target, ignore_errors=True)
         else:
             try:
@@ -166,6 +188,27 @@ class LocalBackend(Backend):
 
     def local_path(self, path: str) -> str | None:
         return self._abs(path)
+
+    def sending_end(self, path: str, size: int) -> PieceTarget:
+        """File ``path`` (``size`` bytes) mapped, to send over torch.distributed without a
+        copy; with recycling the mapping is kept for the file's next uses."""
+        if self.recycler is not None:
+            return self.recycler.sending_end(self._abs(path), size)
+        return MappedFile(self._abs(path), size)
+
+    def receiving_end(self, path: str, size: int) -> PieceTarget:
+        """File ``path`` created (with its parents) to receive ``size`` bytes into; with
+        recycling, the pages of a dropped file, mapped."""
+        target = self._abs(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if self.recycler is not None:
+            return self.recycler.receiving_end(target, size)
+        return WrittenFile(target, size)
+
+    def close(self) -> None:
+        """Free the recycled pages and mappings (with recycling)."""
+        if self.recycler is not None:
+            self.recycler.close()
 
 
 class MemoryBackend(LocalBackend):

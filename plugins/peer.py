@@ -2,9 +2,9 @@
 ranks send it over torch.distributed, so that a lost node's shards come back from its peers.
 
 The directory holds checkpoints in the usual layout; the replicas this rank keeps for rank ``s``
-live under ``.replicas/<s>-held-by-<this rank>/`` in the same layout (a manifest naming rank ``s``). Which ranks
-send to which is the ``replication`` table's strategy (a plugin: ``clique``, ``ring``); moving
-the bytes is the store's (tierstore.replication).
+live under ``.replicas/<s>-held-by-<this rank>/`` in the same layout (a manifest naming rank
+``s``). Which ranks send to which is the ``replication`` table's strategy (a plugin:
+``clique``, ``ring``); moving the bytes is the store's (tierstore.replication).
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ class PeerBackend(LocalBackend):
 
     def __init__(self, root: str, path: str | None = None, replication: dict | None = None,
                  fsync: bool = False):
-        super().__init__(root, path, fsync=fsync)
+        # Recycling: saves, replicas and sends reuse the pages (and mappings) of the
+        # checkpoints that ``keep`` drops (tierstore_plugins.recycle).
+        super().__init__(root, path, fsync=fsync, recycle=True)
         self.replication = dict(replication or {})
 
     def replica_backend(self, src: int, holder: int) -> LocalBackend:
-        """Where rank ``holder`` keeps the replicas of rank ``src``'s files."""
+        """Where rank ``holder`` keeps the replicas of rank ``src``'s files (recycling too)."""
         return LocalBackend(os.path.join(self.root, REPLICA_DIR, f"{src}-held-by-{holder}"),
-                            fsync=self.durable)
+                            fsync=self.durable, recycle=True)
 
 
 @tierstore.hookimpl

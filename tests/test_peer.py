@@ -6,6 +6,7 @@ object-store tier."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def test_a_lost_node_comes_back_from_its_peers(tmp_path, strategy):
         assert f"RANK {rank} REPLICATED step-3 TO [{peer}] FROM [{peer}]" in out, out[-5000:]
     assert (tmp_path / "peer/0/.replicas/2-held-by-0/step-3/tierstore.json").exists()
     assert (tmp_path / "peer/1/.replicas/0-held-by-2/step-3/tierstore.json").exists()
+    # keep = 1: step-3's replicas were received into the files of step-1's, which keep
+    # dropped (recycled pages); the store's close freed what was left in the bins.
+    for rank in range(4):
+        assert re.search(rf"RANK {rank} RECYCLED ([1-9]\d*) OF \1\b", out), out[-5000:]
+    assert not (tmp_path / "peer/0/.replicas/2-held-by-0/step-1").exists()
+    assert not list(tmp_path.glob("peer/*/.replicas/*/.recycle/*/*"))
+    assert not list(tmp_path.glob("peer/*/.recycle/*/*"))
 
     # Node 1 is replaced: nothing of its RAM or peer tier is left.
     shutil.rmtree(tmp_path / "ram/1")

@@ -50,11 +50,28 @@ class TierstoreReader(StorageReader):
         self._fresh = False
         #: files a peer sent for this load: relative path -> (manifest entry, bytes)
         self._fetched: dict[str, tuple[FileEntry, bytes]] = {}
+        self._protecting: str | None = None  # the id kept from eviction while this loads
+
+    def _stop_protecting(self) -> None:
+        if self._protecting is not None:
+            self._store.loading(self._protecting, begins=False)
+            self._protecting = None
 
     def reset(self, checkpoint_id=None) -> None:
-        """Find the tiers holding a complete copy of ``checkpoint_id`` and read its metadata."""
-        store = self._store
+        """Find the tiers holding a complete copy of ``checkpoint_id`` and read its metadata;
+        ``keep`` spares it until this load has read its data."""
         cid = validate_checkpoint_id(checkpoint_id)
+        self._stop_protecting()
+        self._store.loading(cid, begins=True)
+        self._protecting = cid
+        try:
+            self._reset(cid)
+        except BaseException:
+            self._stop_protecting()
+            raise
+
+    def _reset(self, cid: str) -> None:
+        store = self._store
         store.host.phase(Phase.LOAD_BEGIN, cid, None, store.ctx.rank)
         # Every tier with a manifest is a source, even one missing a file: files are read one
         # by one from the fastest tier that has a good copy.
@@ -180,6 +197,12 @@ class TierstoreReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's items, files in parallel, each from the first tier whose copy
         matches the manifest."""
+        try:
+            return self._read_data(plan, planner)
+        finally:
+            self._stop_protecting()
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         store, metadata = self._store, self._metadata
         storage_data = metadata.storage_data
         per_file: dict[str, list[ReadItem]] = {}

@@ -25,9 +25,9 @@ from .dist import all_gather_object
 from .drain import wait_until_empty
 from .errors import DrainError
 from .events import Event, EventKind, Phase
-from .item_io import HashingWriter
+from .checksum import Hasher
 from .manifest import METADATA_NAME, FileEntry, Manifest
-from .transfer import Transfer, exchange_objects, run_transfers
+from .transfer import Transfer, exchange_objects, open_to_send, run_transfers
 
 if TYPE_CHECKING:
     from .kinds import ReplicationStrategy
@@ -50,6 +50,14 @@ class ReplicationJob:
     wrote: bool  # this rank's write succeeded
     save_seq: int  # the store's save counter when the save started
     carrier: threading.Thread = field(default_factory=threading.current_thread)
+
+
+@dataclass
+class _Received:
+    """What arrived of one replica file: its size so far and the running checksum."""
+
+    size: int = 0
+    hasher: Hasher = field(default_factory=Hasher)
 
 
 class Replicator:
@@ -78,6 +86,11 @@ class Replicator:
         with self._cond:
             self._pending.append(job)
         self._jobs.put(job)
+
+    def protected(self, tier: "Tier") -> set[str]:
+        """Ids that retention must not delete from ``tier`` yet: replications still send them."""
+        with self._cond:
+            return {j.checkpoint_id for j in self._pending if j.source is tier}
 
     def pending(self) -> list[str]:
         """Checkpoint ids whose replication is not finished."""
@@ -173,31 +186,29 @@ class Replicator:
         staging = {src: self.replica_tiers[src].commit.begin(self.replica_tiers[src].backend,
                                                             job.checkpoint_id, job.token)
                    for src in held}
-        writers: dict[tuple[int, str], HashingWriter] = {}
-        raws: dict[tuple[int, str], Any] = {}
+        received_files: dict[tuple[int, str], _Received] = {}
 
         def open_source(t: Transfer):
-            return job.source.backend.open_read(f"{job.checkpoint_id}/{t.key}")
+            return open_to_send(job.source.backend, f"{job.checkpoint_id}/{t.key}", t.size)
 
-        def sink(t: Transfer, offset: int, data) -> None:
-            key = (t.src, t.key)
-            if key not in writers:
-                tier = self.replica_tiers[t.src]
-                raws[key] = tier.backend.open_write(f"{staging[t.src]}/{t.key}")
-                writers[key] = HashingWriter(raws[key])
-            if data.numel():
-                writers[key].write(memoryview(data.numpy()))
-            if offset + data.numel() >= t.size:
-                raws.pop(key).close()
+        def open_target(t: Transfer):
+            received_files[(t.src, t.key)] = _Received()
+            return self.replica_tiers[t.src].backend.receiving_end(
+                f"{staging[t.src]}/{t.key}", t.size)
+
+        def sink(t: Transfer, target, offset: int, data) -> None:
+            got = received_files[(t.src, t.key)]
+            got.hasher.update(memoryview(data.numpy()))
+            got.size += data.numel()
+            if got.size >= t.size:
+                target.close(fsync=self.replica_tiers[t.src].backend.durable)
 
         try:
-            received = run_transfers(self.group, rank, transfers, open_source, sink,
+            received = run_transfers(self.group, rank, transfers, open_source, open_target, sink,
                                      self._piece_bytes)
             for src in held:
-                self._commit_replica(job, src, headers[src], staging[src], writers)
+                self._commit_replica(job, src, headers[src], staging[src], received_files)
         except BaseException:
-            for raw in raws.values():
-                raw.close()
             for src in held:
                 tier = self.replica_tiers[src]
                 tier.commit.abort(tier.backend, job.checkpoint_id, staging[src])
@@ -207,14 +218,17 @@ class Replicator:
                                time.perf_counter() - started, sent + received,
                                {"sent": sent, "received": received, "to": holders,
                                 "from": held}))
+        # Housekeeping once the replicas are published (it frees or recycles old replicas).
+        for src in held:
+            store.apply_retention(self.replica_tiers[src])
 
     def _commit_replica(self, job: ReplicationJob, src: int, header: dict, staging: str,
-                        writers: dict[tuple[int, str], HashingWriter]) -> None:
+                        received_files: dict[tuple[int, str], "_Received"]) -> None:
         tier, store = self.replica_tiers[src], self._store
         files: dict[str, FileEntry] = header["files"]
         for rel, entry in files.items():
-            w = writers.get((src, rel))
-            got = (w.offset, w.hasher.hexdigest()) if w else (0, None)
+            r = received_files.get((src, rel))
+            got = (r.size, r.hasher.hexdigest()) if r else (0, None)
             if entry.size and got != (entry.size, entry.checksum):
                 raise OSError(f"the replica of {rel} from rank {src} does not match its "
                               f"manifest (size {got[0]} of {entry.size}, checksum differs)")

@@ -14,13 +14,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from .checksum import checksum_of
 from .dist import all_gather_object
 from .events import Event, EventKind, Phase
 from .manifest import FileEntry, Manifest
-from .transfer import Transfer, run_transfers
+from .mapped import BufferTarget
+from .transfer import Transfer, open_to_send, run_transfers
 
 if TYPE_CHECKING:
     from .store import Store
@@ -84,27 +83,29 @@ def fetch_from_peers(store: "Store", cid: str, sources: list[tuple["Tier", Manif
                 schedule.append(Transfer(src, dst, rel, views[src][1][rel]))
     mine = [t for t in schedule if rank in (t.src, t.dst)]
     entries = {rel: m.files[rel] for _, m in sources for rel in m.files}
-    buffers: dict[str, bytearray] = {}
+    buffers: dict[str, BufferTarget] = {}
 
     def open_source(t: Transfer):
         found = _good_copy(store, cid, t.key, local, False)
         if found is None:
             raise FileNotFoundError(f"{cid}/{t.key} vanished from this node while a peer "
                                     f"needed it")
-        return found[0].backend.open_read(f"{cid}/{t.key}")
+        return open_to_send(found[0].backend, f"{cid}/{t.key}", t.size)
 
-    def sink(t: Transfer, offset: int, data: torch.Tensor) -> None:
-        buf = buffers.setdefault(t.key, bytearray(t.size))
-        buf[offset:offset + data.numel()] = memoryview(data.numpy())
+    def open_target(t: Transfer) -> BufferTarget:
+        target = buffers[t.key] = BufferTarget(t.size)
+        return target
 
     started = time.perf_counter()
-    run_transfers(group, rank, mine, open_source, sink, store.config.drain_chunk_mib << 20)
+    run_transfers(group, rank, mine, open_source, open_target, lambda *_: None,
+                  store.config.drain_chunk_mib << 20)
     seconds = time.perf_counter() - started
     out: dict[str, tuple[FileEntry, bytes]] = {}
     for t in mine:
         if t.dst != rank:
             continue
-        entry, data = entries.get(t.key), bytes(buffers.get(t.key, b""))
+        entry = entries.get(t.key)
+        data = buffers[t.key].data if t.key in buffers else bytearray()
         if entry is None or len(data) != entry.size or checksum_of(data) != entry.checksum:
             log.warning("checkpoint %s: the copy of %s from rank %d does not match its "
                         "manifest; trying slower tiers", cid, t.key, t.src)

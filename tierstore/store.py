@@ -7,6 +7,7 @@ process group, and hands out DCP writers and readers bound to them.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import logging
 import signal
@@ -73,6 +74,8 @@ class Store:
         self._saves = 0
         self._lock = threading.Lock()
         self._retention_lock = threading.Lock()
+        # checkpoint id -> loads of it under way (retention spares them)
+        self._loading: collections.Counter[str] = collections.Counter()
         # thread ident -> token of the save that thread is running; gc spares these
         self._in_flight: dict[int, str] = {}
         self._closed = False
@@ -372,7 +375,11 @@ class Store:
         # Saves (writer thread) and drains (drain thread) both apply retention; one at a time,
         # or both would pick the same victim.
         with self._retention_lock:
-            busy = self.drainer.protected(tier)  # still being copied to slower tiers
+            # Still read by a drain, a replication or a load: evicting them under the reader
+            # would also let recycling backends write over pages being read.
+            busy = self.drainer.protected(tier) | set(self._loading)
+            if self.replicator is not None:
+                busy |= self.replicator.protected(tier)
             victims = [v for v in tier.retention_victims(tier.complete()) if v not in busy]
             for cid in victims:
                 tier.delete(cid)
@@ -380,6 +387,14 @@ class Store:
             self.host.event(Event(EventKind.EVICTED, cid, tier.name, self.ctx.rank))
             log.info("evicted %s from tier '%s' (keep = %d)", cid, tier.name, tier.config.keep)
         return victims
+
+    def loading(self, checkpoint_id: str, begins: bool) -> None:
+        """Count a load of ``checkpoint_id`` starting (``begins``) or over: while one is under
+        way, ``keep`` does not evict that checkpoint from any tier."""
+        with self._retention_lock:
+            self._loading[checkpoint_id] += 1 if begins else -1
+            if self._loading[checkpoint_id] <= 0:
+                del self._loading[checkpoint_id]
 
     def collect_garbage(self, tier: Tier, protect: set[str] = frozenset()) -> list[str]:
         """Remove what interrupted saves left on ``tier`` (sparing saves in flight and the
@@ -559,7 +574,7 @@ class Store:
             if self.replicator is not None:
                 self.replicator.close()
             self.stager.close()
-            for tier in self.tiers:
+            for tier in [*self.tiers, *self.replica_tiers]:
                 tier.backend.close()
             if dist.is_initialized():
                 groups = [self.process_group, self.save_group]

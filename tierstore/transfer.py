@@ -2,11 +2,14 @@
 
 Every rank of a group calls :func:`run_transfers` with the transfers it takes part in (which
 file goes from which rank to which); the two ranks of a pair must list that pair's transfers
-alike, in the same order. Files travel
-as uint8 tensors in pieces of at most ``piece_bytes``: in round ``k`` every pair of ranks moves
-its ``k``-th piece, all sends and receives of the round posted at once (non-blocking, so no
-order of ranks can deadlock) and waited for before the next round. What a rank receives goes to
-``sink`` (in a thread of its own, so writing piece ``k`` overlaps receiving piece ``k+1``).
+alike, in the same order. Files travel as uint8 tensors in pieces of at most ``piece_bytes``: in
+round ``k`` every pair of ranks moves its ``k``-th piece, all sends and receives of the round
+posted at once (non-blocking, so no order of ranks can deadlock) and waited for before the next
+round. While round ``k`` is on the wire, helper threads prepare round ``k+1``'s pieces (map
+them, or read them from a file) and hand round ``k-1``'s received pieces to ``sink``.
+
+Where both ends are local files (:class:`tierstore.mapped.MappedFile`), gloo sends from and
+receives into the files' own pages: no copy besides the network's.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Protocol, Union
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Transfer", "run_transfers", "exchange_objects"]
+from .mapped import MappedFile
+
+__all__ = ["Transfer", "PieceTarget", "run_transfers", "open_to_send", "exchange_objects"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,33 @@ class Transfer:
     dst: int
     key: str
     size: int
+
+
+class PieceTarget(Protocol):
+    """A file being sent or received, piece by piece, in place (MappedFile, BufferTarget).
+    A receiving end may instead have ``write_at(offset, data)`` (WrittenFile): its pieces
+    arrive in reused buffers and are written there."""
+
+    def piece(self, offset: int, length: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + length)`` as a uint8 tensor to send from or receive into."""
+
+    def close(self, fsync: bool = False) -> None:
+        """Release the file."""
+
+
+#: what ``open_source`` returns: a mapped file (sent in place) or a readable file (read into
+#: reused buffers)
+Source = Union[PieceTarget, IO[bytes]]
+
+
+def open_to_send(backend: Any, path: str, size: int) -> Source:
+    """A tier's file (``path`` on ``backend``, ``size`` bytes) as a source: the backend's own
+    mapping (``sending_end``) where it has one, else mapped when it is a local file, else opened
+    for reading."""
+    if hasattr(backend, "sending_end"):
+        return backend.sending_end(path, size)
+    local = backend.local_path(path)
+    return MappedFile(local, size) if local else backend.open_read(path)
 
 
 @dataclass(frozen=True)
@@ -50,78 +82,128 @@ def _rounds(transfers: list[Transfer], piece_bytes: int) -> list[list[_Piece]]:
     return [[p[k] for p in per_pair.values() if k < len(p)] for k in range(depth)]
 
 
+class _Ends:
+    """The open files of one run: sources by transfer, targets by transfer, and the reused
+    read buffers for sources that are not mapped."""
+
+    def __init__(self, rank: int, piece_bytes: int,
+                 open_source: Callable[[Transfer], Source],
+                 open_target: Callable[[Transfer], PieceTarget]):
+        self.rank, self.piece_bytes = rank, piece_bytes
+        self._open_source, self._open_target = open_source, open_target
+        self.sources: dict[Transfer, Source] = {}
+        self.targets: dict[Transfer, PieceTarget] = {}
+        # Reused buffers (fresh tensors per piece cost a page fault per 4 KiB): two sets to
+        # read into (round k+1's are read while round k is on the wire), three to receive into
+        # for targets written from buffers (round k-1's are still being written while round
+        # k arrives and round k+1's are handed out).
+        self._send_pools: list[dict[int, torch.Tensor]] = [{}, {}]
+        self._recv_pools: list[dict[int, torch.Tensor]] = [{}, {}, {}]
+
+    def prepare(self, k: int, pieces: list[_Piece]) -> tuple[list, list]:
+        """Round ``k``'s outgoing (piece, tensor) pairs and incoming ones."""
+        outgoing, incoming = [], []
+        for i, p in enumerate(q for q in pieces if q.transfer.src == self.rank):
+            outgoing.append((p, self._outgoing(k, i, p)))
+        for i, p in enumerate(q for q in pieces if q.transfer.dst == self.rank):
+            target = self.target(p.transfer)
+            if hasattr(target, "piece"):
+                incoming.append((p, target.piece(p.offset, p.length)))
+            else:
+                incoming.append((p, self._buffer(self._recv_pools[k % 3], i, p.length)))
+        return outgoing, incoming
+
+    def _buffer(self, pool: dict[int, torch.Tensor], i: int, length: int) -> torch.Tensor:
+        buf = pool.get(i)
+        if buf is None or buf.numel() < length:
+            buf = pool[i] = torch.empty(max(length, self.piece_bytes), dtype=torch.uint8)
+        return buf[:length]
+
+    def target(self, t: Transfer) -> PieceTarget:
+        """The receiving end of ``t`` (opened on first use)."""
+        target = self.targets.get(t)
+        if target is None:
+            target = self.targets[t] = self._open_target(t)
+        return target
+
+    def _outgoing(self, k: int, i: int, p: _Piece) -> torch.Tensor:
+        t = p.transfer
+        source = self.sources.get(t)
+        if source is None:
+            source = self.sources[t] = self._open_source(t)
+        if hasattr(source, "piece"):
+            return source.piece(p.offset, p.length)
+        view = self._buffer(self._send_pools[k % 2], i, p.length)
+        source.seek(p.offset)
+        if source.readinto(memoryview(view.numpy())) != p.length:
+            raise OSError(f"{t.key}: short read at offset {p.offset}")
+        return view
+
+    def close(self) -> None:
+        """Close every source and target (a sink may have closed its targets already)."""
+        for end in [*self.sources.values(), *self.targets.values()]:
+            end.close()
+
+
 def run_transfers(group: Any, rank: int, transfers: list[Transfer],
-                  open_source: Callable[[Transfer], IO[bytes]],
-                  sink: Callable[[Transfer, int, torch.Tensor], None],
+                  open_source: Callable[[Transfer], Source],
+                  open_target: Callable[[Transfer], PieceTarget],
+                  sink: Callable[[Transfer, PieceTarget, int, torch.Tensor], None],
                   piece_bytes: int = 64 << 20) -> int:
     """Collective on ``group``: move every transfer; return the bytes this rank received.
 
-    ``open_source(t)`` opens ``t``'s file on its sending rank; ``sink(t, offset, data)`` gets
-    each received piece, in order, on the receiving rank (``data`` is empty for an empty file).
-    Ranks are ranks of ``group``."""
-    received = 0
-    sources: dict[Transfer, IO[bytes]] = {}
+    On the sending rank ``open_source(t)`` opens ``t``'s file; on the receiving rank
+    ``open_target(t)`` opens where it goes, and ``sink(t, target, offset, data)`` is told of
+    each piece once it is there, in order (``data`` is the piece's tensor; empty for an empty
+    file), in a helper thread. Ranks are ranks of ``group``."""
+    ends = _Ends(rank, piece_bytes, open_source, open_target)
     for t in transfers:
         if t.dst == rank and t.size == 0:
-            sink(t, 0, torch.empty(0, dtype=torch.uint8))
+            sink(t, ends.target(t), 0, torch.empty(0, dtype=torch.uint8))
     rounds = _rounds(transfers, piece_bytes)
-    # Two sets of send buffers, reused: round k+1's pieces are read from disk while round k
-    # is on the wire (fresh tensors per piece cost a page fault per 4 KiB).
-    send_pools: list[dict[int, torch.Tensor]] = [{}, {}]
-
-    def read_round(k: int) -> list[tuple[_Piece, torch.Tensor]]:
-        out = []
-        for i, p in enumerate(q for q in rounds[k] if q.transfer.src == rank):
-            t = p.transfer
-            pool = send_pools[k % 2]
-            buf = pool.get(i)
-            if buf is None or buf.numel() < p.length:
-                buf = pool[i] = torch.empty(piece_bytes, dtype=torch.uint8)
-            view = buf[:p.length]
-            f = sources.get(t)
-            if f is None:
-                f = sources[t] = open_source(t)
-            f.seek(p.offset)
-            if f.readinto(memoryview(view.numpy())) != p.length:
-                raise OSError(f"{t.key}: short read at offset {p.offset}")
-            out.append((p, view))
-        return out
-
+    received = 0
     helper = ThreadPoolExecutor(2, thread_name_prefix="tierstore-transfer")
     pending_sink: Future | None = None
     try:
-        next_reads: Future | None = helper.submit(read_round, 0) if rounds else None
-        for k, pieces in enumerate(rounds):
-            outgoing = next_reads.result()
-            next_reads = helper.submit(read_round, k + 1) if k + 1 < len(rounds) else None
-            works, inbox = [], []
-            for p, view in outgoing:
-                works.append(dist.isend(view, group_dst=p.transfer.dst, group=group))
-            for p in pieces:
-                if p.transfer.dst == rank:
-                    buf = torch.empty(p.length, dtype=torch.uint8)
-                    works.append(dist.irecv(buf, group_src=p.transfer.src, group=group))
-                    inbox.append((p, buf))
+        prepared: Future | None = helper.submit(ends.prepare, 0, rounds[0]) if rounds else None
+        for k in range(len(rounds)):
+            outgoing, incoming = prepared.result()
+            works = [dist.isend(data, group_dst=p.transfer.dst, group=group)
+                     for p, data in outgoing]
+            works += [dist.irecv(data, group_src=p.transfer.src, group=group)
+                      for p, data in incoming]
+            # The helpers sink round k-1 and prepare round k+1 while these move.
+            prepared = helper.submit(ends.prepare, k + 1, rounds[k + 1]) \
+                if k + 1 < len(rounds) else None
             for w in works:
                 w.wait()
             if pending_sink is not None:
                 pending_sink.result()
-            if inbox:
-                pending_sink = helper.submit(_deliver, sink, inbox)
-                received += sum(p.length for p, _ in inbox)
+            received += sum(p.length for p, _ in incoming)
+            # The helper takes the round's last references: unmapping a mapped piece (its
+            # tensors are freed with the works and lists holding them) costs about as much
+            # as mapping it, and must not hold up the next round's posts.
+            pending_sink = helper.submit(_deliver, sink, ends, incoming, (works, outgoing))
+            del works, outgoing, incoming
         if pending_sink is not None:
             pending_sink.result()
     finally:
         helper.shutdown(wait=True)
-        for f in sources.values():
-            f.close()
+        ends.close()
     return received
 
 
-def _deliver(sink: Callable[[Transfer, int, torch.Tensor], None],
-             inbox: list[tuple[_Piece, torch.Tensor]]) -> None:
-    for p, buf in inbox:
-        sink(p.transfer, p.offset, buf)
+def _deliver(sink: Callable[[Transfer, PieceTarget, int, torch.Tensor], None], ends: _Ends,
+             incoming: list[tuple[_Piece, torch.Tensor]], finished: tuple) -> None:
+    """Hand a round's received pieces to ``sink``; then drop them and ``finished`` (the
+    round's works and sent pieces) here, in the helper thread."""
+    for p, data in incoming:
+        target = ends.targets[p.transfer]
+        if not hasattr(target, "piece"):
+            target.write_at(p.offset, data)
+        sink(p.transfer, target, p.offset, data)
+    incoming.clear()
+    del finished
 
 
 def exchange_objects(group: Any, send_to: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:

@@ -8,6 +8,7 @@ printing where each file came from; "load-missing" loads EXPECTED and prints the
 CheckpointNotFound it expects.
 """
 
+import os
 import sys
 import warnings
 
@@ -51,12 +52,25 @@ class Observer:
 def config(root, strategy, with_objects):
     tiers = [
         {"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 2},
-        {"name": "peer", "backend": "peer", "path": root + "/peer/{node}", "keep": 3,
+        # keep 1: step-3's files and replicas go into the pages of step-1's (recycled)
+        {"name": "peer", "backend": "peer", "path": root + "/peer/{node}", "keep": 1,
          "replication": STRATEGIES[strategy]},
     ]
     if with_objects:
         tiers.append({"name": "objects", "backend": "fsspec", "url": f"file://{root}/objects"})
     return {"tier": tiers}
+
+
+def replica_inodes(root, rank, seen, cid):
+    """Inodes of the data files of ``cid``'s replicas this rank holds."""
+    node = rank // 2
+    out = set()
+    for _cid, _to, sources in seen.replicated[-1:]:
+        for src in sources:
+            d = os.path.join(root, "peer", str(node), ".replicas", f"{src}-held-by-{rank}", cid)
+            out |= {os.stat(os.path.join(d, n)).st_ino for n in os.listdir(d)
+                    if n.endswith(".distcp")}
+    return out
 
 
 def state(step, rank, mesh, zero=False):
@@ -79,12 +93,16 @@ def main() -> int:
     seen = Observer()
     store = tierstore.open(config(root, strategy, obj == "obj"), plugins=[seen])
     if phase == "save":
+        inodes = {}
         for step in (1, 2, 3):
             dcp.save(state(step, rank, mesh), storage_writer=store.writer(),
                      checkpoint_id=f"step-{step}", process_group=store.process_group)
-        store.wait()
+            store.wait()
+            inodes[step] = replica_inodes(root, rank, seen, f"step-{step}")
         for cid, to, frm in seen.replicated:
             print(f"RANK {rank} REPLICATED {cid} TO {to} FROM {frm}", flush=True)
+        print(f"RANK {rank} RECYCLED {len(inodes[1] & inodes[3])} OF {len(inodes[3])}",
+              flush=True)
         dist.barrier()
     elif phase == "load":
         expected = sys.argv[5]
