@@ -8,7 +8,8 @@ the tier the save went to, then all ranks agree (a small all-gather) whether the
 everywhere; if so, headers (file lists) and then files move point to point, and each holder
 commits what it received as a checkpoint of its replica tier (``.replicas/<rank>-held-by-<me>``
 under the peer tier's directory), whose manifest names the rank it came from. The coordinator's
-replicas carry DCP's global ``.metadata``.
+replicas carry DCP's global ``.metadata``. Files are sent from their mapped pages and received
+into the pages of replicas ``keep`` dropped (tierstore.transfer), checksummed as they land.
 """
 
 from __future__ import annotations

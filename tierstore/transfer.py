@@ -8,8 +8,10 @@ posted at once (non-blocking, so no order of ranks can deadlock) and waited for 
 round. While round ``k`` is on the wire, helper threads prepare round ``k+1``'s pieces (map
 them, or read them from a file) and hand round ``k-1``'s received pieces to ``sink``.
 
-Where both ends are local files (:class:`tierstore.mapped.MappedFile`), gloo sends from and
-receives into the files' own pages: no copy besides the network's.
+Where a source is a local file (:class:`tierstore.mapped.MappedFile`, or a backend's kept
+mapping) gloo sends from the file's own pages, and where a target's pages exist (a recycled
+file, ``tierstore_plugins.recycle``) it receives into them: no copy besides the network's. A
+new file (:class:`tierstore.mapped.WrittenFile`) is received into reused buffers and written.
 """
 
 from __future__ import annotations
