@@ -319,6 +319,22 @@ class BackendTests:
         assert backend.read_bytes("ck-2/a") == b"keep"
         assert backend.read_bytes("ckx") == b"keep"
 
+    def test_discard_removes_a_tree_and_the_next_files_read_back_as_written(self, backend):
+        """discard() (an evicted checkpoint) removes the tree like delete(); whatever storage
+        the backend reuses, files written afterwards hold exactly their own bytes."""
+        self.write(backend, "old/a", b"o" * 70_000)
+        self.write(backend, "old/b", b"p" * 10)
+        self.write(backend, "other/a", b"keep")
+        backend.discard("old")
+        assert backend.list("old") == []
+        assert backend.size("old/a") is None
+        assert sorted(backend.list("")) == ["other"]
+        self.write(backend, "new/a", b"n" * 5)
+        self.write(backend, "new/b", b"m" * 90_000)
+        assert backend.read_bytes("new/a") == b"n" * 5
+        assert backend.read_bytes("new/b") == b"m" * 90_000
+        assert backend.read_bytes("other/a") == b"keep"
+
     def test_delete_of_something_missing_is_not_an_error(self, backend):
         """Deleting what is not there is a no-op."""
         backend.delete("missing")

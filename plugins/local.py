@@ -157,11 +157,28 @@ class LocalBackend(Backend):
     def makedirs(self, path: str) -> None:
         os.makedirs(self._abs(path), exist_ok=True)
 
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a small file (manifest, metadata) new: a recycled file's pages are kept for
+        the large files that follow."""
+        with LocalWriteFile(self._abs(path), self.durable) as f:
+            f.write(data)
+
     def delete(self, path: str) -> None:
+        self._remove(path, recycle=False)
+
+    def discard(self, path: str) -> None:
+        """Delete an evicted checkpoint's directory; with recycling its files (those this
+        process wrote) go to the recycle bin, to be written over by the next ones."""
+        self._remove(path, recycle=True)
+
+    def _remove(self, path: str, recycle: bool) -> None:
         target = self._abs(path)
         if os.path.isdir(target) and not os.path.islink(target):
             if self.recycler is not None and path:
-                self.recycler.recycle(target)
+                if recycle:
+                    self.recycler.recycle(target)
+                else:
+                    self.recycler.forget(target)
             shutil.rmtree(target, ignore_errors=True)
         else:
             try:

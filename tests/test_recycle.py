@@ -3,11 +3,15 @@ files, and retention sparing a checkpoint while it is loaded."""
 
 from __future__ import annotations
 
+import gc
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import tierstore
 from tierstore.mapped import BufferTarget, MappedFile, WrittenFile
@@ -25,11 +29,11 @@ def bin_files(backend: LocalBackend) -> list[str]:
     return sorted(os.listdir(backend.recycler.bin)) if os.path.isdir(backend.recycler.bin) else []
 
 
-def test_a_dropped_checkpoints_files_are_written_over_in_place(tmp_path):
+def test_an_evicted_checkpoints_files_are_written_over_in_place(tmp_path):
     backend = LocalBackend(str(tmp_path), fsync=False, recycle=True)
     write(backend, "step-1/a.distcp", b"x" * 10_000)
     old_inode = os.stat(tmp_path / "step-1/a.distcp").st_ino
-    backend.delete("step-1")
+    backend.discard("step-1")
     assert not (tmp_path / "step-1").exists()
     assert bin_files(backend) == ["0-10000"]
 
@@ -45,8 +49,8 @@ def test_the_bin_holds_one_dropped_directory_and_close_frees_it(tmp_path):
     write(backend, "step-1/a", b"1" * 100)
     write(backend, "step-2/a", b"2" * 200)
     write(backend, "step-2/b", b"2" * 300)
-    backend.delete("step-1")
-    backend.delete("step-2")
+    backend.discard("step-1")
+    backend.discard("step-2")
     assert bin_files(backend) == ["0-200", "1-300"] or bin_files(backend) == ["0-300", "1-200"]
     backend.close()
     assert bin_files(backend) == []
@@ -58,26 +62,78 @@ def test_files_this_process_did_not_write_are_deleted_not_recycled(tmp_path):
     (tmp_path / "step-1").mkdir()
     (tmp_path / "step-1" / "other-rank.distcp").write_bytes(b"z" * 500)
     write(backend, "step-1/mine.distcp", b"m" * 400)
-    backend.delete("step-1")
+    backend.discard("step-1")
     assert bin_files(backend) == ["0-400"]
 
 
-def test_a_dead_processs_bin_is_freed_by_the_next_one(tmp_path):
+def test_a_dead_processs_bin_is_freed_by_the_next_one_a_live_ones_is_not(tmp_path):
     dead = tmp_path / RECYCLE_DIR / "999999999"
     dead.mkdir(parents=True)
     (dead / "0-100").write_bytes(b"x" * 100)
+    # A live process's bin, whatever its name says: it holds the bin's lock.
+    live = subprocess.Popen(
+        [sys.executable, "-c",
+         "import time; from tierstore_plugins.local import LocalBackend; "
+         f"b = LocalBackend({str(tmp_path)!r}, fsync=False, recycle=True); b.makedirs('x'); "
+         "b.open_write('x/a').write(b'1' * 100); b.discard('x'); "
+         "print(b.recycler.bin, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        live_bin = live.stdout.readline().strip()
+        assert os.listdir(live_bin) == ["0-100"]
+        LocalBackend(str(tmp_path), fsync=False, recycle=True)
+        assert not dead.exists()
+        assert os.path.isdir(live_bin)
+    finally:
+        live.kill()
+        live.wait()
     LocalBackend(str(tmp_path), fsync=False, recycle=True)
-    assert not dead.exists()
+    assert not os.path.exists(live_bin)
+
+
+def test_a_deleted_not_evicted_checkpoint_is_never_written_over(tmp_path):
+    # Overwriting a checkpoint id, an aborted save and gc delete: a reader may still hold the
+    # files, and a new save must not write into them.
+    backend = LocalBackend(str(tmp_path), fsync=False, recycle=True)
+    write(backend, "step-1/a.distcp", b"1" * 50_000)
+    with open(tmp_path / "step-1/a.distcp", "rb") as held:
+        backend.delete("step-1")
+        write(backend, "step-2/a.distcp", b"2" * 50_000)
+        assert bin_files(backend) == []
+        assert held.read() == b"1" * 50_000
+    backend.close()
+
+
+def test_overwriting_a_peer_replica_under_its_id_keeps_the_old_files_intact(tmp_path):
+    # The atomic commit moves the old copy aside and deletes it: no recycling there.
+    from tierstore_plugins.atomic import AtomicRenameCommit
+    backend = LocalBackend(str(tmp_path), fsync=False, recycle=True)
+    commit = AtomicRenameCommit()
+    for fill in (b"1", b"2"):
+        staging = commit.begin(backend, "step-1", fill.hex())
+        write(backend, f"{staging}/a.distcp", fill * 50_000)
+        if fill == b"1":
+            commit.commit(backend, "step-1", staging, b"{}", lambda phase: None)
+            held = open(tmp_path / "step-1/a.distcp", "rb")
+        else:
+            commit.commit(backend, "step-1", staging, b"{}", lambda phase: None)
+    with held:
+        assert held.read() == b"1" * 50_000
+    assert (tmp_path / "step-1/a.distcp").read_bytes() == b"2" * 50_000
+    assert bin_files(backend) == []
+    backend.close()
 
 
 def test_a_replica_is_received_into_a_recycled_file_grown_never_cut(tmp_path):
     backend = LocalBackend(str(tmp_path), fsync=False, recycle=True)
     write(backend, "old/a", b"o" * 8192)
     write(backend, "old/big", b"o" * 1_000_000)
-    backend.delete("old")
+    backend.discard("old")
     # 10000 bytes: the 8192-byte file fits (grown); the 1 MB one would have to be cut.
     end = backend.receiving_end("new/a", 10_000)
     assert isinstance(end, MappedEnd)
+    # Grown with its pages allocated, not as a hole (a full tmpfs would fault in a transfer).
+    assert os.stat(tmp_path / "new/a").st_blocks * 512 >= 10_000
     end.piece(0, 4096).copy_(torch.full((4096,), 1, dtype=torch.uint8))
     end.piece(4096, 5904).copy_(torch.full((5904,), 2, dtype=torch.uint8))
     end.close(fsync=True)
@@ -99,8 +155,12 @@ def test_a_sending_end_maps_the_file_and_keeps_the_mapping(tmp_path):
     end = backend.sending_end("step-1/a", len(data))
     assert bytes(end.piece(4096, 8192).numpy()) == data[4096:]
     again = backend.sending_end("step-1/a", len(data))
-    assert again._mapping is end._mapping
+    assert again.piece(0, 1).data_ptr() == end.piece(0, 1).data_ptr()  # the same mapping
     backend.close()
+    # An end handed out stays valid after the recycler let go of its mapping.
+    assert bytes(end.piece(0, len(data)).numpy()) == data
+    end.close()
+    again.close()
 
 
 def test_transfer_ends_without_recycling(tmp_path):
@@ -132,3 +192,17 @@ def test_keep_spares_a_checkpoint_while_it_is_loaded(tmp_path):
         assert torch.equal(out["w"], sd["w"])
         dcp.save({"w": torch.randn(1000)}, storage_writer=store.writer(), checkpoint_id="step-3")
         assert [c.id for c in store.list()] == ["step-3"]
+
+
+def test_a_failed_load_does_not_keep_its_checkpoint_from_eviction(tmp_path):
+    config = {"tier": [{"name": "ram", "backend": "memory", "path": str(tmp_path / "ram"),
+                        "keep": 1}]}
+    with tierstore.open(config) as store:
+        dcp.save({"w": torch.randn(1000)}, storage_writer=store.writer(), checkpoint_id="step-1")
+        wrong = {"w": torch.zeros(7)}  # DCP refuses the shape after the reader's reset
+        with pytest.raises(CheckpointException, match="Size mismatch"):
+            dcp.load(wrong, storage_reader=store.reader(), checkpoint_id="step-1")
+        gc.collect()  # the failed load's frames go with its exception
+        dcp.save({"w": torch.randn(1000)}, storage_writer=store.writer(), checkpoint_id="step-2")
+        assert [c.id for c in store.list()] == ["step-2"]
+        assert not (tmp_path / "ram/step-1").exists()

@@ -63,6 +63,12 @@ class Backend(abc.ABC):
     def delete(self, path: str) -> None:
         """Remove the file or the whole directory tree ``path``; missing is not an error."""
 
+    def discard(self, path: str) -> None:
+        """Remove the directory tree ``path`` of a checkpoint ``keep`` evicted, which nobody in
+        this store reads any more: a backend may reuse its storage for the next files (the
+        ``peer`` tier recycles its pages). Optional; the default is :meth:`delete`."""
+        self.delete(path)
+
     def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
         """Atomically move ``src`` to ``dst``. ``dst`` must not exist unless ``replace`` (files
         only). Optional: backends with ``supports_rename = False`` leave it out."""

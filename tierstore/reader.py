@@ -12,6 +12,7 @@ import io
 import logging
 import pickle
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -50,12 +51,14 @@ class TierstoreReader(StorageReader):
         self._fresh = False
         #: files a peer sent for this load: relative path -> (manifest entry, bytes)
         self._fetched: dict[str, tuple[FileEntry, bytes]] = {}
-        self._protecting: str | None = None  # the id kept from eviction while this loads
+        # Releases the id kept from eviction while this loads: at the end of read_data, at
+        # the next reset, or when DCP fails in between and drops the reader.
+        self._protection: weakref.finalize | None = None
 
     def _stop_protecting(self) -> None:
-        if self._protecting is not None:
-            self._store.loading(self._protecting, begins=False)
-            self._protecting = None
+        if self._protection is not None:
+            self._protection()  # runs once, however often called
+            self._protection = None
 
     def reset(self, checkpoint_id=None) -> None:
         """Find the tiers holding a complete copy of ``checkpoint_id`` and read its metadata;
@@ -63,7 +66,7 @@ class TierstoreReader(StorageReader):
         cid = validate_checkpoint_id(checkpoint_id)
         self._stop_protecting()
         self._store.loading(cid, begins=True)
-        self._protecting = cid
+        self._protection = weakref.finalize(self, self._store.loading, cid, False)
         try:
             self._reset(cid)
         except BaseException:

@@ -108,9 +108,11 @@ class Replicator:
         if failures:
             raise failures[0]
 
-    def close(self) -> None:
-        """Stop the thread (after ``wait``)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread (after ``wait``), waiting up to ``timeout`` seconds for it to end:
+        a transfer still running (``store.close(wait=False)``) fails once the group is gone."""
         self._jobs.put(None)
+        self._thread.join(timeout)
 
     # -- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -135,6 +137,11 @@ class Replicator:
                 with self._cond:
                     self._pending.remove(job)
                     self._cond.notify_all()
+            # ``keep`` spared the checkpoint on its source tier while it was sent.
+            try:
+                self._store.apply_retention(job.source)
+            except Exception:
+                log.exception("retention on tier '%s' failed", job.source.name)
 
     def _committed_files(self, job: ReplicationJob) -> dict[str, FileEntry] | None:
         """This rank's files of the save once committed on the source tier (the coordinator's
@@ -245,4 +252,3 @@ class Replicator:
         tier.commit.commit(tier.backend, job.checkpoint_id, staging, manifest.to_json(),
                            lambda phase: store.host.phase(phase, job.checkpoint_id, tier.name,
                                                           store.ctx.rank))
-        store.apply_retention(tier)

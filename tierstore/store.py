@@ -382,7 +382,7 @@ class Store:
                 busy |= self.replicator.protected(tier)
             victims = [v for v in tier.retention_victims(tier.complete()) if v not in busy]
             for cid in victims:
-                tier.delete(cid)
+                tier.delete(cid, evicted=True)
         for cid in victims:
             self.host.event(Event(EventKind.EVICTED, cid, tier.name, self.ctx.rank))
             log.info("evicted %s from tier '%s' (keep = %d)", cid, tier.name, tier.config.keep)
@@ -572,7 +572,7 @@ class Store:
             atexit.unregister(self._atexit)
             self.drainer.close()
             if self.replicator is not None:
-                self.replicator.close()
+                self.replicator.close(timeout=None if wait else 0)
             self.stager.close()
             for tier in [*self.tiers, *self.replica_tiers]:
                 tier.backend.close()

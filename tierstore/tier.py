@@ -159,18 +159,21 @@ class Tier:
                                         uuid.uuid4().hex[:12])
         return True
 
-    def delete(self, checkpoint_id: str) -> None:
+    def delete(self, checkpoint_id: str, *, evicted: bool = False) -> None:
         """Remove a checkpoint so that a crash part-way leaves nothing visible and nothing gc
-        cannot recognise: renamed aside first where rename is atomic, else the manifest first."""
+        cannot recognise: renamed aside first where rename is atomic, else the manifest first.
+        ``evicted``: ``keep`` drops it and nothing reads it (the backend may reuse its storage,
+        :meth:`Backend.discard`)."""
+        remove = self.backend.discard if evicted else self.backend.delete
         if self.backend.supports_rename:
             aside = self.commit.trash_name(checkpoint_id, uuid.uuid4().hex[:16])
             self.backend.rename(checkpoint_id, aside)
             self.backend.sync_dir("")
-            self.backend.delete(aside)
+            remove(aside)
             return
         self.commit.begin_delete(self.backend, checkpoint_id)
         self.backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")
-        self.backend.delete(checkpoint_id)
+        remove(checkpoint_id)
 
     def retention_victims(self, manifests: dict[str, Manifest]) -> list[str]:
         """Ids that ``keep`` removes: all but the newest ``keep``, never pinned ones."""
