@@ -43,7 +43,7 @@ import uuid
 
 import torch
 
-from tierstore.mapped import MappedFile, WrittenFile, map_populated
+from tierstore.mapped import DescriptorEnd, MappedFile, WrittenFile, map_populated
 
 __all__ = ["MappedEnd", "PageRecycler", "RECYCLE_DIR"]
 
@@ -51,10 +51,10 @@ __all__ = ["MappedEnd", "PageRecycler", "RECYCLE_DIR"]
 RECYCLE_DIR = ".recycle"
 
 
-class MappedEnd:
+class MappedEnd(DescriptorEnd):
     """A file mapped whole, to send from or receive into: pieces are slices of the mapping.
     It holds the mapping and a descriptor of its own, so it stays valid whatever the recycler
-    does meanwhile."""
+    does meanwhile; closing it leaves the recycler's mapping for the file's next use."""
 
     def __init__(self, data: torch.Tensor, fd: int):
         self._data = data
@@ -64,17 +64,6 @@ class MappedEnd:
         """A view of bytes ``[offset, offset + length)`` of the file."""
         return self._data[offset:offset + length]
 
-    def close(self, fsync: bool = False) -> None:
-        """Release this end (``fsync``: flush what was written first); the recycler keeps its
-        own mapping for the file's next use."""
-        if self._fd < 0:
-            return
-        try:
-            if fsync:
-                os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class PageRecycler:

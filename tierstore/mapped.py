@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-__all__ = ["MappedFile", "WrittenFile", "BufferTarget", "map_populated"]
+__all__ = ["DescriptorEnd", "MappedFile", "WrittenFile", "BufferTarget", "map_populated"]
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in as touched
 
@@ -35,7 +35,25 @@ def map_populated(fd: int, length: int, *, writable: bool, offset: int = 0) -> t
         return torch.frombuffer(region, dtype=torch.uint8)
 
 
-class MappedFile:
+class DescriptorEnd:
+    """A transfer end holding an open descriptor of its file, released by :meth:`close`."""
+
+    _fd = -1
+
+    def close(self, fsync: bool = False) -> None:
+        """Close the descriptor (``fsync``: flush what was written first); pieces already
+        handed out stay valid. Closing twice is a no-op."""
+        if self._fd < 0:
+            return
+        try:
+            if fsync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class MappedFile(DescriptorEnd):
     """An existing local file of (at least) ``size`` bytes to send, mapped piece by piece as
     uint8 tensors over its pages; a piece stays mapped as long as its tensor lives."""
 
@@ -54,14 +72,9 @@ class MappedFile:
             return torch.empty(0, dtype=torch.uint8)
         return map_populated(self._fd, length, writable=False, offset=offset)
 
-    def close(self, fsync: bool = False) -> None:
-        """Close the descriptor (the pieces' maps stay valid)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
-class WrittenFile:
+class WrittenFile(DescriptorEnd):
     """A receiving end for a new file: pieces arrive in the transfer's reused buffers and are
     written at their offsets. (Mapping a new tmpfs file and receiving into it faults in every
     fresh page inside the transfer: ten times slower here than writing the pieces.)"""
@@ -81,16 +94,6 @@ class WrittenFile:
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], offset + done)
 
-    def close(self, fsync: bool = False) -> None:
-        """Close the file (``fsync`` first)."""
-        if self._fd < 0:
-            return
-        try:
-            if fsync:
-                os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class BufferTarget:
