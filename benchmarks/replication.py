@@ -45,7 +45,8 @@ rotating per round):
   own, each rank ``isend``s pieces of exactly the sizes its replication sent (its files of the
   latest ``replicate`` save, cut at ``drain_chunk_mib`` MiB, to the ranks that event named in
   ``to``) and ``irecv``s what its sources send, round ``k`` moving the ``k``-th piece of every
-  pair, all waited for before the next round, as ``run_transfers`` does. Sent from and received
+  pair, ``ROUNDS_IN_FLIGHT`` rounds posted before the oldest is waited for, as
+  ``run_transfers`` does. Sent from and received
   into buffers allocated and touched beforehand. Timed from a barrier on that group (the
   replication's clock also starts right after a collective) to this rank's last ``wait``.
 
@@ -96,6 +97,7 @@ Progress lines go to stderr (rank 0's), the report to stdout. ``--strict`` makes
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import os
 import shutil
@@ -122,6 +124,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import tierstore  # noqa: E402
 from tierstore.events import EventKind, Phase  # noqa: E402
+from tierstore.transfer import ROUNDS_IN_FLIGHT  # noqa: E402
 from save_load import (GB, benchmark_parser, finish_report, progress_log, fs_type, make_state_dict,  # noqa: E402
                        nbytes_of, rotated)
 
@@ -341,12 +344,14 @@ class RawPattern:
         return RawPattern(send, recv, send_buf, recv_bufs, nbytes)
 
     def run(self, group: Any) -> None:
-        """Round ``k`` posts the ``k``-th piece of every pair (isend and irecv at once), then
-        waits for all of them; as ``tierstore.transfer.run_transfers`` does."""
+        """Round ``k`` posts the ``k``-th piece of every pair (isend and irecv at once);
+        ``ROUNDS_IN_FLIGHT`` rounds are posted before the oldest is waited for; as
+        ``tierstore.transfer.run_transfers`` does."""
         plan = [(dst, True, p) for dst, p in self.send.items()]
         plan += [(src, False, p) for src, p in self.recv.items()]
         offsets = {(peer, out): 0 for peer, out, _p in plan}
         depth = max((len(p) for _peer, _out, p in plan), default=0)
+        in_flight: collections.deque = collections.deque()
         for k in range(depth):
             works = []
             for peer, out, pieces in plan:
@@ -360,6 +365,11 @@ class RawPattern:
                 else:
                     works.append(dist.irecv(self.recv_bufs[peer][off:off + n], group_src=peer,
                                             group=group))
+            in_flight.append(works)
+            if len(in_flight) == ROUNDS_IN_FLIGHT:
+                for w in in_flight.popleft():
+                    w.wait()
+        for works in in_flight:
             for w in works:
                 w.wait()
 

@@ -51,6 +51,7 @@ class ReplicationJob:
     wrote: bool  # this rank's write succeeded
     save_seq: int  # the store's save counter when the save started
     carrier: threading.Thread = field(default_factory=threading.current_thread)
+    sent: bool = False  # over: retention may evict the checkpoint from ``source`` again
 
 
 @dataclass
@@ -91,7 +92,7 @@ class Replicator:
     def protected(self, tier: "Tier") -> set[str]:
         """Ids that retention must not delete from ``tier`` yet: replications still send them."""
         with self._cond:
-            return {j.checkpoint_id for j in self._pending if j.source is tier}
+            return {j.checkpoint_id for j in self._pending if j.source is tier and not j.sent}
 
     def pending(self) -> list[str]:
         """Checkpoint ids whose replication is not finished."""
@@ -134,14 +135,17 @@ class Replicator:
                 with self._cond:
                     self._failures.append(err)
             finally:
+                # ``keep`` spared the checkpoint on its source tier while it was sent: apply it
+                # now, before wait() returns.
+                with self._cond:
+                    job.sent = True
+                try:
+                    self._store.apply_retention(job.source)
+                except Exception:
+                    log.exception("retention on tier '%s' failed", job.source.name)
                 with self._cond:
                     self._pending.remove(job)
                     self._cond.notify_all()
-            # ``keep`` spared the checkpoint on its source tier while it was sent.
-            try:
-                self._store.apply_retention(job.source)
-            except Exception:
-                log.exception("retention on tier '%s' failed", job.source.name)
 
     def _committed_files(self, job: ReplicationJob) -> dict[str, FileEntry] | None:
         """This rank's files of the save once committed on the source tier (the coordinator's

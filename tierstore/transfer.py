@@ -4,9 +4,10 @@ Every rank of a group calls :func:`run_transfers` with the transfers it takes pa
 file goes from which rank to which); the two ranks of a pair must list that pair's transfers
 alike, in the same order. Files travel as uint8 tensors in pieces of at most ``piece_bytes``: in
 round ``k`` every pair of ranks moves its ``k``-th piece, all sends and receives of the round
-posted at once (non-blocking, so no order of ranks can deadlock) and waited for before the next
-round. While round ``k`` is on the wire, helper threads prepare round ``k+1``'s pieces (map
-them, or read them from a file) and hand round ``k-1``'s received pieces to ``sink``.
+posted at once (non-blocking, so no order of ranks can deadlock). ``ROUNDS_IN_FLIGHT`` rounds
+are on the wire at a time: round ``k+1`` is posted before round ``k`` is waited for, so the
+link never idles between rounds. Meanwhile helper threads prepare the next round's pieces (map
+them, or read them from a file) and hand the last finished round's received pieces to ``sink``.
 
 Where a source is a local file (:class:`tierstore.mapped.MappedFile`, or a backend's kept
 mapping) gloo sends from the file's own pages, and where a target's pages exist (a recycled
@@ -16,6 +17,7 @@ new file (:class:`tierstore.mapped.WrittenFile`) is received into reused buffers
 
 from __future__ import annotations
 
+import collections
 import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +28,14 @@ import torch.distributed as dist
 
 from .mapped import MappedFile
 
-__all__ = ["Transfer", "PieceTarget", "run_transfers", "open_to_send", "exchange_objects"]
+__all__ = ["ROUNDS_IN_FLIGHT", "Transfer", "PieceTarget", "run_transfers", "open_to_send",
+           "exchange_objects"]
+
+#: rounds of pieces posted and not yet waited for (2: the next round is queued behind the one
+#: moving, so waiting for a round and posting the next leave no gap on the link)
+ROUNDS_IN_FLIGHT = 4
+_SEND_POOLS = ROUNDS_IN_FLIGHT + 1
+_RECV_POOLS = ROUNDS_IN_FLIGHT + 2
 
 
 @dataclass(frozen=True)
@@ -95,12 +104,12 @@ class _Ends:
         self._open_source, self._open_target = open_source, open_target
         self.sources: dict[Transfer, Source] = {}
         self.targets: dict[Transfer, PieceTarget] = {}
-        # Reused buffers (fresh tensors per piece cost a page fault per 4 KiB): two sets to
-        # read into (round k+1's are read while round k is on the wire), three to receive into
-        # for targets written from buffers (round k-1's are still being written while round
-        # k arrives and round k+1's are handed out).
-        self._send_pools: list[dict[int, torch.Tensor]] = [{}, {}]
-        self._recv_pools: list[dict[int, torch.Tensor]] = [{}, {}, {}]
+        # Reused buffers (fresh tensors per piece cost a page fault per 4 KiB), a set per
+        # round that may hold one at once: to read into, the rounds on the wire and the next
+        # one being read; to receive into (for targets written from buffers), those and the
+        # finished round still being written.
+        self._send_pools: list[dict[int, torch.Tensor]] = [{} for _ in range(_SEND_POOLS)]
+        self._recv_pools: list[dict[int, torch.Tensor]] = [{} for _ in range(_RECV_POOLS)]
 
     def prepare(self, k: int, pieces: list[_Piece]) -> tuple[list, list]:
         """Round ``k``'s outgoing (piece, tensor) pairs and incoming ones."""
@@ -112,7 +121,7 @@ class _Ends:
             if hasattr(target, "piece"):
                 incoming.append((p, target.piece(p.offset, p.length)))
             else:
-                incoming.append((p, self._buffer(self._recv_pools[k % 3], i, p.length)))
+                incoming.append((p, self._buffer(self._recv_pools[k % _RECV_POOLS], i, p.length)))
         return outgoing, incoming
 
     def _buffer(self, pool: dict[int, torch.Tensor], i: int, length: int) -> torch.Tensor:
@@ -135,7 +144,7 @@ class _Ends:
             source = self.sources[t] = self._open_source(t)
         if hasattr(source, "piece"):
             return source.piece(p.offset, p.length)
-        view = self._buffer(self._send_pools[k % 2], i, p.length)
+        view = self._buffer(self._send_pools[k % _SEND_POOLS], i, p.length)
         source.seek(p.offset)
         if source.readinto(memoryview(view.numpy())) != p.length:
             raise OSError(f"{t.key}: short read at offset {p.offset}")
@@ -166,6 +175,21 @@ def run_transfers(group: Any, rank: int, transfers: list[Transfer],
     received = 0
     helper = ThreadPoolExecutor(2, thread_name_prefix="tierstore-transfer")
     pending_sink: Future | None = None
+    in_flight: collections.deque = collections.deque()  # (works, outgoing, incoming) per round
+
+    def finish_oldest_round() -> None:
+        nonlocal received, pending_sink
+        works, outgoing, incoming = in_flight.popleft()
+        for w in works:
+            w.wait()
+        if pending_sink is not None:
+            pending_sink.result()
+        received += sum(p.length for p, _ in incoming)
+        # The helper takes the round's last references: unmapping a mapped piece (its tensors
+        # are freed with the works and lists holding them) costs about as much as mapping it,
+        # and must not hold up the next round's posts.
+        pending_sink = helper.submit(_deliver, sink, ends, incoming, (works, outgoing))
+
     try:
         prepared: Future | None = helper.submit(ends.prepare, 0, rounds[0]) if rounds else None
         for k in range(len(rounds)):
@@ -174,19 +198,15 @@ def run_transfers(group: Any, rank: int, transfers: list[Transfer],
                      for p, data in outgoing]
             works += [dist.irecv(data, group_src=p.transfer.src, group=group)
                       for p, data in incoming]
-            # The helpers sink round k-1 and prepare round k+1 while these move.
+            in_flight.append((works, outgoing, incoming))
+            del works, outgoing, incoming
+            # The helpers prepare round k+1 and sink the last finished round meanwhile.
             prepared = helper.submit(ends.prepare, k + 1, rounds[k + 1]) \
                 if k + 1 < len(rounds) else None
-            for w in works:
-                w.wait()
-            if pending_sink is not None:
-                pending_sink.result()
-            received += sum(p.length for p, _ in incoming)
-            # The helper takes the round's last references: unmapping a mapped piece (its
-            # tensors are freed with the works and lists holding them) costs about as much
-            # as mapping it, and must not hold up the next round's posts.
-            pending_sink = helper.submit(_deliver, sink, ends, incoming, (works, outgoing))
-            del works, outgoing, incoming
+            if len(in_flight) == ROUNDS_IN_FLIGHT:
+                finish_oldest_round()
+        while in_flight:
+            finish_oldest_round()
         if pending_sink is not None:
             pending_sink.result()
     finally:
