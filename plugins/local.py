@@ -8,6 +8,7 @@ it survives a crashed process (not a rebooted node), which is what a RAM tier is
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import io
 import os
 import shutil
@@ -15,7 +16,7 @@ import sys
 from typing import IO
 
 import tierstore
-from tierstore.kinds import Backend
+from tierstore.kinds import Backend, DirectoryLock
 from tierstore.mapped import MappedFile, WrittenFile
 from tierstore.options import Option
 from tierstore.transfer import PieceTarget
@@ -94,6 +95,19 @@ class LocalWriteFile(io.RawIOBase):
         finally:
             os.close(self._fd)
             super().close()
+
+
+class _FlockedDirectory(DirectoryLock):
+    """An open directory holding a ``flock``."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def release(self) -> None:
+        """Unlock (close the directory)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class LocalBackend(Backend):
@@ -185,6 +199,24 @@ class LocalBackend(Backend):
                 os.remove(target)
             except FileNotFoundError:
                 pass
+
+    def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:
+        """``flock`` on the directory: shared while a rank sends the checkpoint, exclusive
+        (non-blocking) to evict it; the lock goes with the process if it dies. A directory
+        that is not there locks nothing."""
+        try:
+            fd = os.open(self._abs(path), os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            return DirectoryLock()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return _FlockedDirectory(fd)
 
     def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
         if replace:

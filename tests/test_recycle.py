@@ -206,3 +206,28 @@ def test_a_failed_load_does_not_keep_its_checkpoint_from_eviction(tmp_path):
         dcp.save({"w": torch.randn(1000)}, storage_writer=store.writer(), checkpoint_id="step-2")
         assert [c.id for c in store.list()] == ["step-2"]
         assert not (tmp_path / "ram/step-1").exists()
+
+
+def test_keep_spares_a_checkpoint_another_process_of_the_node_still_sends(tmp_path):
+    # Ranks of a node share a {node} directory and its leader applies keep there; a rank still
+    # sending a checkpoint to its peers holds the directory's shared lock (replication does).
+    config = {"tier": [{"name": "ram", "backend": "memory", "path": str(tmp_path / "ram"),
+                        "keep": 1}]}
+    with tierstore.open(config) as store:
+        dcp.save({"w": torch.randn(100)}, storage_writer=store.writer(), checkpoint_id="step-1")
+        sender = subprocess.Popen(
+            [sys.executable, "-c",
+             "import sys; from tierstore_plugins.local import LocalBackend; "
+             f"lock = LocalBackend({str(tmp_path / 'ram')!r}).lock_directory("
+             "'step-1', exclusive=False); print('held', flush=True); sys.stdin.readline()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert sender.stdout.readline().strip() == "held"
+            dcp.save({"w": torch.randn(100)}, storage_writer=store.writer(),
+                     checkpoint_id="step-2")
+            assert (tmp_path / "ram/step-1/tierstore.json").exists()  # still being sent
+        finally:
+            sender.communicate("done\n")
+        dcp.save({"w": torch.randn(100)}, storage_writer=store.writer(), checkpoint_id="step-3")
+        assert [c.id for c in store.list()] == ["step-3"]
+        assert not (tmp_path / "ram/step-1").exists()

@@ -14,7 +14,15 @@ from typing import IO, Any, Callable, ClassVar, Collection
 
 from .options import Option
 
-__all__ = ["Backend", "CommitProtocol", "Codec", "Stager", "ReplicationStrategy"]
+__all__ = ["Backend", "DirectoryLock", "CommitProtocol", "Codec", "Stager", "ReplicationStrategy"]
+
+
+class DirectoryLock:
+    """A lock on a checkpoint directory (:meth:`Backend.lock_directory`); this one holds
+    nothing. ``release()`` ends it."""
+
+    def release(self) -> None:
+        """End the lock (a no-op here)."""
 
 
 class Backend(abc.ABC):
@@ -68,6 +76,13 @@ class Backend(abc.ABC):
         this store reads any more: a backend may reuse its storage for the next files (the
         ``peer`` tier recycles its pages). Optional; the default is :meth:`delete`."""
         self.delete(path)
+
+    def lock_directory(self, path: str, *, exclusive: bool) -> "DirectoryLock | None":
+        """Lock checkpoint directory ``path`` against other processes sharing this directory
+        (the ranks of a node): shared while a process sends it to peers, exclusive (never
+        waiting) before ``keep`` evicts it; None when the exclusive lock is refused because
+        another process holds it shared. Optional: the default locks nothing, refuses nothing."""
+        return DirectoryLock()
 
     def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
         """Atomically move ``src`` to ``dst``. ``dst`` must not exist unless ``replace`` (files

@@ -171,9 +171,21 @@ class Replicator:
         return None
 
     def _replicate(self, job: ReplicationJob) -> None:
+        files = self._committed_files(job)
+        # Ranks of a node may share the source directory, and its leader applies ``keep`` there:
+        # a shared lock, taken before the agreement (which the leader's own job waits for),
+        # keeps the leader from evicting the checkpoint while this rank still sends it.
+        hold = (job.source.backend.lock_directory(job.checkpoint_id, exclusive=False)
+                if files is not None else None)
+        try:
+            self._agree_and_exchange(job, files)
+        finally:
+            if hold is not None:
+                hold.release()
+
+    def _agree_and_exchange(self, job: ReplicationJob, files: dict[str, FileEntry] | None) -> None:
         store, rank = self._store, self._store.ctx.rank
         world = store.ctx.world_size
-        files = self._committed_files(job)
         agreed = all_gather_object((job.checkpoint_id, files is not None), self.group)
         if not all(ok and cid == job.checkpoint_id for cid, ok in agreed):
             log.info("not replicating %s: the save did not commit on every rank",

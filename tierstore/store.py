@@ -380,13 +380,28 @@ class Store:
             busy = self.drainer.protected(tier) | set(self._loading)
             if self.replicator is not None:
                 busy |= self.replicator.protected(tier)
-            victims = [v for v in tier.retention_victims(tier.complete()) if v not in busy]
-            for cid in victims:
-                tier.delete(cid, evicted=True)
+            victims = []
+            for cid in tier.retention_victims(tier.complete()):
+                if cid not in busy and self._evict(tier, cid):
+                    victims.append(cid)
         for cid in victims:
             self.host.event(Event(EventKind.EVICTED, cid, tier.name, self.ctx.rank))
             log.info("evicted %s from tier '%s' (keep = %d)", cid, tier.name, tier.config.keep)
         return victims
+
+    def _evict(self, tier: Tier, checkpoint_id: str) -> bool:
+        """Evict ``checkpoint_id`` from ``tier`` unless another process (a rank sharing the
+        directory) still sends it; then the next retention on the tier does."""
+        lock = tier.backend.lock_directory(checkpoint_id, exclusive=True)
+        if lock is None:
+            log.info("not evicting %s from tier '%s' yet: another process is reading it",
+                     checkpoint_id, tier.name)
+            return False
+        try:
+            tier.delete(checkpoint_id, evicted=True)
+        finally:
+            lock.release()
+        return True
 
     def loading(self, checkpoint_id: str, begins: bool) -> None:
         """Count a load of ``checkpoint_id`` starting (``begins``) or over: while one is under
