@@ -61,6 +61,7 @@ class DrainJob:
     token: str
     all_files: dict[str, FileEntry]
     done: list[str] = field(default_factory=list)
+    copied: bool = False  # every target tried: retention may evict it from ``source`` again
 
 
 class _CopyPool:
@@ -138,7 +139,7 @@ class Drainer:
     def protected(self, tier: "Tier") -> set[str]:
         """Ids that retention must not delete from ``tier`` yet: drains still read them."""
         with self._lock:
-            return {j.checkpoint_id for j in self._pending if j.source is tier}
+            return {j.checkpoint_id for j in self._pending if j.source is tier and not j.copied}
 
     def pending(self) -> list[PendingCopy]:
         """Copies not finished yet, in order."""
@@ -186,11 +187,14 @@ class Drainer:
                         self._record_failure(job, target, exc)
                     job.done.append(target.name)
             finally:
+                # Retention on the source may have spared this id while it was being copied:
+                # apply it before wait() returns.
+                with self._lock:
+                    job.copied = True
+                self._safely(lambda: self._store.apply_retention(job.source))
                 with self._lock:
                     self._pending.remove(job)
                     self._lock.notify_all()
-                # Retention on the source may have spared this id while it was being copied.
-                self._safely(lambda: self._store.apply_retention(job.source))
 
     def _safely(self, fn: Callable[[], object], what: str = "retention after a drain") -> None:
         try:
