@@ -213,6 +213,12 @@ class LocalBackend(Backend):
         except BlockingIOError:
             os.close(fd)
             return None
+        except OSError:
+            # A filesystem without flock on directories (NFS emulates it with fcntl locks,
+            # which refuse read-only descriptors; Lustre mounted noflock): nothing is locked,
+            # and retention goes on as without the lock (each store still spares what it reads).
+            os.close(fd)
+            return DirectoryLock()
         except BaseException:
             os.close(fd)
             raise

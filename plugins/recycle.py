@@ -282,7 +282,10 @@ def _locked_bin(bins: str) -> tuple[str, int]:
         path = os.path.join(bins, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.mkdir(path)
         fd = os.open(path, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            return path, fd  # no flock on this filesystem: the bin is freed by close() only
         try:
             if _key(os.stat(path)) == _key(os.fstat(fd)):
                 return path, fd
