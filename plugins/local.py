@@ -57,7 +57,7 @@ class LocalWriteFile(io.RawIOBase):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | truncate
                            | getattr(os, "O_CLOEXEC", 0), 0o644)
         if recycler is not None:
-            recycler.owns(self._fd)
+            recycler.owns(self._fd, path)
         self._durable = durable
         self._pos = 0
         self._flushed_to = 0

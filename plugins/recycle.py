@@ -73,18 +73,22 @@ class PageRecycler:
         self._bins = os.path.join(root, RECYCLE_DIR)
         self._lock = threading.Lock()
         self._maps: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # key -> (fd, data)
-        self._own: set[tuple[int, int]] = set()  # (st_dev, st_ino) this process wrote
+        # Files this process wrote: (st_dev, st_ino) -> file name. The name guards against a
+        # stale key whose inode number the filesystem gave to another process's new file (DCP
+        # names files by rank, and every replica directory has one holder).
+        self._own: dict[tuple[int, int], str] = {}
         self._closed = False
         #: this process's bin (made, and locked, when something is first recycled)
         self.bin = os.path.join(self._bins, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._bin_fd: int | None = None
         self._free_dead_bins()
 
-    def owns(self, fd: int) -> None:
-        """Record the open file ``fd`` as written by this process (it may be recycled)."""
+    def owns(self, fd: int, path: str) -> None:
+        """Record the open file ``fd`` at ``path`` as written by this process (it may be
+        recycled)."""
         with self._lock:
             if not self._closed:
-                self._own.add(_key(os.fstat(fd)))
+                self._own[_key(os.fstat(fd))] = os.path.basename(path)
 
     def recycle(self, directory: str) -> None:
         """``directory`` is evicted: move this process's files directly under it into the bin
@@ -92,6 +96,7 @@ class PageRecycler:
         with self._lock:
             if self._closed:
                 return
+            self._forget_unlinked()
             files = [(path, size) for path, key, size in self._own_files(directory)]
             if not files:
                 return
@@ -107,8 +112,9 @@ class PageRecycler:
     def forget(self, directory: str) -> None:
         """``directory`` is deleted (not recycled): stop tracking this process's files in it."""
         with self._lock:
+            self._forget_unlinked()
             for _, key, _ in self._own_files(directory):
-                self._own.discard(key)
+                self._own.pop(key, None)
                 self._unmap(key)
 
     def take_for_write(self, path: str) -> bool:
@@ -116,10 +122,11 @@ class PageRecycler:
         written over from its start; False when the bin is empty. Whoever writes it calls
         :meth:`truncate` with the length written."""
         with self._lock:
+            self._forget_unlinked()
             sizes = [] if self._closed else self._bin_sizes()
             if not sizes:
                 return False
-            os.replace(os.path.join(self.bin, max(sizes)[1]), path)
+            self._take(max(sizes)[1], path)
             return True
 
     def truncate(self, fd: int, length: int) -> None:
@@ -142,9 +149,9 @@ class PageRecycler:
             if not fits:
                 end = WrittenFile(path, size)
                 if not self._closed:
-                    self._own.add(_key(os.fstat(end.fileno())))
+                    self._own[_key(os.fstat(end.fileno()))] = os.path.basename(path)
                 return end
-            os.replace(os.path.join(self.bin, max(fits)[1]), path)
+            self._take(max(fits)[1], path)
             return self._end(path, size, grow=True)
 
     def sending_end(self, path: str, size: int) -> MappedFile | MappedEnd:
@@ -185,9 +192,14 @@ class PageRecycler:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue  # removed meanwhile
-            if _key(st) in self._own:
+            if self._own.get(_key(st)) == entry.name:
                 found.append((entry.path, _key(st), st.st_size))
         return found
+
+    def _take(self, name: str, path: str) -> None:
+        """Move bin file ``name`` to ``path``; it is this process's file under its new name."""
+        os.replace(os.path.join(self.bin, name), path)
+        self._own[_key(os.stat(path))] = os.path.basename(path)
 
     def _bin_sizes(self) -> list[tuple[int, str]]:
         """(size, name) of the files in the bin (their names end in their size)."""
@@ -231,7 +243,7 @@ class PageRecycler:
             except OSError:
                 continue
             self._unmap(key)
-            self._own.discard(key)
+            self._own.pop(key, None)
 
     def _free_dead_bins(self) -> None:
         """Free the bins no live process holds locked (a crashed job's recycled pages)."""
@@ -261,7 +273,7 @@ class PageRecycler:
         for key, (fd, _) in list(self._maps.items()):
             if os.fstat(fd).st_nlink == 0:
                 self._unmap(key)
-                self._own.discard(key)
+                self._own.pop(key, None)
 
     def _unmap(self, key: tuple[int, int]) -> None:
         kept = self._maps.pop(key, None)

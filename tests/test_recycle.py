@@ -231,3 +231,59 @@ def test_keep_spares_a_checkpoint_another_process_of_the_node_still_sends(tmp_pa
         dcp.save({"w": torch.randn(100)}, storage_writer=store.writer(), checkpoint_id="step-3")
         assert [c.id for c in store.list()] == ["step-3"]
         assert not (tmp_path / "ram/step-1").exists()
+
+
+def test_a_load_released_by_the_garbage_collector_inside_retention_does_not_hang_it(tmp_path):
+    # A failed load's reader lives on in a reference cycle; the collector frees it on whatever
+    # thread allocates next, possibly inside keep's retention pass (forced here with collect).
+    import threading
+    config = {"tier": [{"name": "ram", "backend": "memory", "path": str(tmp_path / "ram"),
+                        "keep": 1}]}
+    with tierstore.open(config) as store:
+        dcp.save({"w": torch.randn(10)}, storage_writer=store.writer(), checkpoint_id="step-1")
+        gc.disable()
+        try:
+            reader = store.reader()
+            reader.reset("step-1")
+            reader.cycle = reader
+            del reader
+            dcp.save({"w": torch.randn(10)}, storage_writer=store.writer(),
+                     checkpoint_id="step-2")
+            assert (tmp_path / "ram/step-1").exists()  # still counted as loading
+            tier = store.tiers[0]
+            victims = tier.retention_victims
+            tier.retention_victims = lambda manifests: (gc.collect(), victims(manifests))[1]
+            retention = threading.Thread(target=store.apply_retention, args=(tier,),
+                                         daemon=True)
+            retention.start()
+            retention.join(20)
+            assert not retention.is_alive(), "retention hung on the load's release"
+        finally:
+            gc.enable()
+        store.apply_retention(store.tiers[0])  # the release is counted: step-1 goes
+        assert [c.id for c in store.list()] == ["step-2"]
+
+
+def test_a_checkpoint_removed_by_another_process_while_keep_evicts_it_fails_nothing(tmp_path):
+    # Ranks sharing a directory, or gc in another process, may remove the victim first.
+    import shutil
+    config = {"tier": [{"name": "ram", "backend": "memory", "path": str(tmp_path / "ram"),
+                        "keep": 1}]}
+    with tierstore.open(config) as store:
+        dcp.save({"w": torch.randn(10)}, storage_writer=store.writer(), checkpoint_id="step-1")
+        tier = store.tiers[0]
+        victims = tier.retention_victims
+
+        def removed_meanwhile(manifests):
+            chosen = victims(manifests)
+            for cid in chosen:
+                shutil.rmtree(tmp_path / "ram" / cid)
+            return chosen
+
+        tier.retention_victims = removed_meanwhile
+        sd = {"w": torch.randn(10)}
+        dcp.save(sd, storage_writer=store.writer(), checkpoint_id="step-2")  # does not raise
+        assert [c.id for c in store.list()] == ["step-2"]
+        out = {"w": torch.zeros(10)}
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-2")
+        assert torch.equal(out["w"], sd["w"])

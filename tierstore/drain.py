@@ -270,7 +270,7 @@ class Drainer:
         log.info("drained %s from '%s' to '%s' (%d bytes in %.2f s)", cid, source.name,
                  target.name, manifest.size_bytes, seconds)
         if commits:
-            store.apply_retention(target)
+            store.retain_quietly(target)
 
     @staticmethod
     def _can_upload(source: "Tier", target: "Tier", cid: str, manifest: Manifest) -> bool:

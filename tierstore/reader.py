@@ -66,7 +66,7 @@ class TierstoreReader(StorageReader):
         cid = validate_checkpoint_id(checkpoint_id)
         self._stop_protecting()
         self._store.loading(cid, begins=True)
-        self._protection = weakref.finalize(self, self._store.loading, cid, False)
+        self._protection = weakref.finalize(self, self._store.load_released_later, cid)
         try:
             self._reset(cid)
         except BaseException:

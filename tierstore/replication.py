@@ -139,10 +139,10 @@ class Replicator:
                 # now, before wait() returns.
                 with self._cond:
                     job.sent = True
-                try:
-                    self._store.apply_retention(job.source)
-                except Exception:
-                    log.exception("retention on tier '%s' failed", job.source.name)
+                # Only the rank that publishes the source's part applies keep there (as after
+                # a save): another rank would not know of that rank's drains and loads.
+                if job.source.layout.leader == self._store.ctx.rank:
+                    self._store.retain_quietly(job.source)
                 with self._cond:
                     self._pending.remove(job)
                     self._cond.notify_all()
@@ -244,7 +244,7 @@ class Replicator:
                                 "from": held}))
         # Housekeeping once the replicas are published (it frees or recycles old replicas).
         for src in held:
-            store.apply_retention(self.replica_tiers[src])
+            store.retain_quietly(self.replica_tiers[src])
 
     def _commit_replica(self, job: ReplicationJob, src: int, header: dict, staging: str,
                         received_files: dict[tuple[int, str], "_Received"]) -> None:

@@ -76,6 +76,10 @@ class Store:
         self._retention_lock = threading.Lock()
         # checkpoint id -> loads of it under way (retention spares them)
         self._loading: collections.Counter[str] = collections.Counter()
+        # Loads ended by a reader's finalizer: the garbage collector may run it on any thread,
+        # inside any lock (this store's retention lock too), so it only appends here (atomic)
+        # and the next retention or load counts it.
+        self._loads_released: collections.deque[str] = collections.deque()
         # thread ident -> token of the save that thread is running; gc spares these
         self._in_flight: dict[int, str] = {}
         self._closed = False
@@ -364,8 +368,16 @@ class Store:
         if targets:
             self.drainer.submit(DrainJob(checkpoint_id, tier, targets, token,
                                          all_files or files))
-        self.apply_retention(tier)
+        self.retain_quietly(tier)
         return manifest
+
+    def retain_quietly(self, tier: Tier) -> None:
+        """``apply_retention`` after something committed: a failure to evict is logged (and
+        retried at the next pass), never raised to the commit that is already done."""
+        try:
+            self.apply_retention(tier)
+        except Exception:
+            log.exception("applying keep on tier '%s' failed; the next save retries", tier.name)
 
     def apply_retention(self, tier: Tier) -> list[str]:
         """Delete what ``keep`` no longer keeps on ``tier``; returns the ids deleted."""
@@ -377,6 +389,7 @@ class Store:
         with self._retention_lock:
             # Still read by a drain, a replication or a load: evicting them under the reader
             # would also let recycling backends write over pages being read.
+            self._count_released_loads()
             busy = self.drainer.protected(tier) | set(self._loading)
             if self.replicator is not None:
                 busy |= self.replicator.protected(tier)
@@ -399,6 +412,8 @@ class Store:
             return False
         try:
             tier.delete(checkpoint_id, evicted=True)
+        except FileNotFoundError:
+            return False  # gone meanwhile (gc, or another process sharing the directory)
         finally:
             lock.release()
         return True
@@ -407,9 +422,22 @@ class Store:
         """Count a load of ``checkpoint_id`` starting (``begins``) or over: while one is under
         way, ``keep`` does not evict that checkpoint from any tier."""
         with self._retention_lock:
-            self._loading[checkpoint_id] += 1 if begins else -1
-            if self._loading[checkpoint_id] <= 0:
-                del self._loading[checkpoint_id]
+            self._count_released_loads()
+            self._count_load(checkpoint_id, 1 if begins else -1)
+
+    def load_released_later(self, checkpoint_id: str) -> None:
+        """A load of ``checkpoint_id`` is over, told from a finalizer: safe on any thread and
+        inside any lock (it takes none); counted at the next retention or load."""
+        self._loads_released.append(checkpoint_id)
+
+    def _count_released_loads(self) -> None:
+        while self._loads_released:
+            self._count_load(self._loads_released.popleft(), -1)
+
+    def _count_load(self, checkpoint_id: str, change: int) -> None:
+        self._loading[checkpoint_id] += change
+        if self._loading[checkpoint_id] <= 0:
+            del self._loading[checkpoint_id]
 
     def collect_garbage(self, tier: Tier, protect: set[str] = frozenset()) -> list[str]:
         """Remove what interrupted saves left on ``tier`` (sparing saves in flight and the
