@@ -125,8 +125,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import tierstore  # noqa: E402
 from tierstore.events import EventKind, Phase  # noqa: E402
 from tierstore.transfer import ROUNDS_IN_FLIGHT  # noqa: E402
-from save_load import (GB, benchmark_parser, finish_report, progress_log, fs_type, make_state_dict,  # noqa: E402
-                       nbytes_of, rotated)
+from save_load import (GB, STATUS_ENV, benchmark_parser, finish_report, progress_log, fs_type,  # noqa: E402
+                       make_state_dict, nbytes_of, rank_exit_status, rotated, torchrun_main)
 
 REP_CONTENDERS = ("replicate", "raw-gloo")
 STALL_CONTENDERS = ("on", "off")
@@ -143,16 +143,9 @@ MAX_BUSY_S = 300.0        # a background that never finishes must not hang the b
 REPLICATION_VS_RAW_MIN = 0.8  # replicate GB/s / raw gloo exchange GB/s, at least
 STALL_ON_VS_OFF_MAX = 1.1     # async_save stall, peer tier on / off (seconds), at most
 
-# Set by the launching process: where rank 0 leaves the exit status (see launch()).
-STATUS_ENV = "TIERSTORE_BENCH_STATUS_FILE"
 
 
 # -- launching -----------------------------------------------------------------------------------
-
-def under_torchrun() -> bool:
-    """True inside a torchrun worker (torchrun sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
 
 def without_nproc(argv: list[str]) -> list[str]:
     """``argv`` less ``--nproc N`` / ``--nproc=N`` (or an abbreviation): the ranks do not need
@@ -788,21 +781,12 @@ def worker(args: argparse.Namespace) -> int:
         if rank == 0 and base is not None:
             shutil.rmtree(base, ignore_errors=True)
     dist.destroy_process_group()
-    if os.environ.get(STATUS_ENV):
-        if rank == 0:
-            with open(os.environ[STATUS_ENV], "w") as f:
-                f.write(str(status))
-        return 0
-    return status
+    return rank_exit_status(rank, status)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Under torchrun: be one rank. Otherwise: launch torchrun with these arguments."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if under_torchrun():
-        return worker(args)
-    return launch(args, argv)
+    return torchrun_main(argv, parse_args, worker, launch)
 
 
 if __name__ == "__main__":

@@ -105,13 +105,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from save_load import (
     GB,
+    STATUS_ENV,
     benchmark_parser,
     finish_report,
     fs_type,
     make_state_dict,
     nbytes_of,
     progress_log,
+    rank_exit_status,
     rotated,
+    torchrun_main,
 )
 
 import tierstore
@@ -124,16 +127,10 @@ KEEP = 2
 CID = "step-1"
 LOST = 1                     # the node that is lost
 DIR_ENV = "TIERSTORE_BENCH_RESTORE_DIR"        # set by the launcher: the temp dir
-STATUS_ENV = "TIERSTORE_BENCH_STATUS_FILE"     # set by the launcher: rank 0's exit status
 HELD_RE = re.compile(r"^(\d+)-held-by-(\d+)$")
 
 
 # -- launching -----------------------------------------------------------------------------------
-
-def under_torchrun() -> bool:
-    """True inside a torchrun worker."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -581,21 +578,12 @@ def worker(args: argparse.Namespace) -> int:
         if own_base and rank == 0 and base is not None:
             shutil.rmtree(base, ignore_errors=True)
     dist.destroy_process_group()
-    if os.environ.get(STATUS_ENV):
-        if rank == 0:
-            with open(os.environ[STATUS_ENV], "w") as f:
-                f.write(str(status))
-        return 0
-    return status
+    return rank_exit_status(rank, status)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Under torchrun: be one rank. Otherwise: launch both nodes' torchrun."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if under_torchrun():
-        return worker(args)
-    return launch(args, argv)
+    return torchrun_main(argv, parse_args, worker, launch)
 
 
 if __name__ == "__main__":

@@ -492,5 +492,39 @@ def finish_report(args: argparse.Namespace, config: dict, summary: dict, elapsed
             json.dump(doc, f, indent=2)
     return 1 if args.strict and not all(v["pass"] for v in summary["verdicts"]) else 0
 
+
+# -- benchmarks run under torchrun (replication.py, restore.py) -----------------------------------
+
+#: set by a launcher that runs a benchmark under torchrun: where rank 0 leaves its exit status
+STATUS_ENV = "TIERSTORE_BENCH_STATUS_FILE"
+
+
+def under_torchrun() -> bool:
+    """True inside a torchrun worker (torchrun sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank_exit_status(rank: int, status: int) -> int:
+    """A torchrun rank's exit code. Under a launcher (``STATUS_ENV`` set) rank 0 leaves
+    ``status`` in its file and every rank exits 0: a failed acceptance target is the report's
+    verdict, not a crash for torchrun to bury under its own failure report."""
+    if not os.environ.get(STATUS_ENV):
+        return status
+    if rank == 0:
+        with open(os.environ[STATUS_ENV], "w") as f:
+            f.write(str(status))
+    return 0
+
+
+def torchrun_main(argv: list[str] | None, parse_args: Callable[[list[str]], argparse.Namespace],
+                  worker: Callable[[argparse.Namespace], int],
+                  launch: Callable[[argparse.Namespace, list[str]], int]) -> int:
+    """A torchrun benchmark's entry point: inside torchrun be one rank (``worker``), else start
+    the torchrun invocations (``launch``) with these arguments."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    return worker(args) if under_torchrun() else launch(args, argv)
+
+
 if __name__ == "__main__":
     sys.exit(main())
