@@ -56,8 +56,8 @@ class LocalWriteFile(io.RawIOBase):
         self._reused = not truncate
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | truncate
                            | getattr(os, "O_CLOEXEC", 0), 0o644)
-        if recycler is not None:
-            recycler.owns(self._fd, path)
+        if recycler is not None and not self._reused:
+            recycler.owns(self._fd, path)  # a recycled file is recorded as it is taken
         self._durable = durable
         self._pos = 0
         self._flushed_to = 0

@@ -191,12 +191,12 @@ class Drainer:
                 # apply it before wait() returns.
                 with self._lock:
                     job.copied = True
-                self._safely(lambda: self._store.apply_retention(job.source))
+                self._store.retain_quietly(job.source)
                 with self._lock:
                     self._pending.remove(job)
                     self._lock.notify_all()
 
-    def _safely(self, fn: Callable[[], object], what: str = "retention after a drain") -> None:
+    def _safely(self, fn: Callable[[], object], what: str) -> None:
         try:
             fn()
         except Exception:

@@ -31,8 +31,9 @@ from .mapped import MappedFile
 __all__ = ["ROUNDS_IN_FLIGHT", "Transfer", "PieceTarget", "run_transfers", "open_to_send",
            "exchange_objects"]
 
-#: rounds of pieces posted and not yet waited for (2: the next round is queued behind the one
-#: moving, so waiting for a round and posting the next leave no gap on the link)
+#: rounds of pieces posted and not yet waited for: later rounds queue behind the one moving,
+#: so waiting for a round and posting the next leave no gap on the link (measured here on raw
+#: gloo: 1 round 0.186 s, 2 rounds 0.175 s, 4 rounds 0.156 s for 2 x 256 MiB)
 ROUNDS_IN_FLIGHT = 4
 _SEND_POOLS = ROUNDS_IN_FLIGHT + 1
 _RECV_POOLS = ROUNDS_IN_FLIGHT + 2
