@@ -5,7 +5,7 @@ Why
 A ``peer`` tier keeps every rank's files on another rank too (``replication = { strategy =
 "ring", offset = 1 }``): after each save commits, a background thread on every rank sends that
 rank's files to its holder and receives its source's files, point to point over a gloo group of
-the store's own (``tierstore.replication``, ``tierstore.transfer``). Two questions decide
+the store's own (``tierstore.engine.replication``, ``tierstore.transport.transfer``). Two questions decide
 whether that is usable: does the replication move bytes about as fast as the link allows, and
 does turning it on hold training up?
 
@@ -124,7 +124,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import tierstore  # noqa: E402
 from tierstore.events import EventKind, Phase  # noqa: E402
-from tierstore.transfer import ROUNDS_IN_FLIGHT  # noqa: E402
+from tierstore.transport.transfer import ROUNDS_IN_FLIGHT  # noqa: E402
 from save_load import (GB, STATUS_ENV, benchmark_parser, finish_report, progress_log, fs_type,  # noqa: E402
                        make_state_dict, nbytes_of, rank_exit_status, rotated, torchrun_main)
 

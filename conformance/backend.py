@@ -23,13 +23,13 @@ from typing import Callable
 
 import pytest
 
-from tierstore.checksum import checksum_of
-from tierstore.config import TierConfig
+from tierstore.format.checksum import checksum_of
+from tierstore.config.validate import TierConfig
 from tierstore.events import Phase
-from tierstore.kinds import Backend, CommitProtocol
-from tierstore.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
-from tierstore.plugin_manager import build_plugin_host
-from tierstore.tier import Tier
+from tierstore.plugin.bases import Backend, CommitProtocol
+from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
+from tierstore.plugin.host import build_plugin_host
+from tierstore.tiers.tier import Tier
 
 __all__ = ["BackendTests", "RenameBackendTests"]
 

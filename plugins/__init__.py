@@ -4,8 +4,8 @@ They use the same hooks as third-party plugins. Writing your own takes a module 
 
     # my_company/tierstore_ext.py
     import tierstore
-    from tierstore.kinds import Backend
-    from tierstore.options import Option
+    from tierstore.plugin.bases import Backend
+    from tierstore.plugin.options import Option
 
     class MyBackend(Backend):
         options = (Option("path", str, required=True, expand=True, description="where"),)

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import tierstore
-from tierstore.errors import CommitError
-from tierstore.events import Phase
-from tierstore.kinds import Backend, CommitProtocol
-from tierstore.manifest import MANIFEST_NAME
+from tierstore.plugin import MANIFEST_NAME, Backend, CommitError, CommitProtocol, hookimpl, Phase
 
 _TMP = ".tierstore-tmp."
 _TRASH = ".tierstore-trash."
@@ -73,6 +69,6 @@ class AtomicRenameCommit(CommitProtocol):
         backend.sync_dir(checkpoint_id)
 
 
-@tierstore.hookimpl
+@hookimpl
 def tierstore_register_commit_protocols(register):
     register("atomic", AtomicRenameCommit)

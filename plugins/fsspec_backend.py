@@ -18,10 +18,7 @@ from typing import IO, Any
 
 import fsspec
 
-import tierstore
-from tierstore.kinds import Backend
-from tierstore.options import Option
-from tierstore.retry import RetryPolicy, with_retries
+from tierstore.plugin import Backend, hookimpl, Option, RetryPolicy, with_retries
 
 log = logging.getLogger("tierstore.fsspec")
 
@@ -69,6 +66,7 @@ class FsspecBackend(Backend):
     )
     default_commit = "manifest-last"
     supports_rename = False
+    bulk_upload = True
     durable = True
 
     def __init__(self, root: str, url: str | None = None, options: dict | None = None,
@@ -321,6 +319,6 @@ class ObjectReader(io.RawIOBase):
         return n
 
 
-@tierstore.hookimpl
+@hookimpl
 def tierstore_register_backends(register):
     register("fsspec", FsspecBackend)

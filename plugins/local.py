@@ -15,11 +15,8 @@ import shutil
 import sys
 from typing import IO
 
-import tierstore
-from tierstore.kinds import Backend, DirectoryLock
-from tierstore.mapped import MappedFile, WrittenFile
-from tierstore.options import Option
-from tierstore.transfer import PieceTarget
+from tierstore.plugin import (Backend, DirectoryLock, hookimpl, MappedFile, Option,
+                              TransferEnd, WrittenFile)
 
 from .recycle import RECYCLE_DIR, PageRecycler
 
@@ -244,14 +241,14 @@ class LocalBackend(Backend):
     def local_path(self, path: str) -> str | None:
         return self._abs(path)
 
-    def sending_end(self, path: str, size: int) -> PieceTarget:
+    def sending_end(self, path: str, size: int) -> TransferEnd:
         """File ``path`` (``size`` bytes) mapped, to send over torch.distributed without a
         copy; with recycling the mapping is kept for the file's next uses."""
         if self.recycler is not None:
             return self.recycler.sending_end(self._abs(path), size)
         return MappedFile(self._abs(path), size)
 
-    def receiving_end(self, path: str, size: int) -> PieceTarget:
+    def receiving_end(self, path: str, size: int) -> TransferEnd:
         """File ``path`` created (with its parents) to receive ``size`` bytes into; with
         recycling, the pages of a dropped file, mapped."""
         target = self._abs(path)
@@ -279,7 +276,7 @@ class MemoryBackend(LocalBackend):
         super().__init__(root, path, fsync=False)
 
 
-@tierstore.hookimpl
+@hookimpl
 def tierstore_register_backends(register):
     register("local", LocalBackend)
     register("memory", MemoryBackend)

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 from typing import Callable, Collection
 
-import tierstore
-from tierstore.errors import CommitError
-from tierstore.events import Phase
-from tierstore.kinds import Backend, CommitProtocol
-from tierstore.manifest import MANIFEST_NAME, Manifest
+from tierstore.plugin import (MANIFEST_NAME, Backend, CommitError, CommitProtocol, hookimpl,
+                              Manifest, Phase)
 
 MARKER = ".tierstore-pending"
 
@@ -85,6 +82,6 @@ class ManifestLastCommit(CommitProtocol):
         backend.write_bytes(f"{checkpoint_id}/{MANIFEST_NAME}", manifest)
 
 
-@tierstore.hookimpl
+@hookimpl
 def tierstore_register_commit_protocols(register):
     register("manifest-last", ManifestLastCommit)

@@ -4,15 +4,14 @@ ranks send it over torch.distributed, so that a lost node's shards come back fro
 The directory holds checkpoints in the usual layout; the replicas this rank keeps for rank ``s``
 live under ``.replicas/<s>-held-by-<this rank>/`` in the same layout (a manifest naming rank
 ``s``). Which ranks send to which is the ``replication`` table's strategy (a plugin:
-``clique``, ``ring``); moving the bytes is the store's (tierstore.replication).
+``clique``, ``ring``); moving the bytes is the store's (tierstore.engine.replication).
 """
 
 from __future__ import annotations
 
 import os
 
-import tierstore
-from tierstore.options import Option
+from tierstore.plugin import hookimpl, Option
 
 from .local import LocalBackend
 
@@ -47,6 +46,6 @@ class PeerBackend(LocalBackend):
                             fsync=self.durable, recycle=True)
 
 
-@tierstore.hookimpl
+@hookimpl
 def tierstore_register_backends(register):
     register("peer", PeerBackend)

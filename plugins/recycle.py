@@ -43,7 +43,7 @@ import uuid
 
 import torch
 
-from tierstore.mapped import DescriptorEnd, MappedFile, WrittenFile, map_populated
+from tierstore.plugin import DescriptorEnd, map_populated, MappedFile, WrittenFile
 
 __all__ = ["MappedEnd", "PageRecycler", "RECYCLE_DIR"]
 

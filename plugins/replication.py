@@ -9,9 +9,7 @@ keeps each rank's copy on the rank ``offset`` places further (modulo the world s
 
 from __future__ import annotations
 
-import tierstore
-from tierstore.kinds import ReplicationStrategy
-from tierstore.options import Option
+from tierstore.plugin import hookimpl, Option, ReplicationStrategy
 
 __all__ = ["CliqueStrategy", "RingStrategy"]
 
@@ -81,7 +79,7 @@ class RingStrategy(ReplicationStrategy):
         return f"ring(offset={self.offset})"
 
 
-@tierstore.hookimpl
+@hookimpl
 def tierstore_register_replication_strategies(register):
     register("clique", CliqueStrategy)
     register("ring", RingStrategy)

@@ -27,10 +27,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
-import tierstore
-from tierstore.errors import StagingError
-from tierstore.kinds import Stager
-from tierstore.options import Option
+from tierstore.plugin import hookimpl, Option, Stager, StagingError
 
 __all__ = ["CpuStager", "PinnedStager", "ShmStager", "StateDictLayout", "describe_state_dict"]
 
@@ -201,7 +198,7 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-@tierstore.hookimpl
+@hookimpl
 def tierstore_register_staging(register):
     register("cpu", CpuStager)
     register("pinned", PinnedStager)

@@ -13,9 +13,7 @@ from typing import IO
 import zstandard
 from torch.distributed.checkpoint._extension import ZStandard
 
-import tierstore
-from tierstore.kinds import Codec
-from tierstore.options import Option
+from tierstore.plugin import Codec, hookimpl, Option
 
 
 def _level(value: int) -> str | None:
@@ -55,6 +53,6 @@ class ZstdCodec(Codec):
         return LeveledZStandard(self.level, self.threads)
 
 
-@tierstore.hookimpl
+@hookimpl
 def tierstore_register_codecs(register):
     register("zstd", ZstdCodec)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierstore.plugin_manager import build_plugin_host
+from tierstore.plugin.host import build_plugin_host
 from tierstore_conformance import RenameBackendTests, StockLoadableRoundTripTests
 
 

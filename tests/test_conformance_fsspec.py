@@ -26,7 +26,7 @@ from tierstore_conformance import (
     StockLoadableRoundTripTests,
 )
 
-from tierstore.plugin_manager import build_plugin_host
+from tierstore.plugin.host import build_plugin_host
 
 
 def _fsspec_backend(url: str, options: dict | None = None):

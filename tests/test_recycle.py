@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tierstore
-from tierstore.mapped import BufferTarget, MappedFile, WrittenFile
+from tierstore.transport.ends import BufferTarget, MappedFile, WrittenFile
 from tierstore_plugins.local import LocalBackend
 from tierstore_plugins.recycle import RECYCLE_DIR, MappedEnd
 

@@ -10,14 +10,14 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from tierstore.version import __version__
 
-from .errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,  # noqa: E402
+from tierstore.errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,  # noqa: E402
                      IntegrityError, PluginError, StagingError, TierstoreError)
-from .events import Event, EventKind, Phase  # noqa: E402
-from .info import CheckpointInfo, VerifyReport  # noqa: E402
-from .plugin_manager import hookimpl  # noqa: E402
-from .store import Store, open  # noqa: E402
+from tierstore.events import Event, EventKind, Phase  # noqa: E402
+from tierstore.tiers.reports import CheckpointInfo, VerifyReport  # noqa: E402
+from tierstore.plugin.host import hookimpl  # noqa: E402
+from tierstore.store import Store, open  # noqa: E402
 
 __all__ = [
     "__version__",

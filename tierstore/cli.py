@@ -14,15 +14,15 @@ import argparse
 import datetime
 import sys
 
-from . import __version__
-from .errors import TierstoreError
-from .plugin_manager import KINDS, build_plugin_host
+from tierstore.version import __version__
+from tierstore.errors import TierstoreError
+from tierstore.plugin.host import KINDS, build_plugin_host
 
 __all__ = ["main"]
 
 
 def _open(config: str):
-    from .store import open as open_store
+    from tierstore.store import open as open_store
 
     return open_store(config)
 
@@ -77,7 +77,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import main as demo_main
+    from tierstore.demo import main as demo_main
 
     demo_main(args.rest)
     return 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .store import Store
+    from tierstore.store import Store
 
 __all__ = ["StoreSpec", "checkpoint_process_store"]
 
@@ -59,7 +59,7 @@ def checkpoint_process_store(spec: StoreSpec) -> "Store":
 
     Opening is collective under torch.distributed; DCP calls ``writer.reset`` on every rank in
     the same order, which is where this runs."""
-    from .store import Store
+    from tierstore.store import Store
 
     with _stores_lock:
         store = _stores.get(spec.key)

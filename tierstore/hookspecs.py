@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import pluggy
 
 if TYPE_CHECKING:
-    from .events import Event
-    from .store import Store
+    from tierstore.events import Event
+    from tierstore.store import Store
 
 hookspec = pluggy.HookspecMarker("tierstore")
 

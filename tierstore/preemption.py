@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 import torch.distributed as dist
 
-from .dist import make_store_group
-from .events import Event, EventKind, Phase
+from tierstore.transport.collectives import make_store_group
+from tierstore.events import Event, EventKind, Phase
 
 if TYPE_CHECKING:
-    from .store import Store
+    from tierstore.store import Store
 
 __all__ = ["Preemption"]
 

@@ -19,27 +19,27 @@ from typing import Any, Iterable
 
 import torch.distributed as dist
 
-from . import __version__
-from .config import StoreConfig, load_source, validate_config, validate_store_table
-from .dist import RankContext, all_gather_object, make_store_group, rank_context
-from .layout import TierLayout, compute_layouts
-from .drain import DrainJob, Drainer, PendingCopy, report_unfinished
-from .errors import CheckpointNotFound, CommitError, ConfigError, DrainError, PluginError
-from .events import Event, EventKind, Phase
-from .ids import step_of, validate_checkpoint_id
-from .item_io import register_extension
-from .handoff import StoreSpec
-from .inflight import SaveSlot
-from .options import validate_table
-from .preemption import Preemption
-from .replication import Replicator
-from .info import CheckpointInfo, VerifyReport
-from .manifest import FileEntry, Manifest
-from .plugin_manager import PluginHost, build_plugin_host
-from .reader import TierstoreReader
-from .tier import Tier
-from .writer import TierstoreWriter
-from tierstore_plugins.stats import TierFigures, TierStats
+from tierstore.version import __version__
+from tierstore.config.validate import StoreConfig, load_source, validate_config, validate_store_table
+from tierstore.transport.collectives import RankContext, all_gather_object, make_store_group, rank_context
+from tierstore.tiers.layout import TierLayout, compute_layouts
+from tierstore.engine.drain import DrainJob, Drainer, PendingCopy, report_unfinished
+from tierstore.errors import CheckpointNotFound, CommitError, ConfigError, DrainError, PluginError
+from tierstore.events import Event, EventKind, Phase
+from tierstore.format.ids import step_of, validate_checkpoint_id
+from tierstore.format.item_io import register_extension
+from tierstore.handoff import StoreSpec
+from tierstore.engine.saves import SaveSlot
+from tierstore.plugin.options import validate_table
+from tierstore.preemption import Preemption
+from tierstore.engine.replication import Replicator
+from tierstore.tiers.reports import CheckpointInfo, VerifyReport
+from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.plugin.host import PluginHost, build_plugin_host
+from tierstore.dcp.reader import TierstoreReader
+from tierstore.tiers.tier import Tier
+from tierstore.dcp.writer import TierstoreWriter
+from tierstore.engine.stats import TierFigures, TierStats
 
 __all__ = ["Store", "open"]
 
@@ -65,7 +65,7 @@ class Store:
         self.host: PluginHost = build_plugin_host(store_table["plugins"],
                                                   f"[store] plugins in {source.name}",
                                                   tuple(plugins),
-                                                  {"tierstore_plugins.stats": self._stats})
+                                                  {"tierstore.engine.stats": self._stats})
         self.config: StoreConfig = validate_config(data, source, self.host, store_table)
         self.ctx: RankContext = rank_context(process_group)
         self.tiers: list[Tier] = [self._build_tier(tc) for tc in self.config.tiers]
@@ -133,7 +133,7 @@ class Store:
     def _build_replicator(self, process_group: Any) -> "Replicator | None":
         """The peer tier's replication (strategy checked against the world size, replica tiers
         for the ranks this one holds, a gloo group of its own); None without a peer tier."""
-        peers = [t for t in self.tiers if hasattr(t.backend, "replication")]
+        peers = [t for t in self.tiers if t.backend.replication is not None]
         if not peers:
             return None
         source = self.config.source

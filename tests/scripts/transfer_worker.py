@@ -14,8 +14,8 @@ import sys
 
 import torch.distributed as dist
 
-from tierstore.mapped import BufferTarget, MappedFile, WrittenFile
-from tierstore.transfer import ROUNDS_IN_FLIGHT, Transfer, run_transfers
+from tierstore.transport.ends import BufferTarget, MappedFile, WrittenFile
+from tierstore.transport.transfer import ROUNDS_IN_FLIGHT, Transfer, run_transfers
 from tierstore_plugins.local import LocalBackend
 from worker_exit import run_worker
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .tier import Problem
+from tierstore.tiers.tier import Problem
 
 __all__ = ["CheckpointInfo", "VerifyReport", "Problem"]
 

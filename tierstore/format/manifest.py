@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .checksum import ALGORITHM
+from tierstore.format.checksum import ALGORITHM
 
 __all__ = ["MANIFEST_NAME", "METADATA_NAME", "FORMAT_VERSION", "FileEntry", "Manifest",
            "ManifestError"]

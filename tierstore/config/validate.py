@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .dist import RankContext
-from .errors import ConfigError
-from .options import ConfigSource, Option, validate_table
-from .plugin_manager import PluginHost
+from tierstore.transport.collectives import RankContext
+from tierstore.errors import ConfigError
+from tierstore.plugin.options import ConfigSource, Option, validate_table
+from tierstore.plugin.host import PluginHost
 
 __all__ = ["StoreConfig", "TierConfig", "PluginChoice", "load_source", "validate_config",
            "expand_placeholders"]

@@ -4,7 +4,7 @@ With node-local tiers (and peer replicas) a rank may need files that only other 
 own shards after its node was replaced, or another rank's file that DCP's plan sends its way.
 Every rank lists the files its plan needs that it has no good copy of here, and the files it can
 serve; all ranks derive the same schedule from that, and the files move over torch.distributed
-(tierstore.transfer). A received file is checked against its manifest checksum; what no peer has
+(tierstore.transport.transfer). A received file is checked against its manifest checksum; what no peer has
 is left to the slower (shared) tiers, file by file, as usual.
 """
 
@@ -14,20 +14,20 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from .checksum import checksum_of
-from .dist import all_gather_object
-from .events import Event, EventKind, Phase
-from .manifest import FileEntry, Manifest
-from .mapped import BufferTarget
-from .transfer import Transfer, open_to_send, run_transfers
+from tierstore.format.checksum import checksum_of
+from tierstore.transport.collectives import all_gather_object
+from tierstore.events import Event, EventKind, Phase
+from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.transport.ends import BufferTarget
+from tierstore.transport.transfer import Transfer, open_to_send, run_transfers
 
 if TYPE_CHECKING:
-    from .store import Store
-    from .tier import Tier
+    from tierstore.store import Store
+    from tierstore.tiers.tier import Tier
 
 __all__ = ["fetch_from_peers"]
 
-log = logging.getLogger("tierstore.restore")
+log = logging.getLogger("tierstore.dcp.peer_fetch")
 
 
 def _local_sources(store: "Store", sources: list[tuple["Tier", Manifest]]

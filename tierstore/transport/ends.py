@@ -15,10 +15,12 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
+from typing import IO
 
 import torch
 
-__all__ = ["DescriptorEnd", "MappedFile", "WrittenFile", "BufferTarget", "map_populated"]
+__all__ = ["TransferEnd", "DescriptorEnd", "MappedFile", "WrittenFile", "FileSource",
+           "BufferTarget", "map_populated"]
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in as touched
 
@@ -35,7 +37,39 @@ def map_populated(fd: int, length: int, *, writable: bool, offset: int = 0) -> t
         return torch.frombuffer(region, dtype=torch.uint8)
 
 
-class DescriptorEnd:
+class TransferEnd:
+    """One end of a file transfer between ranks (``tierstore.transport.transfer``): the file a
+    piece is sent from or received into.
+
+    The contract: an end with ``in_place = True`` hands out its own memory with :meth:`piece`
+    (a mapped file, a buffer), so gloo sends from it or receives into it without a copy. An end
+    with ``in_place = False`` is a stream: a sending end fills the transfer's reused buffers
+    with :meth:`read_into`, a receiving end gets each arrived piece through :meth:`write_at`.
+    :meth:`close` ends it (``fsync``: make what was written durable). Backends hand out their
+    own ends through :meth:`tierstore.plugin.Backend.sending_end` and ``receiving_end``."""
+
+    #: True: pieces are views of this end's own memory (:meth:`piece`); False: a stream
+    in_place: bool = True
+
+    def piece(self, offset: int, length: int) -> torch.Tensor:
+        """In-place ends: bytes ``[offset, offset + length)`` as a uint8 tensor to send from or
+        receive into."""
+        raise NotImplementedError(f"{type(self).__name__} is not an in-place transfer end")
+
+    def read_into(self, offset: int, view: memoryview) -> int:
+        """Streaming sending ends: read ``len(view)`` bytes at ``offset`` into ``view``; return
+        how many were read."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be read from")
+
+    def write_at(self, offset: int, data: torch.Tensor) -> None:
+        """Streaming receiving ends: write a received piece at ``offset``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be written to")
+
+    def close(self, fsync: bool = False) -> None:
+        """Release the end (``fsync``: flush what was written first). Closing twice is a no-op."""
+
+
+class DescriptorEnd(TransferEnd):
     """A transfer end holding an open descriptor of its file, released by :meth:`close`."""
 
     _fd = -1
@@ -79,6 +113,8 @@ class WrittenFile(DescriptorEnd):
     written at their offsets. (Mapping a new tmpfs file and receiving into it faults in every
     fresh page inside the transfer: ten times slower here than writing the pieces.)"""
 
+    in_place = False
+
     def __init__(self, path: str, size: int):
         self.path, self.size = path, size
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -96,7 +132,26 @@ class WrittenFile(DescriptorEnd):
 
 
 
-class BufferTarget:
+class FileSource(TransferEnd):
+    """A sending end over a readable file object (a backend's ``open_read``): pieces are read
+    into the transfer's reused buffers."""
+
+    in_place = False
+
+    def __init__(self, file: IO[bytes]):
+        self._file = file
+
+    def read_into(self, offset: int, view: memoryview) -> int:
+        """Read ``len(view)`` bytes at ``offset``."""
+        self._file.seek(offset)
+        return self._file.readinto(view)
+
+    def close(self, fsync: bool = False) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+class BufferTarget(TransferEnd):
     """A receiving end in memory: pieces are views of one ``bytearray`` of the file's size."""
 
     def __init__(self, size: int):

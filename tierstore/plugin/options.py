@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import ConfigError
+from tierstore.errors import ConfigError
 
 __all__ = ["Option", "ConfigSource", "resolve_env"]
 

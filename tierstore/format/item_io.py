@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlanner, Rea
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
-from .checksum import Hasher
-from .manifest import FileEntry
+from tierstore.format.checksum import Hasher
+from tierstore.format.manifest import FileEntry
 
 __all__ = ["ItemLocation", "HashingWriter", "write_items", "split_items", "read_items",
            "FileReadError", "DIRECT_READ_MIN"]

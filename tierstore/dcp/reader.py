@@ -21,22 +21,22 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .checksum import checksum_of
-from .dist import all_gather_object, broadcast_object
-from .errors import CheckpointNotFound, IntegrityError
-from .events import Event, EventKind, Phase
-from .ids import is_valid_checkpoint_id, validate_checkpoint_id
-from .item_io import FileReadError, read_items
-from .manifest import METADATA_NAME, FileEntry, Manifest
-from .restore import fetch_from_peers
+from tierstore.format.checksum import checksum_of
+from tierstore.transport.collectives import all_gather_object, broadcast_object
+from tierstore.errors import CheckpointNotFound, IntegrityError
+from tierstore.events import Event, EventKind, Phase
+from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
+from tierstore.format.item_io import FileReadError, read_items
+from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
+from tierstore.dcp.peer_fetch import fetch_from_peers
 
 if TYPE_CHECKING:
-    from .store import Store
-    from .tier import Tier
+    from tierstore.store import Store
+    from tierstore.tiers.tier import Tier
 
 __all__ = ["TierstoreReader"]
 
-log = logging.getLogger("tierstore.reader")
+log = logging.getLogger("tierstore.dcp.reader")
 
 
 class TierstoreReader(StorageReader):

@@ -24,24 +24,24 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .checksum import checksum_of
-from .dist import all_gather_object
-from .errors import CommitError
-from .events import Event, EventKind, Phase
-from .ids import is_valid_checkpoint_id, validate_checkpoint_id
-from .item_io import HashingWriter, ItemLocation, split_items, write_items
-from .manifest import METADATA_NAME, FileEntry
-from .replication import ReplicationJob
+from tierstore.format.checksum import checksum_of
+from tierstore.transport.collectives import all_gather_object
+from tierstore.errors import CommitError
+from tierstore.events import Event, EventKind, Phase
+from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
+from tierstore.format.item_io import HashingWriter, ItemLocation, split_items, write_items
+from tierstore.format.manifest import METADATA_NAME, FileEntry
+from tierstore.engine.replication import ReplicationJob
 
-from .handoff import StoreSpec, checkpoint_process_store
+from tierstore.handoff import StoreSpec, checkpoint_process_store
 
 if TYPE_CHECKING:
-    from .store import Store
-    from .tier import Tier
+    from tierstore.store import Store
+    from tierstore.tiers.tier import Tier
 
 __all__ = ["TierstoreWriter"]
 
-log = logging.getLogger("tierstore.writer")
+log = logging.getLogger("tierstore.dcp.writer")
 
 
 @dataclass(frozen=True)

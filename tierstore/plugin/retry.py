@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 
 __all__ = ["RetryPolicy", "is_transient", "with_retries", "GaveUp"]
 
-log = logging.getLogger("tierstore.retry")
+log = logging.getLogger("tierstore.plugin.retry")
 T = TypeVar("T")
 
 _PERMANENT = (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError,

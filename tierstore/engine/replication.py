@@ -9,7 +9,7 @@ everywhere; if so, headers (file lists) and then files move point to point, and 
 commits what it received as a checkpoint of its replica tier (``.replicas/<rank>-held-by-<me>``
 under the peer tier's directory), whose manifest names the rank it came from. The coordinator's
 replicas carry DCP's global ``.metadata``. Files are sent from their mapped pages and received
-into the pages of replicas ``keep`` dropped (tierstore.transfer), checksummed as they land.
+into the pages of replicas ``keep`` dropped (tierstore.transport.transfer), checksummed as they land.
 """
 
 from __future__ import annotations
@@ -21,23 +21,23 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .dist import all_gather_object
-from .drain import wait_until_empty
-from .errors import DrainError
-from .events import Event, EventKind, Phase
-from .checksum import Hasher
-from .manifest import METADATA_NAME, FileEntry, Manifest
-from .transfer import Transfer, exchange_objects, open_to_send, run_transfers
+from tierstore.version import __version__
+from tierstore.transport.collectives import all_gather_object
+from tierstore.engine.drain import wait_until_empty
+from tierstore.errors import DrainError
+from tierstore.events import Event, EventKind, Phase
+from tierstore.format.checksum import Hasher
+from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
+from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
 
 if TYPE_CHECKING:
-    from .kinds import ReplicationStrategy
-    from .store import Store
-    from .tier import Tier
+    from tierstore.plugin.bases import ReplicationStrategy
+    from tierstore.store import Store
+    from tierstore.tiers.tier import Tier
 
 __all__ = ["ReplicationJob", "Replicator"]
 
-log = logging.getLogger("tierstore.replication")
+log = logging.getLogger("tierstore.engine.replication")
 
 
 @dataclass

@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 import pluggy
 
-from . import hookspecs
-from .errors import PluginError
-from .events import Event
-from .kinds import Backend, Codec, CommitProtocol, ReplicationStrategy, Stager
+from tierstore import hookspecs
+from tierstore.errors import PluginError
+from tierstore.events import Event
+from tierstore.plugin.bases import Backend, Codec, CommitProtocol, ReplicationStrategy, Stager
 
 __all__ = ["BUILTIN_PLUGINS", "KINDS", "Registration", "PluginHost", "build_plugin_host", "hookimpl"]
 

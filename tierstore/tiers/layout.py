@@ -14,8 +14,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from .dist import RankContext, all_gather_object
-from .errors import ConfigError
+from tierstore.transport.collectives import RankContext, all_gather_object
+from tierstore.errors import ConfigError
 
 __all__ = ["TierLayout", "compute_layouts", "SINGLE"]
 

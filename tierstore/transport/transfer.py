@@ -9,10 +9,10 @@ are on the wire at a time: round ``k+1`` is posted before round ``k`` is waited 
 link never idles between rounds. Meanwhile helper threads prepare the next round's pieces (map
 them, or read them from a file) and hand the last finished round's received pieces to ``sink``.
 
-Where a source is a local file (:class:`tierstore.mapped.MappedFile`, or a backend's kept
+Where a source is a local file (:class:`tierstore.transport.ends.MappedFile`, or a backend's kept
 mapping) gloo sends from the file's own pages, and where a target's pages exist (a recycled
 file, ``tierstore_plugins.recycle``) it receives into them: no copy besides the network's. A
-new file (:class:`tierstore.mapped.WrittenFile`) is received into reused buffers and written.
+new file (:class:`tierstore.transport.ends.WrittenFile`) is received into reused buffers and written.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import collections
 import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Protocol, Union
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .mapped import MappedFile
+from tierstore.transport.ends import FileSource, MappedFile, TransferEnd
 
-__all__ = ["ROUNDS_IN_FLIGHT", "Transfer", "PieceTarget", "run_transfers", "open_to_send",
+__all__ = ["ROUNDS_IN_FLIGHT", "Transfer", "run_transfers", "open_to_send",
            "exchange_objects"]
 
 #: rounds of pieces posted and not yet waited for: later rounds queue behind the one moving,
@@ -49,31 +49,15 @@ class Transfer:
     size: int
 
 
-class PieceTarget(Protocol):
-    """A file being sent or received, piece by piece, in place (MappedFile, BufferTarget).
-    A receiving end may instead have ``write_at(offset, data)`` (WrittenFile): its pieces
-    arrive in reused buffers and are written there."""
-
-    def piece(self, offset: int, length: int) -> torch.Tensor:
-        """Bytes ``[offset, offset + length)`` as a uint8 tensor to send from or receive into."""
-
-    def close(self, fsync: bool = False) -> None:
-        """Release the file."""
-
-
-#: what ``open_source`` returns: a mapped file (sent in place) or a readable file (read into
-#: reused buffers)
-Source = Union[PieceTarget, IO[bytes]]
-
-
-def open_to_send(backend: Any, path: str, size: int) -> Source:
-    """A tier's file (``path`` on ``backend``, ``size`` bytes) as a source: the backend's own
-    mapping (``sending_end``) where it has one, else mapped when it is a local file, else opened
-    for reading."""
-    if hasattr(backend, "sending_end"):
-        return backend.sending_end(path, size)
+def open_to_send(backend: Any, path: str, size: int) -> TransferEnd:
+    """A tier's file (``path`` on ``backend``, ``size`` bytes) as a sending end: the backend's
+    own (``sending_end``) where it has one, else mapped when it is a local file, else read
+    through ``open_read``."""
+    own = backend.sending_end(path, size)
+    if own is not None:
+        return own
     local = backend.local_path(path)
-    return MappedFile(local, size) if local else backend.open_read(path)
+    return MappedFile(local, size) if local else FileSource(backend.open_read(path))
 
 
 @dataclass(frozen=True)
@@ -99,12 +83,12 @@ class _Ends:
     read buffers for sources that are not mapped."""
 
     def __init__(self, rank: int, piece_bytes: int,
-                 open_source: Callable[[Transfer], Source],
-                 open_target: Callable[[Transfer], PieceTarget]):
+                 open_source: Callable[[Transfer], TransferEnd],
+                 open_target: Callable[[Transfer], TransferEnd]):
         self.rank, self.piece_bytes = rank, piece_bytes
         self._open_source, self._open_target = open_source, open_target
-        self.sources: dict[Transfer, Source] = {}
-        self.targets: dict[Transfer, PieceTarget] = {}
+        self.sources: dict[Transfer, TransferEnd] = {}
+        self.targets: dict[Transfer, TransferEnd] = {}
         # Reused buffers (fresh tensors per piece cost a page fault per 4 KiB), a set per
         # round that may hold one at once: to read into, the rounds on the wire and the next
         # one being read; to receive into (for targets written from buffers), those and the
@@ -119,7 +103,7 @@ class _Ends:
             outgoing.append((p, self._outgoing(k, i, p)))
         for i, p in enumerate(q for q in pieces if q.transfer.dst == self.rank):
             target = self.target(p.transfer)
-            if hasattr(target, "piece"):
+            if target.in_place:
                 incoming.append((p, target.piece(p.offset, p.length)))
             else:
                 incoming.append((p, self._buffer(self._recv_pools[k % _RECV_POOLS], i, p.length)))
@@ -131,7 +115,7 @@ class _Ends:
             buf = pool[i] = torch.empty(max(length, self.piece_bytes), dtype=torch.uint8)
         return buf[:length]
 
-    def target(self, t: Transfer) -> PieceTarget:
+    def target(self, t: Transfer) -> TransferEnd:
         """The receiving end of ``t`` (opened on first use)."""
         target = self.targets.get(t)
         if target is None:
@@ -143,11 +127,10 @@ class _Ends:
         source = self.sources.get(t)
         if source is None:
             source = self.sources[t] = self._open_source(t)
-        if hasattr(source, "piece"):
+        if source.in_place:
             return source.piece(p.offset, p.length)
         view = self._buffer(self._send_pools[k % _SEND_POOLS], i, p.length)
-        source.seek(p.offset)
-        if source.readinto(memoryview(view.numpy())) != p.length:
+        if source.read_into(p.offset, memoryview(view.numpy())) != p.length:
             raise OSError(f"{t.key}: short read at offset {p.offset}")
         return view
 
@@ -158,9 +141,9 @@ class _Ends:
 
 
 def run_transfers(group: Any, rank: int, transfers: list[Transfer],
-                  open_source: Callable[[Transfer], Source],
-                  open_target: Callable[[Transfer], PieceTarget],
-                  sink: Callable[[Transfer, PieceTarget, int, torch.Tensor], None],
+                  open_source: Callable[[Transfer], TransferEnd],
+                  open_target: Callable[[Transfer], TransferEnd],
+                  sink: Callable[[Transfer, TransferEnd, int, torch.Tensor], None],
                   piece_bytes: int = 64 << 20) -> int:
     """Collective on ``group``: move every transfer; return the bytes this rank received.
 
@@ -216,13 +199,13 @@ def run_transfers(group: Any, rank: int, transfers: list[Transfer],
     return received
 
 
-def _deliver(sink: Callable[[Transfer, PieceTarget, int, torch.Tensor], None], ends: _Ends,
+def _deliver(sink: Callable[[Transfer, TransferEnd, int, torch.Tensor], None], ends: _Ends,
              incoming: list[tuple[_Piece, torch.Tensor]], finished: tuple) -> None:
     """Hand a round's received pieces to ``sink``; then drop them and ``finished`` (the
     round's works and sent pieces) here, in the helper thread."""
     for p, data in incoming:
         target = ends.targets[p.transfer]
-        if not hasattr(target, "piece"):
+        if not target.in_place:
             target.write_at(p.offset, data)
         sink(p.transfer, target, p.offset, data)
     incoming.clear()

@@ -1,8 +1,10 @@
-"""The plugin kinds: small abstract classes with a few primitives each.
+"""The plugin kinds: small abstract classes with a few primitives each, and every optional
+capability the core uses, declared here with its contract (never discovered by probing).
 
 A plugin registers a *factory* (usually the class itself) under a name; the core builds an
 instance per tier or per store with the validated options as keyword arguments. Each class lists
-its config keys in ``options`` (see :class:`tierstore.options.Option`).
+its config keys in ``options`` (see :class:`tierstore.plugin.options.Option`). Observers, the
+sixth kind, have no base class: they implement the ``tierstore_event`` hook.
 
 Paths given to a :class:`Backend` are relative to the tier root and use ``/``; ``""`` is the root.
 """
@@ -10,9 +12,11 @@ Paths given to a :class:`Backend` are relative to the tier root and use ``/``; `
 from __future__ import annotations
 
 import abc
+import os
 from typing import IO, Any, Callable, ClassVar, Collection
 
-from .options import Option
+from tierstore.plugin.options import Option
+from tierstore.transport.ends import TransferEnd, WrittenFile
 
 __all__ = ["Backend", "DirectoryLock", "CommitProtocol", "Codec", "Stager", "ReplicationStrategy"]
 
@@ -40,6 +44,13 @@ class Backend(abc.ABC):
     supports_rename: ClassVar[bool] = False
     #: True when the backend survives a power loss (files are fsynced); tmpfs says False
     durable: ClassVar[bool] = True
+    #: True when :meth:`put_files` uploads whole local files faster than the drain's copy loop
+    #: (an object store's concurrent multipart upload)
+    bulk_upload: ClassVar[bool] = False
+    #: A backend holding peers' replicas (the ``peer`` tier) sets this to its ``replication``
+    #: table: ``strategy`` names a replication strategy, the rest are its options. None: this
+    #: backend holds no replicas.
+    replication: dict[str, Any] | None = None
 
     root: str
 
@@ -98,6 +109,34 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release clients and threads; called by ``Store.close()``."""
+
+    # -- optional capabilities -----------------------------------------------------------------
+    def put_files(self, pairs: list[tuple[str, str]], sizes: dict[str, int]) -> None:
+        """Upload local files: ``pairs`` of (local OS path, path on this backend); ``sizes``
+        gives each target path's expected size, to confirm. Only called when ``bulk_upload``
+        is True; the drain checks the sources' checksums beside it."""
+        raise NotImplementedError(f"{type(self).__name__} has no bulk upload")
+
+    def sending_end(self, path: str, size: int) -> TransferEnd | None:
+        """The end a peer transfer sends ``path`` (``size`` bytes) from, or None to let the
+        core map the file (a local one) or read it through :meth:`open_read`. Backends that
+        keep files mapped return their own mapping."""
+        return None
+
+    def receiving_end(self, path: str, size: int) -> TransferEnd:
+        """The end a peer transfer writes ``path`` (``size`` bytes) into, parents created.
+        The default writes a new local file (:meth:`local_path`); backends of replica tiers
+        may hand out recycled pages instead."""
+        local = self.local_path(path)
+        if local is None:
+            raise NotImplementedError(f"{type(self).__name__} cannot receive peer transfers")
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        return WrittenFile(local, size)
+
+    def replica_backend(self, src: int, holder: int) -> "Backend":
+        """Where rank ``holder`` keeps the replicas of rank ``src``'s files: a backend beside
+        this one. Required when :attr:`replication` is set."""
+        raise NotImplementedError(f"{type(self).__name__} holds no replicas")
 
     # -- derived ----------------------------------------------------------------------------
     def write_bytes(self, path: str, data: bytes) -> None:
@@ -186,6 +225,11 @@ class Stager(abc.ABC):
     """Copies a state dict off the training tensors (device -> host) for ``dcp.async_save``."""
 
     options: ClassVar[tuple[Option, ...]] = ()
+    #: bytes of tensors copied by the last :meth:`stage` (None: not reported); the ``staged``
+    #: event carries it
+    last_bytes: int | None = None
+    #: whether the last :meth:`stage` reused the buffers of the one before (None: not reported)
+    last_reused: bool | None = None
 
     @abc.abstractmethod
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:

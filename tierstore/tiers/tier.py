@@ -12,15 +12,15 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from .checksum import Hasher
-from .config import TierConfig
-from .kinds import Backend, CommitProtocol
-from .layout import SINGLE, TierLayout
-from .manifest import MANIFEST_NAME, Manifest, ManifestError
+from tierstore.format.checksum import Hasher
+from tierstore.config.validate import TierConfig
+from tierstore.plugin.bases import Backend, CommitProtocol
+from tierstore.tiers.layout import SINGLE, TierLayout
+from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 
 __all__ = ["Tier", "Problem"]
 
-log = logging.getLogger("tierstore.tier")
+log = logging.getLogger("tierstore.tiers.tier")
 
 _READ_CHUNK = 8 << 20
 

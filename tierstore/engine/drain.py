@@ -22,19 +22,19 @@ from typing import TYPE_CHECKING, Callable
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from .checksum import Hasher, checksum_of
-from .errors import DrainError
-from .events import Event, EventKind, Phase
-from .item_io import HashingWriter, decode_item, encode_to
-from .manifest import METADATA_NAME, FileEntry, Manifest
+from tierstore.format.checksum import Hasher, checksum_of
+from tierstore.errors import DrainError
+from tierstore.events import Event, EventKind, Phase
+from tierstore.format.item_io import HashingWriter, decode_item, encode_to
+from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 
 if TYPE_CHECKING:
-    from .store import Store
-    from .tier import Tier
+    from tierstore.store import Store
+    from tierstore.tiers.tier import Tier
 
 __all__ = ["DrainJob", "Drainer", "PendingCopy"]
 
-log = logging.getLogger("tierstore.drain")
+log = logging.getLogger("tierstore.engine.drain")
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ class Drainer:
     def _can_upload(source: "Tier", target: "Tier", cid: str, manifest: Manifest) -> bool:
         """Whether the target takes whole local files in one concurrent transfer (object
         stores through fsspec) and the source has them as local files."""
-        return (hasattr(target.backend, "put_files")
+        return (target.backend.bulk_upload
                 and target.backend.local_path("") is None
                 and all(source.backend.local_path(f"{cid}/{rel}") for rel in manifest.files))
 
