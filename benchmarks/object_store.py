@@ -97,23 +97,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-# Run from a checkout without installing: the repository root, this directory (helpers shared
-# with save_load.py and pipeline.py) and tests/ (the SeaweedFS server helper).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_HERE)
-for _p in (_REPO, _HERE, os.path.join(_REPO, "tests")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402
+import tierstore
 
-import tierstore  # noqa: E402
-from pipeline import DrainTimer  # noqa: E402
-from save_load import (GB, benchmark_parser, disk_parent, finish_report, progress_log, fs_type, make_state_dict, nbytes_of,  # noqa: E402
-                       remove, rotated, warm_page_cache)
-from servers import SeaweedS3  # noqa: E402
+from common import (GB, DrainTimer, benchmark_parser, check_equal, checkpoint_files, disk_parent,
+                    finish_report, fs_type, make_state_dict, nbytes_of, print_informational,
+                    print_verdicts, progress_log, remove, rotated, rounds_text, tests_module,
+                    timing_figures, verdict, warm_page_cache, warmup_then_rounds)
+
+# The SeaweedFS server the tests use (tests/servers.py).
+SeaweedS3 = tests_module("servers").SeaweedS3
 
 CHECKPOINT_ID = "step-1"
 BUCKET = "tierstore-bench"
@@ -186,12 +182,6 @@ class S3:
 def s3_tier(s3: S3, prefix: str) -> dict:
     return {"name": "s3", "backend": "fsspec", "url": s3.url(prefix), "options": s3.options,
             "every": 1}
-
-
-def checkpoint_files(ckpt_dir: str) -> list[str]:
-    """Every file of a committed checkpoint directory, largest first."""
-    names = [n for n in os.listdir(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, n))]
-    return sorted(names, key=lambda n: (-os.path.getsize(os.path.join(ckpt_dir, n)), n))
 
 
 # -- the realistic state dict (zstd) -------------------------------------------------------------
@@ -271,12 +261,6 @@ class Results:
         for d, v in ((self.seconds, secs), (self.cpu, cpu), (self.srv, srv),
                      (self.nbytes, nbytes)):
             d.setdefault(name, []).append(v)
-
-
-def check_equal(what: str, dest: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> None:
-    for key, ref in sd.items():
-        if not torch.equal(dest[key], ref):
-            raise SystemExit(f"{what} returned wrong data for '{key}'")
 
 
 # -- one round -----------------------------------------------------------------------------------
@@ -457,15 +441,10 @@ def run_round(rnd: int, label: str, env: Env, res: Results, log: Callable[[str],
 # -- report --------------------------------------------------------------------------------------
 
 def summarize(res: Results, payload: int, real_payload: int | None, codecs: list[str]) -> dict:
-    figures = {}
-    for name, times in res.seconds.items():
-        med = statistics.median(times)
-        moved = statistics.median(res.nbytes[name])
-        figures[name] = {"seconds": times, "median_s": med, "bytes": moved,
-                         "gbps": moved / med / GB, "cpu_seconds": res.cpu[name],
-                         "median_cpu_s": statistics.median(res.cpu[name]),
-                         "server_cpu_seconds": res.srv[name],
-                         "median_server_cpu_s": statistics.median(res.srv[name])}
+    figures = {name: dict(timing_figures(times, res.cpu[name], res.nbytes[name]),
+                          server_cpu_seconds=res.srv[name],
+                          median_server_cpu_s=statistics.median(res.srv[name]))
+               for name, times in res.seconds.items()}
 
     def rate_rounds(name: str) -> list[float]:
         return [b / s for s, b in zip(res.seconds[name], res.nbytes[name])]
@@ -476,16 +455,14 @@ def summarize(res: Results, payload: int, real_payload: int | None, codecs: list
     drain, put = figures["drain"], figures["raw-put"]
     lt, lf = figures["load-tierstore"], figures["load-fsspec-reader"]
     verdicts = [
-        {"target": f"drain local -> S3 >= {DRAIN_VS_PUT_MIN}x raw s3fs put "
-                   f"(batch_size={PUT_BATCH}, GB/s; save return -> store.wait() return)",
-         "ratio": drain["gbps"] / put["gbps"], "min": DRAIN_VS_PUT_MIN,
-         "per_round": per_round("drain", "raw-put")},
-        {"target": f"tierstore load from S3 >= {LOAD_VS_FSSPEC_MIN}x stock FsspecReader",
-         "ratio": lt["gbps"] / lf["gbps"], "min": LOAD_VS_FSSPEC_MIN,
-         "per_round": per_round("load-tierstore", "load-fsspec-reader")},
+        verdict(f"drain local -> S3 >= {DRAIN_VS_PUT_MIN}x raw s3fs put "
+                f"(batch_size={PUT_BATCH}, GB/s; save return -> store.wait() return)",
+                drain["gbps"] / put["gbps"], per_round("drain", "raw-put"),
+                least=DRAIN_VS_PUT_MIN),
+        verdict(f"tierstore load from S3 >= {LOAD_VS_FSSPEC_MIN}x stock FsspecReader",
+                lt["gbps"] / lf["gbps"], per_round("load-tierstore", "load-fsspec-reader"),
+                least=LOAD_VS_FSSPEC_MIN),
     ]
-    for v in verdicts:
-        v["pass"] = v["ratio"] >= v["min"]
     info = [{"target": "drain_finished event seconds vs raw s3fs put (GB/s)",
              "ratio": figures["drain-event"]["gbps"] / put["gbps"],
              "per_round": per_round("drain-event", "raw-put")}]
@@ -543,9 +520,9 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, server: Sea
             r = "1.00x (baseline)"
         else:
             r = ""
-        rounds = " ".join(f"{t:.3f}" for t in s["seconds"])
         print(f"| {op} | {label} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['median_cpu_s']:.2f} | {s['median_server_cpu_s']:.2f} | {rounds} |")
+              f"{s['median_cpu_s']:.2f} | {s['median_server_cpu_s']:.2f} | "
+              f"{rounds_text(s['seconds'])} |")
     if summary["zstd"]:
         z = summary["zstd"]
         print()
@@ -557,19 +534,14 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, server: Sea
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         for name, d in z.items():
             s, ld = d["save"], d["load"]
-            rounds = " ".join(f"{t:.3f}" for t in s["seconds"])
             print(f"| {name} | {d['checkpoint_bytes'] / 1e6:.2f} | {d['ratio']:.3f} | "
                   f"{s['median_s']:.3f} | {s['gbps'] * 1000:.0f} | "
                   f"{s['gbps'] / z['none']['save']['gbps']:.2f}x | {s['median_cpu_s']:.2f} | "
-                  f"{ld['median_s']:.3f} | {ld['gbps'] * 1000:.0f} | {rounds} |")
+                  f"{ld['median_s']:.3f} | {ld['gbps'] * 1000:.0f} | "
+                  f"{rounds_text(s['seconds'])} |")
     print()
-    for v in summary["verdicts"]:
-        rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
-        print(f"{'PASS' if v['pass'] else 'FAIL'}: {v['target']}: {v['ratio']:.2f}x "
-              f"(per round: {rounds})")
-    for v in summary["informational"]:
-        rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
-        print(f"INFO: {v['target']}: {v['ratio']:.2f}x (per round: {rounds})")
+    print_verdicts(summary["verdicts"])
+    print_informational(summary["informational"])
 
 
 def parse_levels(text: str) -> list[int]:
@@ -620,7 +592,6 @@ def main(argv: list[str] | None = None) -> int:
 
     base = tempfile.mkdtemp(prefix="tierstore-objstore-", dir=parent)
     server = SeaweedS3()
-    res = Results()
     try:
         server.start()
         log(f"SeaweedFS up at {server.endpoint_url} in {server.startup_seconds:.1f} s "
@@ -633,19 +604,14 @@ def main(argv: list[str] | None = None) -> int:
             dcp.save(sd, storage_writer=st.writer(), checkpoint_id=CHECKPOINT_ID)
         env = Env(s3, base, os.path.join(src_root, CHECKPOINT_ID), sd, dest, real_sd, real_dest,
                   codecs, args.io_threads, uuid.uuid4().hex[:8])
-        for w in range(args.warmup):
-            log(f"warm-up round {w + 1} (not counted)")
-            run_round(w, "warmup", env, Results(), lambda _m: None)
-        for rnd in range(args.repeat):
-            run_round(rnd, "round", env, res, log)
+        res = warmup_then_rounds(args, log, Results, lambda rnd, warm, res, lg: run_round(
+            rnd, "warmup" if warm else "round", env, res, lg))
         summary = summarize(res, payload, nbytes_of(real_sd) if real_sd else None, codecs)
         print_report(summary, args, base, server, real_desc)
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
 
-    elapsed = time.perf_counter() - t_start
-    print(f"\n(total run time {elapsed:.0f} s)")
     config = {"size_mib": args.size_mib, "tensors": args.tensors, "repeat": args.repeat,
               "warmup": args.warmup, "bytes": payload, "dir": parent, "fs_type": kind,
               "io_threads": args.io_threads, "put_batch_size": PUT_BATCH,
@@ -653,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
               "zstd_levels": args.zstd_levels, "model_dim": args.model_dim,
               "model_layers": args.model_layers, "model_vocab": args.model_vocab,
               "model_steps": args.model_steps, "zstd_state": real_desc}
-    return finish_report(args, config, summary, elapsed)
+    return finish_report(args, config, summary, t_start)
 
 
 if __name__ == "__main__":

@@ -84,30 +84,22 @@ import argparse
 import gc
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-# Run from a checkout without installing: make the repository root importable, and this
-# directory, for the helpers shared with save_load.py.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_HERE)
-for _p in (_REPO, _HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import torch
+import torch.distributed.checkpoint as dcp
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
+import tierstore
 
-import tierstore  # noqa: E402
-from tierstore.events import EventKind  # noqa: E402
-from save_load import (GB, benchmark_parser, disk_parent, finish_report, progress_log, fs_type, make_state_dict, nbytes_of,  # noqa: E402
-                       remove, rotated)
+from common import (GB, DrainTimer, benchmark_parser, checkpoint_files, disk_parent, finish_report,
+                    fs_type, make_state_dict, nbytes_of, print_informational, print_verdicts,
+                    progress_log, remove, rotated, rounds_text, timing_figures, verdict,
+                    warmup_then_rounds)
 
 SAVE_CONTENDERS = ("pipeline", "alone")
 DRAIN_FIGURES = ("drain-t2", "drain-t3", "drain-wall")
@@ -122,26 +114,6 @@ DRAIN_VS_COPY_MIN = 0.8   # drain to tier 2 GB/s / raw sequential copy GB/s, at 
 
 
 # -- stores ------------------------------------------------------------------------------------
-
-class DrainTimer:
-    """Observer passed to ``tierstore.open(plugins=[...])``: keeps each tier's drain_finished
-    event and the process CPU time used between that tier's drain_started and drain_finished."""
-
-    def __init__(self) -> None:
-        self.finished: dict[str, object] = {}
-        self.cpu: dict[str, float] = {}
-        self._cpu0: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event) -> None:
-        with self._lock:
-            if event.kind == EventKind.DRAIN_STARTED:
-                self._cpu0[event.tier] = time.process_time()
-            elif event.kind == EventKind.DRAIN_FINISHED:
-                self.cpu[event.tier] = time.process_time() - self._cpu0.pop(event.tier, 0.0)
-                self.finished[event.tier] = event
-
 
 def open_store(paths: list[tuple[str, str]], io_threads: int | None,
                plugins: tuple[object, ...] = ()) -> "tierstore.Store":
@@ -164,12 +136,6 @@ def copy_durable(src: str, dst: str) -> int:
         return os.fstat(fd).st_size
     finally:
         os.close(fd)
-
-
-def checkpoint_files(ckpt_dir: str) -> list[str]:
-    """Every file of a committed checkpoint directory, largest first (the drain's order)."""
-    names = [n for n in os.listdir(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, n))]
-    return sorted(names, key=lambda n: (-os.path.getsize(os.path.join(ckpt_dir, n)), n))
 
 
 def prepare_copy(name: str, src_dir: str, out: str) -> Callable[[], int]:
@@ -297,13 +263,8 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], base: str, shm_base: str,
 
 def summarize(res: Results, payload: int) -> dict:
     """Medians, GB/s, ratios and verdicts as a JSON-able dict."""
-    figures = {}
-    for name, times in res.seconds.items():
-        med = statistics.median(times)
-        moved = statistics.median(res.nbytes[name])
-        figures[name] = {"seconds": times, "median_s": med, "bytes": moved,
-                         "gbps": moved / med / GB, "cpu_seconds": res.cpu[name],
-                         "median_cpu_s": statistics.median(res.cpu[name])}
+    figures = {name: timing_figures(times, res.cpu[name], res.nbytes[name])
+               for name, times in res.seconds.items()}
 
     def gbps_rounds(name: str) -> list[float]:
         return [b / s for s, b in zip(res.seconds[name], res.nbytes[name])]
@@ -311,17 +272,17 @@ def summarize(res: Results, payload: int) -> dict:
     pipe, alone, drain = figures["pipeline"], figures["alone"], figures["drain-t2"]
     seq, par = figures["copy-seq"], figures["copy-par4"]
     verdicts = [
-        {"target": f"pipeline save <= {SAVE_OVERHEAD_MAX}x memory tier alone "
-                   f"(seconds, pipeline/alone)",
-         "ratio": pipe["median_s"] / alone["median_s"], "max": SAVE_OVERHEAD_MAX,
-         "per_round": [p / a for p, a in zip(pipe["seconds"], alone["seconds"])]},
-        {"target": f"drain memory -> disk (tier 2) >= {DRAIN_VS_COPY_MIN}x raw sequential copy "
-                   f"(copyfile + fsync, GB/s)",
-         "ratio": drain["gbps"] / seq["gbps"], "min": DRAIN_VS_COPY_MIN,
-         "per_round": [d / c for d, c in zip(gbps_rounds("drain-t2"), gbps_rounds("copy-seq"))]},
+        verdict(f"pipeline save <= {SAVE_OVERHEAD_MAX}x memory tier alone "
+                f"(seconds, pipeline/alone)",
+                pipe["median_s"] / alone["median_s"],
+                [p / a for p, a in zip(pipe["seconds"], alone["seconds"])],
+                most=SAVE_OVERHEAD_MAX),
+        verdict(f"drain memory -> disk (tier 2) >= {DRAIN_VS_COPY_MIN}x raw sequential copy "
+                f"(copyfile + fsync, GB/s)",
+                drain["gbps"] / seq["gbps"],
+                [d / c for d, c in zip(gbps_rounds("drain-t2"), gbps_rounds("copy-seq"))],
+                least=DRAIN_VS_COPY_MIN),
     ]
-    verdicts[0]["pass"] = verdicts[0]["ratio"] <= SAVE_OVERHEAD_MAX
-    verdicts[1]["pass"] = verdicts[1]["ratio"] >= DRAIN_VS_COPY_MIN
     info = {"target": f"drain memory -> disk (tier 2) vs raw parallel copy ({PAR_THREADS} threads)",
             "ratio": drain["gbps"] / par["gbps"],
             "per_round": [d / c for d, c in zip(gbps_rounds("drain-t2"),
@@ -368,17 +329,11 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, shm_base: s
             r = (f"{s['gbps'] / f['copy-seq']['gbps']:.2f}x copy-seq"
                  + (f", {s['gbps'] / f['copy-par4']['gbps']:.2f}x copy-par4"
                     if name != "copy-par4" else ""))
-        rounds = " ".join(f"{t:.3f}" for t in s["seconds"])
         print(f"| {op} | {label} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['median_cpu_s']:.2f} | {rounds} |")
+              f"{s['median_cpu_s']:.2f} | {rounds_text(s['seconds'])} |")
     print()
-    for v in summary["verdicts"]:
-        rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
-        print(f"{'PASS' if v['pass'] else 'FAIL'}: {v['target']}: {v['ratio']:.2f}x "
-              f"(per round: {rounds})")
-    for v in summary["informational"]:
-        rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
-        print(f"INFO: {v['target']}: {v['ratio']:.2f}x (per round: {rounds})")
+    print_verdicts(summary["verdicts"])
+    print_informational(summary["informational"])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -406,27 +361,21 @@ def main(argv: list[str] | None = None) -> int:
     payload = nbytes_of(sd)
     base = tempfile.mkdtemp(prefix="tierstore-pipeline-", dir=parent)
     shm_base = tempfile.mkdtemp(prefix="tierstore-pipeline-", dir=args.shm_dir)
-    res = Results()
     try:
         log(f"benchmark dirs {base} ({kind}), {shm_base} ({shm_kind})")
-        for w in range(args.warmup):
-            log(f"warm-up round {w + 1} (not counted)")
-            run_round(w, sd, base, shm_base, args.io_threads, Results(), lambda _m: None)
-        for rnd in range(args.repeat):
-            run_round(rnd, sd, base, shm_base, args.io_threads, res, log)
+        res = warmup_then_rounds(args, log, Results, lambda rnd, _warm, res, lg: run_round(
+            rnd, sd, base, shm_base, args.io_threads, res, lg))
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm_base, ignore_errors=True)
 
     summary = summarize(res, payload)
     print_report(summary, args, base, shm_base)
-    elapsed = time.perf_counter() - t_start
-    print(f"\n(total run time {elapsed:.0f} s)")
     config = {"size_mib": args.size_mib, "tensors": args.tensors, "repeat": args.repeat,
               "warmup": args.warmup, "bytes": payload, "dir": parent, "fs_type": kind,
               "shm_dir": args.shm_dir, "shm_fs_type": shm_kind,
               "io_threads": args.io_threads, "copy_threads": PAR_THREADS}
-    return finish_report(args, config, summary, elapsed)
+    return finish_report(args, config, summary, t_start)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -110,23 +110,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# Run from a checkout without installing: make the repository root importable, and this
-# directory, for the helpers shared with save_load.py.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_HERE)
-for _p in (_REPO, _HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
+import tierstore
+from tierstore.events import EventKind, Phase
+from tierstore.transport.transfer import ROUNDS_IN_FLIGHT
 
-import tierstore  # noqa: E402
-from tierstore.events import EventKind, Phase  # noqa: E402
-from tierstore.transport.transfer import ROUNDS_IN_FLIGHT  # noqa: E402
-from save_load import (GB, STATUS_ENV, benchmark_parser, finish_report, progress_log, fs_type,  # noqa: E402
-                       make_state_dict, nbytes_of, rank_exit_status, rotated, torchrun_main)
+from common import (GB, STATUS_ENV, benchmark_parser, finish_report, fs_type, make_state_dict,
+                    nbytes_of, print_verdicts, progress_log, rank_exit_status, read_status,
+                    rotated, rounds_text, status_file, torchrun_main, verdict)
+from common import median_or_none as med
 
 REP_CONTENDERS = ("replicate", "raw-gloo")
 STALL_CONTENDERS = ("on", "off")
@@ -166,22 +161,14 @@ def without_nproc(argv: list[str]) -> list[str]:
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run this script under ``torchrun --standalone --nproc-per-node=<nproc>`` with the same
     arguments; return rank 0's exit status (torchrun's own when a rank failed)."""
-    fd, status_file = tempfile.mkstemp(prefix="tierstore-replication-status-")
-    os.close(fd)
-    env = dict(os.environ)
-    env[STATUS_ENV] = status_file
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.nproc}", os.path.abspath(__file__), *without_nproc(argv)]
-    try:
+    with status_file("tierstore-replication-status-") as status:
+        env = dict(os.environ)
+        env[STATUS_ENV] = status
+        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.nproc}", os.path.abspath(__file__), *without_nproc(argv)]
         rc = subprocess.call(cmd, env=env)
-        if rc != 0:
-            return rc
-        with open(status_file) as f:
-            text = f.read().strip()
-        return int(text) if text else 1
-    finally:
-        os.remove(status_file)
+        return rc if rc != 0 else read_status(status)
 
 
 # -- observing the stores ------------------------------------------------------------------------
@@ -520,11 +507,6 @@ def run_round(rnd: int, bench: Bench, log: Callable[[str], None]) -> list[dict]:
 
 # -- the report ----------------------------------------------------------------------------------
 
-def med(xs: list[float]) -> float | None:
-    """Median, None for an empty list (JSON has no NaN)."""
-    return statistics.median(xs) if xs else None
-
-
 def summarize(rounds: list[list[dict]], payload: int) -> dict:
     """Per round the slowest rank's figures (step times: every rank's steps), medians, ratios
     and verdicts as a JSON-able dict."""
@@ -570,17 +552,17 @@ def summarize(rounds: list[list[dict]], payload: int) -> dict:
     rep, raw = fig["replicate"], fig["raw-gloo"]
     on, off = fig["stall-on"], fig["stall-off"]
     verdicts = [
-        {"target": f"replication >= {REPLICATION_VS_RAW_MIN}x raw gloo exchange of the same "
-                   f"pieces (GB/s, slowest rank)",
-         "ratio": rep["gbps"] / raw["gbps"], "min": REPLICATION_VS_RAW_MIN,
-         "per_round": [a / b for a, b in zip(rep["gbps_rounds"], raw["gbps_rounds"])]},
-        {"target": f"async_save stall with the peer tier on <= {STALL_ON_VS_OFF_MAX}x off "
-                   f"(seconds, slowest rank)",
-         "ratio": on["median_s"] / off["median_s"], "max": STALL_ON_VS_OFF_MAX,
-         "per_round": [a / b for a, b in zip(on["seconds"], off["seconds"])]},
+        verdict(f"replication >= {REPLICATION_VS_RAW_MIN}x raw gloo exchange of the same "
+                f"pieces (GB/s, slowest rank)",
+                rep["gbps"] / raw["gbps"],
+                [a / b for a, b in zip(rep["gbps_rounds"], raw["gbps_rounds"])],
+                least=REPLICATION_VS_RAW_MIN),
+        verdict(f"async_save stall with the peer tier on <= {STALL_ON_VS_OFF_MAX}x off "
+                f"(seconds, slowest rank)",
+                on["median_s"] / off["median_s"],
+                [a / b for a, b in zip(on["seconds"], off["seconds"])],
+                most=STALL_ON_VS_OFF_MAX),
     ]
-    verdicts[0]["pass"] = verdicts[0]["ratio"] >= REPLICATION_VS_RAW_MIN
-    verdicts[1]["pass"] = verdicts[1]["ratio"] <= STALL_ON_VS_OFF_MAX
     info = [
         {"target": "training step while the background runs (save, replication), "
                    "peer tier on, vs quiet steps",
@@ -625,16 +607,15 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, world: int,
          "1.00x (baseline)"),
     ]
     for op, label, s, r in rows:
-        rounds = " ".join(f"{t:.3f}" for t in s["seconds"])
         print(f"| {op} | {label} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['median_cpu_s']:.2f} | {rounds} |")
+              f"{s['median_cpu_s']:.2f} | {rounds_text(s['seconds'])} |")
     for name, label in (("on", "async_save stall, peer tier on"),
                         ("off", "async_save stall, peer tier off")):
         s = f[f"stall-{name}"]
         r = (f"{s['median_s'] / f['stall-off']['median_s']:.2f}x off (time)" if name == "on"
              else "1.00x (baseline)")
-        rounds = " ".join(f"{t:.3f}" for t in s["seconds"])
-        print(f"| stall | {label} | {s['median_s']:.3f} | - | {r} | - | {rounds} |")
+        print(f"| stall | {label} | {s['median_s']:.3f} | - | {r} | - | "
+              f"{rounds_text(s['seconds'])} |")
     parts = rep["parts"]
     print()
     print(f"Replication (slowest rank, medians): {parts['transfer_s']:.3f} s from the "
@@ -669,10 +650,7 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, world: int,
               f"{s['median_busy_step_s'] * 1e3:.1f} | {med(s['slowdown_rounds']):.2f}x | {dr} | "
               f"{med(s['busy_s']):.2f} | {med(s['steps_busy']):.0f} | {med(s['lost_s']):.2f} |")
     print()
-    for v in summary["verdicts"]:
-        rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
-        print(f"{'PASS' if v['pass'] else 'MISS'}: {v['target']}: {v['ratio']:.2f}x "
-              f"(per round: {rounds})")
+    print_verdicts(summary["verdicts"], missed="MISS")
     for v in summary["informational"]:
         unit = " s" if "seconds" in v else "x"
         value = v.get("seconds", v.get("ratio"))
@@ -747,7 +725,7 @@ def worker(args: argparse.Namespace) -> int:
                 plugins=[recorders[name]])
         raw_group = dist.new_group(backend="gloo")
         bench = Bench(args, rank, world, base, sd, stores, recorders, raw_group,
-                      stores["on"].config.drain_chunk_mib << 20, Trainer(world))
+                      stores["on"]._ctx.config.drain_chunk_mib << 20, Trainer(world))
         log(f"{world} ranks, benchmark dir {base} ({fs_type(base)}), pieces of "
             f"{bench.piece_bytes >> 20} MiB")
         warm = []
@@ -764,8 +742,6 @@ def worker(args: argparse.Namespace) -> int:
             slowest = max(first, key=lambda r: r["replicate"]["seconds"])["replicate"]
             summary["cold"] = {k: slowest[k] for k in ("seconds", "nbytes", "save_s")}
             print_report(summary, args, base, world, bench.piece_bytes)
-            elapsed = time.perf_counter() - t_start
-            print(f"\n(total run time {elapsed:.0f} s)", flush=True)
             config = {"nproc": world, "size_mib": args.size_mib, "tensors": args.tensors,
                       "repeat": args.repeat, "warmup": args.warmup, "bytes_per_rank":
                       nbytes_of(sd), "dir": args.dir, "fs_type": fs_type(args.dir),
@@ -773,7 +749,7 @@ def worker(args: argparse.Namespace) -> int:
                       "replication": {"strategy": "ring", "offset": 1},
                       "train_s": args.train_s, "matmul": [MATMUL_N, MATMUL_REPS],
                       "all_reduce_floats": GRAD_FLOATS}
-            status = finish_report(args, config, summary, elapsed)
+            status = finish_report(args, config, summary, t_start)
         dist.barrier()
     finally:
         for store in stores.values():

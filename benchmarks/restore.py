@@ -84,7 +84,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -92,34 +91,17 @@ import tempfile
 import time
 from typing import Any
 
-# Run from a checkout without installing: the repository root and this directory (helpers
-# shared with save_load.py) importable.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_HERE)
-for _p in (_REPO, _HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from save_load import (
-    GB,
-    STATUS_ENV,
-    benchmark_parser,
-    finish_report,
-    fs_type,
-    make_state_dict,
-    nbytes_of,
-    progress_log,
-    rank_exit_status,
-    rotated,
-    torchrun_main,
-)
 
 import tierstore
 from tierstore import EventKind
 from tierstore.events import Phase
+
+from common import (GB, STATUS_ENV, benchmark_parser, finish_report, free_port, fs_type,
+                    make_state_dict, nbytes_of, progress_log, rank_exit_status, read_status,
+                    rotated, rounds_text, status_file, torchrun_main)
 
 CONTENDERS = ("peer-restore", "object-tier", "intact")
 NODES, PER_NODE = 2, 2
@@ -131,12 +113,6 @@ HELD_RE = re.compile(r"^(\d+)-held-by-(\d+)$")
 
 
 # -- launching -----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def descendants(pids: list[int]) -> list[int]:
     """Every living descendant of ``pids`` (torchrun starts its ranks in new sessions, so a
@@ -195,49 +171,43 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
               f"{need / 2**30:.1f} GiB are needed", file=sys.stderr)
         return 1
     base = tempfile.mkdtemp(prefix="tierstore-restore-", dir=parent)
-    fd, status_file = tempfile.mkstemp(prefix="tierstore-restore-status-")
-    os.close(fd)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env[DIR_ENV], env[STATUS_ENV] = base, status_file
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    if not os.path.exists(torchrun):
-        torchrun = None
-    port = free_port()
-    procs: list[subprocess.Popen] = []
-    rc = 1
-    try:
-        for node in range(NODES):
-            run = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-            procs.append(subprocess.Popen(
-                [*run, f"--nnodes={NODES}", f"--node-rank={node}",
-                 f"--nproc-per-node={PER_NODE}", "--master-addr=127.0.0.1",
-                 f"--master-port={port}", os.path.abspath(__file__), *argv],
-                env=env, start_new_session=True))
-        deadline = time.monotonic() + args.timeout
-        failed_at = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now  # one node failed: give the other a moment, then stop it
-            if now > deadline or (failed_at is not None and now > failed_at + 30):
-                why = "timed out" if now > deadline else "a node failed"
-                print(f"restore benchmark: {why}; stopping both torchrun invocations",
-                      file=sys.stderr)
-                kill_all(procs)
-                break
-            time.sleep(0.2)
-        codes = [p.returncode for p in procs]
-        if any(c != 0 for c in codes):
-            print(f"restore benchmark: torchrun exit statuses {codes}", file=sys.stderr)
-            return 1
-        with open(status_file) as f:
-            text = f.read().strip()
-        rc = int(text) if text else 1
-        return rc
-    finally:
-        kill_all(procs)  # KeyboardInterrupt, or anything else that got us here early
-        shutil.rmtree(base, ignore_errors=True)
-        os.remove(status_file)
+    with status_file("tierstore-restore-status-") as status:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env[DIR_ENV], env[STATUS_ENV] = base, status
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        if not os.path.exists(torchrun):
+            torchrun = None
+        port = free_port()
+        procs: list[subprocess.Popen] = []
+        try:
+            for node in range(NODES):
+                run = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+                procs.append(subprocess.Popen(
+                    [*run, f"--nnodes={NODES}", f"--node-rank={node}",
+                     f"--nproc-per-node={PER_NODE}", "--master-addr=127.0.0.1",
+                     f"--master-port={port}", os.path.abspath(__file__), *argv],
+                    env=env, start_new_session=True))
+            deadline = time.monotonic() + args.timeout
+            failed_at = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                    failed_at = now  # one node failed: give the other a moment, then stop it
+                if now > deadline or (failed_at is not None and now > failed_at + 30):
+                    why = "timed out" if now > deadline else "a node failed"
+                    print(f"restore benchmark: {why}; stopping both torchrun invocations",
+                          file=sys.stderr)
+                    kill_all(procs)
+                    break
+                time.sleep(0.2)
+            codes = [p.returncode for p in procs]
+            if any(c != 0 for c in codes):
+                print(f"restore benchmark: torchrun exit statuses {codes}", file=sys.stderr)
+                return 1
+            return read_status(status)
+        finally:
+            kill_all(procs)  # KeyboardInterrupt, or anything else that got us here early
+            shutil.rmtree(base, ignore_errors=True)
 
 
 # -- the store and the simulated loss ------------------------------------------------------------
@@ -449,10 +419,9 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
                  f"{s['median_s'] / c['intact']['median_s']:.2f}x intact")
         else:
             r = f"{c['peer-restore']['median_s'] / s['median_s']:.2f}x (peer-restore / this)"
-        rounds = " ".join(f"{t:.3f}" for t in s["seconds"])
         print(f"| {name} | {where[name]} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
               f"{s['node0_median_s']:.3f} | {s['node1_median_s']:.3f} | {s['cpu_s']:.2f} | "
-              f"{rounds} |")
+              f"{rounds_text(s['seconds'])} |")
     print()
     for v in summary["ratios"]:
         rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
@@ -565,14 +534,12 @@ def worker(args: argparse.Namespace) -> int:
         elif rank == 0:
             summary = summarize(rounds, nbytes)
             print_report(summary, args, nbytes, base)
-            elapsed = time.perf_counter() - t_start
-            print(f"\n(total run time {elapsed:.0f} s)", flush=True)
             config = {"nodes": NODES, "ranks_per_node": PER_NODE, "size_mib": args.size_mib,
                       "tensors": args.tensors, "repeat": args.repeat, "warmup": args.warmup,
                       "bytes_per_rank": nbytes, "dir": args.dir, "fs_type": fs_type(args.dir),
                       "io_threads": args.io_threads,
                       "replication": {"strategy": "clique", "factor": 2, "jump": PER_NODE}}
-            status = finish_report(args, config, summary, elapsed)
+            status = finish_report(args, config, summary, t_start)
         dist.barrier()
     finally:
         if own_base and rank == 0 and base is not None:

@@ -106,7 +106,6 @@ import gc
 import os
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -115,24 +114,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# Run from a checkout without installing: make the repository root importable, and this
-# directory, for the helpers shared with save_load.py.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_HERE)
-for _p in (_REPO, _HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
+import tierstore
+from tierstore.events import EventKind
 
-import tierstore  # noqa: E402
-from tierstore.events import EventKind  # noqa: E402
-from save_load import (GB, benchmark_parser, finish_report, progress_log, fs_type, make_state_dict, nbytes_of,  # noqa: E402
-                       remove, rotated)
+from common import (GB, benchmark_parser, finish_report, free_port, fs_type, make_state_dict,
+                    nbytes_of, print_verdicts, progress_log, remove, rotated, rounds_text,
+                    warmup_then_rounds)
 
 METHODS = ("tierstore", "stock", "copy")
 SAVES = ("tierstore", "stock")
@@ -176,13 +169,6 @@ class StageTimer:
 
 
 # -- set-up ----------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def init_single_rank_group() -> None:
     """A 1-rank gloo group on 127.0.0.1: DCP's process executor needs torch.distributed."""
@@ -540,10 +526,9 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, why: str,
             r = f"{s['median_stall_s'] / f['copy']['median_stall_s']:.2f}x copy"
         else:
             r = "1.00x (baseline)"
-        rounds = " ".join(f"{t:.3f}" for t in s["stall_s"])
         print(f"| {LABELS[m]} | {first} | {s['median_stall_s']:.3f} | {s['gbps']:.2f} | {r} | "
               f"{s['median_cpu_s']:.2f} | {s['median_faults']:.0f} | {s['median_total_s']:.3f} "
-              f"| {rounds} |")
+              f"| {rounds_text(s['stall_s'])} |")
     print()
     for m in SAVES:
         fs = f[m]["first"]
@@ -570,10 +555,7 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, why: str,
           f"{v['changed_tensor']}) and {v['checked'][1]} (after it) loaded with dcp.load and "
           f"equal to the state dict at their save, bit for bit.")
     print()
-    for v in summary["verdicts"]:
-        rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
-        print(f"{'PASS' if v['pass'] else 'MISS'}: {v['target']}: {v['ratio']:.2f}x "
-              f"(per round: {rounds})")
+    print_verdicts(summary["verdicts"], missed="MISS")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -631,11 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(stock_dir)
         env = Env(args, sd, dst, store, timer, stock_dir, executor, payload)
         first_saves(env, res, log)
-        for w in range(args.warmup):
-            log(f"warm-up round {w + 1} (not counted)")
-            run_round(w, env, Results(), lambda _m: None)
-        for rnd in range(args.repeat):
-            run_round(rnd, env, res, log)
+        warmup_then_rounds(args, log, Results,
+                           lambda rnd, _warm, r, lg: run_round(rnd, env, r, lg), res)
         check = verify(env)
         log(f"correctness: {check['checked'][0]} and {check['checked'][1]} load back equal")
     finally:
@@ -647,13 +626,11 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summarize(res, payload, check)
     print_report(summary, args, base, why, staging)
-    elapsed = time.perf_counter() - t_start
-    print(f"\n(total run time {elapsed:.0f} s)")
     config = {"size_mib": args.size_mib, "tensors": args.tensors, "repeat": args.repeat,
               "warmup": args.warmup, "bytes": payload, "dir": parent, "dir_reason": why,
               "fs_type": fs_type(parent), "executor": args.executor, "cuda": args.cuda,
               "tierstore_staging": staging, "keep": KEEP, "io_threads": args.io_threads}
-    return finish_report(args, config, summary, elapsed)
+    return finish_report(args, config, summary, t_start)
 
 
 if __name__ == "__main__":

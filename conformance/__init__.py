@@ -1,4 +1,5 @@
-"""tierstore's conformance kit: the tests every backend and commit protocol must pass.
+"""tierstore's conformance kit: the tests every plugin (backend, commit protocol, codec, staging,
+replication strategy, observer) must pass.
 
 The built-in plugins pass these same tests (``tests/test_conformance_builtin.py``). To check your
 own plugin, subclass the test classes in a test module of your package, give them fixtures for
@@ -64,13 +65,54 @@ classes that match what your plugin declares; tests fail when they do not:
 - :class:`StockLoadableRoundTripTests`: all of :class:`RoundTripTests` plus stock ``dcp.load``
   reading the checkpoint straight from the first tier, for configs whose first tier is a
   filesystem (``local_path()``) without codecs (a test fails if it is not).
+
+The other plugin kinds have a class each, with the same conventions (a required fixture that
+fails saying what is missing, optional ones with defaults; see each class's docstring):
+
+- :class:`CodecTests` (fixture ``codec``, an instance): ``extension()`` is a DCP
+  ``StreamTransformExtension``; bytes written through it (empty, small, several MiB random and
+  repetitive) read back identical through DCP's ``ExtensionRegistry`` from the descriptor; a
+  ``dcp.save`` / ``dcp.load`` round trip through a store whose tier uses the codec (registered
+  by a small plugin object, fixture ``codec_plugin``) is bitwise equal and records the
+  descriptor on every item; stock DCP's ``FileSystemReader`` loads it back; ``options`` are
+  described :class:`~tierstore.plugin.Option` objects.
+- :class:`StagerTests` (fixture ``stager``): ``stage`` returns a host copy of the same structure
+  (nested dicts, lists, tuples, plain values, a ``BytesIO``), bit for bit equal, that does not
+  change when training updates the originals; a second stage shows the new values; shape,
+  dtype and key changes between stages; ``last_bytes`` / ``last_reused``; ``close`` twice;
+  ``dcp.async_save`` through a store using the stager.
+- :class:`ReplicationStrategyTests` (fixtures ``strategy``, ``world_sizes``, optional
+  ``bad_world_sizes``): ``check_world_size`` accepts and refuses; ``holders`` are other ranks,
+  in range, once each, deterministic, and cover every rank (class attribute
+  ``covers_every_rank``); ``str()`` shows the options.
+- :class:`CommitProtocolTests` (fixtures ``backend`` and ``protocol``): ``begin`` / ``commit`` /
+  ``abort`` / ``update_manifest`` through the protocol alone: published files and manifest,
+  ``Phase.PUBLISH`` announced before the manifest is visible, nothing visible before commit,
+  overwrite, leftovers of interrupted saves and deletes found by ``find_leftovers`` (protected
+  tokens spared), committed checkpoints and a user's own files never leftovers.
+- :class:`ObserverTests` (fixture ``observer``, a plugin object with a ``tierstore_event``
+  hook implementation): every ``EventKind.ALL`` event accepted, from many threads; real saves
+  and loads with the observer registered; a raising observer beside it does not fail a save.
+
+For example::
+
+    class TestMyCodec(CodecTests):
+        @pytest.fixture
+        def codec(self):
+            return MyCodec(level=5)
 """
 
 from __future__ import annotations
 
 from .backend import BackendTests, RenameBackendTests
+from .codec import CodecTests
+from .commit import CommitProtocolTests
+from .observer import ObserverTests
+from .replication import ReplicationStrategyTests
 from .roundtrip import (RoundTripTests, StockLoadableRoundTripTests, assert_state_dicts_equal,
                         make_state_dict)
+from .staging import StagerTests
 
 __all__ = ["BackendTests", "RenameBackendTests", "RoundTripTests", "StockLoadableRoundTripTests",
-           "assert_state_dicts_equal", "make_state_dict"]
+           "CodecTests", "StagerTests", "ReplicationStrategyTests", "CommitProtocolTests",
+           "ObserverTests", "assert_state_dicts_equal", "make_state_dict"]

@@ -1,8 +1,8 @@
 """``BackendTests`` / ``RenameBackendTests``: what a persistence backend and its commit protocol
 must do.
 
-The tests use only the primitives of :class:`tierstore.kinds.Backend` and
-:class:`tierstore.kinds.CommitProtocol`, plus a :class:`tierstore.tier.Tier` built over them (the
+The tests use only the primitives of :class:`tierstore.plugin.Backend` and
+:class:`tierstore.plugin.CommitProtocol`, plus a :class:`tierstore.tiers.tier.Tier` built over them (the
 core's own view: which checkpoints are complete, what ``verify`` reports, what ``gc`` collects).
 "Backdoor" checks read the real files without the backend: through ``local_path()`` by default,
 or through :meth:`BackendTests.backdoor_read` where the author overrides it.
@@ -41,7 +41,7 @@ def _random_bytes(n: int, seed: int = 0) -> bytes:
 
 
 class BackendTests:
-    """Conformance tests for a :class:`tierstore.kinds.Backend` and its commit protocol.
+    """Conformance tests for a :class:`tierstore.plugin.Backend` and its commit protocol.
 
     For a backend with ``supports_rename = False`` (an object store). A backend that declares
     ``supports_rename = True`` must use :class:`RenameBackendTests` instead (a test here fails
@@ -87,7 +87,7 @@ class BackendTests:
     def backend(self) -> Backend:
         """The backend under test, on a fresh empty root. Subclasses must override it."""
         pytest.fail(f"{type(self).__name__} must provide a 'backend' fixture: a constructed "
-                    f"tierstore.kinds.Backend on a fresh, empty root (see BackendTests)")
+                    f"tierstore.plugin.Backend on a fresh, empty root (see BackendTests)")
 
     @pytest.fixture
     def unreachable_backend(self) -> Backend:
@@ -412,19 +412,19 @@ class BackendTests:
         files = self.dcp_files()
         staging, manifest = self.stage_save(backend, commit_protocol, "step-10", files)
         assert staging  # may be <id> itself (in-place protocols) or a hidden directory
-        assert tier.manifest("step-10") is None
+        assert tier.complete_manifest("step-10") is None
         assert backend.size(f"step-10/{MANIFEST_NAME}") is None
 
         announced: list[tuple[str, bool]] = []
 
         def announce(phase: str) -> None:
-            announced.append((phase, tier.manifest("step-10") is not None))
+            announced.append((phase, tier.complete_manifest("step-10") is not None))
 
         commit_protocol.commit(backend, "step-10", staging, manifest, announce)
         assert announced == [(Phase.PUBLISH, False)], \
             "commit must announce Phase.PUBLISH once, before the checkpoint becomes visible"
         assert list(tier.complete()) == ["step-10"]
-        assert tier.manifest("step-10") == Manifest.from_json(manifest)
+        assert tier.complete_manifest("step-10") == Manifest.from_json(manifest)
         assert backend.read_bytes(f"step-10/{MANIFEST_NAME}") == manifest
         for rel, data in files.items():
             assert backend.read_bytes(f"step-10/{rel}") == data
@@ -438,7 +438,7 @@ class BackendTests:
         self.commit_checkpoint(backend, commit_protocol, "step-1", self.dcp_files(1))
         self.stage_save(backend, commit_protocol, "step-2", self.dcp_files(2))
         assert list(tier.complete()) == ["step-1"]
-        assert tier.manifest("step-2") is None
+        assert tier.complete_manifest("step-2") is None
         assert backend.size(f"step-2/{MANIFEST_NAME}") is None
 
     def test_leftovers_of_an_interrupted_save_are_recognised(self, backend, commit_protocol,
@@ -483,7 +483,7 @@ class BackendTests:
         self.commit_checkpoint(backend, commit_protocol, "step-5", self.dcp_files(1))
         new_files = {METADATA_NAME: b"new metadata", "__0_0.distcp": b"new data"}
         manifest = self.commit_checkpoint(backend, commit_protocol, "step-5", new_files)
-        assert tier.manifest("step-5") == Manifest.from_json(manifest)
+        assert tier.complete_manifest("step-5") == Manifest.from_json(manifest)
         assert sorted(backend.list("step-5")) == sorted([*new_files, MANIFEST_NAME])
         assert backend.read_bytes("step-5/__0_0.distcp") == b"new data"
         assert tier.verify("step-5") == []
@@ -514,10 +514,10 @@ class BackendTests:
         files = self.dcp_files()
         self.commit_checkpoint(backend, commit_protocol, "step-3", files)
         assert tier.set_pinned("step-3", True)
-        assert tier.manifest("step-3").pinned is True
+        assert tier.complete_manifest("step-3").pinned is True
         assert sorted(backend.list("step-3")) == sorted([*files, MANIFEST_NAME])
         assert tier.set_pinned("step-3", False)
-        assert tier.manifest("step-3").pinned is False
+        assert tier.complete_manifest("step-3").pinned is False
         assert tier.verify("step-3") == []
         assert backend.list("") == ["step-3"]
 
@@ -554,7 +554,7 @@ class BackendTests:
         self._corrupt(backend, "step-1/__0_1.distcp", lambda data: bytes(data[:-1]))
         problems = tier.verify("step-1")
         assert [(p.file, p.what.split()[0]) for p in problems] == [("__0_1.distcp", "size")]
-        assert tier.manifest("step-1") is None, "a checkpoint whose files do not match its " \
+        assert tier.complete_manifest("step-1") is None, "a checkpoint whose files do not match its " \
             "manifest's sizes must not count as complete"
         assert tier.complete() == {}
 

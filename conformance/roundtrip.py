@@ -108,7 +108,7 @@ def _tier_roots(store: Store) -> dict[str, list[str]]:
     """What each tier's root holds, and (by the backdoor) what the directory above it holds, so
     that an id escaping the root (``../x``) is seen too."""
     seen = {}
-    for tier in store.tiers:
+    for tier in store._ctx.tiers:
         seen[tier.name] = sorted(tier.backend.list(""))
         local = tier.backend.local_path("")
         if local is not None:
@@ -186,7 +186,7 @@ class RoundTripTests:
 
         infos = store.list()
         assert [i.id for i in infos] == ["step-2", "step-1"]
-        tier_names = [t.name for t in store.tiers]
+        tier_names = [t.name for t in store._ctx.tiers]
         for info in infos:
             assert info.tiers and set(info.tiers) <= set(tier_names)
             assert info.size_bytes > 4 << 20  # at least the 4 MiB embedding
@@ -260,7 +260,7 @@ class StockLoadableRoundTripTests(RoundTripTests):
     @staticmethod
     def _stock_loadable_problem(store: Store) -> str | None:
         """Why the store's first tier cannot be read by stock DCP, or None when it can."""
-        tier = store.tiers[0]
+        tier = store._ctx.tiers[0]
         if tier.backend.local_path("") is None:
             return (f"the first tier '{tier.name}' (backend {tier.config.backend!r}) has no "
                     f"local_path(), so stock dcp.load cannot read it")
@@ -281,7 +281,7 @@ class StockLoadableRoundTripTests(RoundTripTests):
         """No lock-in: stock dcp.load reads the checkpoint straight from the first tier's files."""
         problem = self._stock_loadable_problem(store)
         assert problem is None, problem
-        tier = store.tiers[0]
+        tier = store._ctx.tiers[0]
         checkpoint_id = f"step-{tier.config.every}"  # a step the first tier takes
         sd = make_state_dict(3)
         want = copy.deepcopy(sd)

@@ -147,7 +147,7 @@ def test_shm_staging_buffers_are_in_shared_memory(tmp_path):
     with tierstore.open(two_tiers(tmp_path, "shm")) as store:
         staged = store.writer().stage({"w": torch.randn(8, 8)})
         assert staged["w"].is_shared()
-        store.slot.release_pending()  # staged by hand, never saved
+        store._ledger.slot.release_pending()  # staged by hand, never saved
 
 
 class HoldFirstWrite:

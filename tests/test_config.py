@@ -43,10 +43,10 @@ def test_a_valid_toml_file_with_placeholders_and_env_values(tmp_path, monkeypatc
         every = 5
         """)
     with tierstore.open(path) as store:
-        assert [t.name for t in store.tiers] == ["ram", "nvme"]
-        assert store.tiers[0].backend.root == f"{tmp_path}/shm/0/0"
-        assert store.tiers[1].backend.root == str(tmp_path / "root")
-        assert store.config.io_threads == 2
+        assert [t.name for t in store._ctx.tiers] == ["ram", "nvme"]
+        assert store._ctx.tiers[0].backend.root == f"{tmp_path}/shm/0/0"
+        assert store._ctx.tiers[1].backend.root == str(tmp_path / "root")
+        assert store._ctx.config.io_threads == 2
     assert not (tmp_path / "root").exists(), "opening a store must not write anything"
 
 
@@ -196,7 +196,7 @@ def test_staging_table_with_options_is_validated(tmp_path):
 
 def test_memory_backend_has_a_default_path():
     with tierstore.open({"tier": [{"name": "ram", "backend": "memory"}]}) as store:
-        assert store.tiers[0].backend.root == "/dev/shm/tierstore/0"
+        assert store._ctx.tiers[0].backend.root == "/dev/shm/tierstore/0"
 
 
 def test_config_error_is_a_value_error_and_a_tierstore_error():

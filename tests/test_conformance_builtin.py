@@ -1,22 +1,41 @@
-"""The built-in backends ``local``, ``memory`` and ``peer`` pass the conformance kit, like any
-plugin (``peer``'s round trips need several ranks: tests/test_peer.py).
+"""The built-in plugins pass the conformance kit, like any plugin: backends ``local``, ``memory``
+and ``peer`` (``peer``'s round trips need several ranks: tests/test_peer.py), codec ``zstd``,
+stagers ``cpu`` / ``pinned`` / ``shm``, replication strategies ``clique`` and ``ring``, commit
+protocols ``atomic`` and ``manifest-last``, and the stats observer behind ``store.stats()``.
 
-Both declare ``supports_rename = True`` and have local paths, so they use the rename and
+The backends declare ``supports_rename = True`` and have local paths, so they use the rename and
 stock-loadable classes.
 """
 
 from __future__ import annotations
 
+import sys
+import uuid
+
+import fsspec
 import pytest
 
+# Detailed assertion messages from the kit's own asserts (possible only before its import).
+if "tierstore_conformance" not in sys.modules:
+    pytest.register_assert_rewrite("tierstore_conformance")
+
 from tierstore.plugin.host import build_plugin_host
-from tierstore_conformance import RenameBackendTests, StockLoadableRoundTripTests
+from tierstore_conformance import (CodecTests, CommitProtocolTests, ObserverTests,
+                                   RenameBackendTests, ReplicationStrategyTests, StagerTests,
+                                   StockLoadableRoundTripTests)
 
 
 def _backend(name: str, root):
     """Build a registered backend the way the core does (factory called with root and path)."""
     reg = build_plugin_host().lookup("backend", name)
     return reg.factory(root=str(root), path=str(root))
+
+
+def _build(kind: str, name: str, **options):
+    """Build a registered plugin of ``kind`` the way the core does (factory with options)."""
+    reg = build_plugin_host().lookup(kind, name)
+    assert reg is not None, f"no {kind} named {name!r}"
+    return reg.factory(**options)
 
 
 class _BuiltinBackend(RenameBackendTests):
@@ -63,3 +82,175 @@ class TestMemoryRoundTrip(StockLoadableRoundTripTests):
     @pytest.fixture
     def store_config(self, tmp_path):
         return {"tier": [{"name": "ram", "backend": "memory", "path": str(tmp_path / "shm")}]}
+
+
+# -- codec -----------------------------------------------------------------------------------
+
+class TestZstdCodec(CodecTests):
+    @pytest.fixture(params=[{}, {"level": 1}, {"level": 9}, {"level": -5}, {"threads": 2}],
+                    ids=["default", "level 1", "level 9", "level -5", "2 threads"])
+    def codec(self, request):
+        return _build("codec", "zstd", **request.param)
+
+
+# -- staging ---------------------------------------------------------------------------------
+
+class _BuiltinStager(StagerTests):
+    staging: str
+
+    @pytest.fixture
+    def stager(self):
+        return _build("staging", self.staging)
+
+
+class TestCpuStager(_BuiltinStager):
+    staging = "cpu"
+
+
+class TestPinnedStager(_BuiltinStager):
+    staging = "pinned"  # page-locked where CUDA is available, pageable (with a warning) elsewhere
+
+
+class TestShmStager(_BuiltinStager):
+    staging = "shm"
+
+
+# -- replication -----------------------------------------------------------------------------
+
+class TestCliqueFactor2Jump1(ReplicationStrategyTests):
+    @pytest.fixture
+    def strategy(self):
+        return _build("replication", "clique", factor=2, jump=1)
+
+    @pytest.fixture
+    def world_sizes(self):
+        return [2, 4, 6, 8, 16]
+
+    @pytest.fixture
+    def bad_world_sizes(self):
+        return [1, 3, 5, 7]
+
+
+class TestCliqueFactor2Jump2(ReplicationStrategyTests):
+    @pytest.fixture
+    def strategy(self):
+        return _build("replication", "clique", factor=2, jump=2)
+
+    @pytest.fixture
+    def world_sizes(self):
+        return [4, 8, 12]
+
+    @pytest.fixture
+    def bad_world_sizes(self):
+        return [1, 2, 3, 6, 10]
+
+
+class TestCliqueFactor3Jump4(ReplicationStrategyTests):
+    @pytest.fixture
+    def strategy(self):
+        return _build("replication", "clique", factor=3, jump=4)
+
+    @pytest.fixture
+    def world_sizes(self):
+        return [12, 24]
+
+    @pytest.fixture
+    def bad_world_sizes(self):
+        return [4, 8, 16]
+
+
+class TestRingOffset1(ReplicationStrategyTests):
+    @pytest.fixture
+    def strategy(self):
+        return _build("replication", "ring")
+
+    @pytest.fixture
+    def world_sizes(self):
+        return [2, 3, 4, 7, 8]
+
+    @pytest.fixture
+    def bad_world_sizes(self):
+        return [1]
+
+
+class TestRingOffset4(ReplicationStrategyTests):
+    @pytest.fixture
+    def strategy(self):
+        return _build("replication", "ring", offset=4)
+
+    @pytest.fixture
+    def world_sizes(self):
+        return [3, 5, 8, 12]
+
+    @pytest.fixture
+    def bad_world_sizes(self):
+        return [1, 2, 4]
+
+
+# -- commit protocols --------------------------------------------------------------------------
+
+class _OverLocal(CommitProtocolTests):
+    @pytest.fixture
+    def backend(self, tmp_path):
+        backend = _backend("local", tmp_path / "tier")
+        yield backend
+        backend.close()
+
+
+class TestAtomicCommitOverLocal(_OverLocal):
+    @pytest.fixture
+    def protocol(self):
+        return _build("commit", "atomic")
+
+
+class TestManifestLastCommitOverLocal(_OverLocal):
+    @pytest.fixture
+    def protocol(self):
+        return _build("commit", "manifest-last")
+
+    # Known bug: Tier.delete moves a checkpoint aside with trash_name() whenever the backend
+    # has rename, and manifest-last does not implement it, so `[store] commit = "manifest-last"`
+    # on a local tier cannot delete or evict (keep). Strict: passes again once fixed.
+    @pytest.mark.xfail(strict=True, raises=NotImplementedError,
+                       reason="manifest-last has no trash_name(), which Tier.delete calls on "
+                              "backends with rename")
+    def test_interrupted_delete_is_a_leftover(self, backend, protocol):
+        super().test_interrupted_delete_is_a_leftover(backend, protocol)
+
+
+class TestManifestLastCommitOverFsspecMemory(CommitProtocolTests):
+    """The protocol's home: a backend without rename (deletes are marked, not moved aside)."""
+
+    @pytest.fixture
+    def backend(self):
+        name = f"commit-{uuid.uuid4().hex[:12]}"
+        backend = build_plugin_host().lookup("backend", "fsspec").factory(
+            root=f"memory://{name}/tier", url=f"memory://{name}/tier", options={})
+        yield backend
+        backend.close()
+        fs = fsspec.filesystem("memory")
+        if fs.exists(f"/{name}"):
+            fs.rm(f"/{name}", recursive=True)
+
+    @pytest.fixture
+    def protocol(self):
+        return _build("commit", "manifest-last")
+
+
+# -- observer ----------------------------------------------------------------------------------
+
+class TestStatsObserver(ObserverTests):
+    """The observer behind ``store.stats()``: a store builds its own; a second one passed in
+    ``plugins=`` must count the same saves and loads."""
+
+    @pytest.fixture
+    def observer(self):
+        from tierstore.engine.stats import TierStats
+        return TierStats()
+
+    def test_counts_the_saves_and_loads(self, observer, store_config):
+        """Beyond the kit: the figures it keeps match what the store did."""
+        self.save_and_load(store_config, [observer])
+        figures = observer.figures["nvme"]
+        assert (figures.saves, figures.loads, figures.failures) == (2, 2, 0), figures
+        assert figures.bytes_saved > 2 * (4 << 20) and figures.bytes_loaded > 2 * (4 << 20)

@@ -350,7 +350,7 @@ def test_credentials_from_the_environment_appear_nowhere(seaweed, s3_bucket, tmp
     rec = Recorder()
     texts: dict[str, str] = {}
     with _Capture() as capture, tierstore.open(config, plugins=[rec]) as store:
-        texts["describe"] = " ".join([t.backend.describe() for t in store.tiers]
+        texts["describe"] = " ".join([t.backend.describe() for t in store._ctx.tiers]
                                      + [repr(store)])
         dcp.save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
         store.wait()

@@ -56,7 +56,7 @@ def test_store_plugins_key_adds_a_backend_a_config_can_use(tmp_path, monkeypatch
     config = {"store": {"plugins": [module]}, "tier": [tier(tmp_path, backend="fancy")]}
     sd = {"w": torch.randn(10, 10)}
     with tierstore.open(config) as store:
-        reg = store.host.lookup("backend", "fancy")
+        reg = store._ctx.host.lookup("backend", "fancy")
         assert reg.plugin == "acme_fancy" and "[store] plugins" in reg.origin
         dcp.save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
         out = {"w": torch.zeros(10, 10)}
@@ -70,7 +70,7 @@ def test_entry_point_plugins_are_found(tmp_path, monkeypatch):
     write_module(tmp_path, monkeypatch, "acme_ep", THIRD_PARTY_BACKEND)
     write_distribution(tmp_path, monkeypatch, "acme-tierstore", {"acme": "acme_ep"})
     with tierstore.open({"tier": [tier(tmp_path, backend="fancy")]}) as store:
-        reg = store.host.lookup("backend", "fancy")
+        reg = store._ctx.host.lookup("backend", "fancy")
         assert reg.plugin == "acme"
         assert "entry point 'acme = acme_ep' of distribution acme-tierstore 1.2.3" in reg.origin
 
@@ -155,7 +155,7 @@ def test_factory_of_the_wrong_kind(tmp_path, monkeypatch):
         tierstore.open({"store": {"plugins": [module]}, "tier": [tier(tmp_path)]})
     msg = str(info.value)
     assert "plugin 'acme_wrongkind'" in msg and "registered backend 'odd' as NotABackend" in msg
-    assert "does not subclass tierstore.kinds.Backend" in msg
+    assert "does not subclass tierstore.plugin.Backend" in msg
 
 
 def test_registration_hook_that_raises(tmp_path, monkeypatch):
@@ -175,9 +175,9 @@ def test_no_global_plugin_manager(tmp_path, monkeypatch):
     module = write_module(tmp_path, monkeypatch, "acme_iso", THIRD_PARTY_BACKEND)
     with tierstore.open({"store": {"plugins": [module]}, "tier": [tier(tmp_path)]}) as a, \
             tierstore.open({"tier": [tier(tmp_path)]}) as b:
-        assert a.host.pm is not b.host.pm
-        assert "fancy" in a.host.names("backend")
-        assert "fancy" not in b.host.names("backend")
+        assert a._ctx.host.pm is not b._ctx.host.pm
+        assert "fancy" in a._ctx.host.names("backend")
+        assert "fancy" not in b._ctx.host.names("backend")
 
 
 def test_observers_see_phases_in_order_and_events_with_timings(tmp_path):

@@ -250,17 +250,17 @@ def test_a_load_released_by_the_garbage_collector_inside_retention_does_not_hang
             dcp.save({"w": torch.randn(10)}, storage_writer=store.writer(),
                      checkpoint_id="step-2")
             assert (tmp_path / "ram/step-1").exists()  # still counted as loading
-            tier = store.tiers[0]
+            tier = store._ctx.tiers[0]
             victims = tier.retention_victims
             tier.retention_victims = lambda manifests: (gc.collect(), victims(manifests))[1]
-            retention = threading.Thread(target=store.apply_retention, args=(tier,),
+            retention = threading.Thread(target=store._retention.apply, args=(tier,),
                                          daemon=True)
             retention.start()
             retention.join(20)
             assert not retention.is_alive(), "retention hung on the load's release"
         finally:
             gc.enable()
-        store.apply_retention(store.tiers[0])  # the release is counted: step-1 goes
+        store._retention.apply(store._ctx.tiers[0])  # the release is counted: step-1 goes
         assert [c.id for c in store.list()] == ["step-2"]
 
 
@@ -271,7 +271,7 @@ def test_a_checkpoint_removed_by_another_process_while_keep_evicts_it_fails_noth
                         "keep": 1}]}
     with tierstore.open(config) as store:
         dcp.save({"w": torch.randn(10)}, storage_writer=store.writer(), checkpoint_id="step-1")
-        tier = store.tiers[0]
+        tier = store._ctx.tiers[0]
         victims = tier.retention_victims
 
         def removed_meanwhile(manifests):

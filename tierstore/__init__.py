@@ -10,14 +10,14 @@
 
 from __future__ import annotations
 
+from tierstore.errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,
+                              IntegrityError, PluginError, ReplicationError, StagingError,
+                              TierstoreError)
+from tierstore.events import Event, EventKind, Phase
+from tierstore.plugin.host import hookimpl
+from tierstore.store import Store, open
+from tierstore.tiers.reports import CheckpointInfo, VerifyReport
 from tierstore.version import __version__
-
-from tierstore.errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,  # noqa: E402
-                     IntegrityError, PluginError, StagingError, TierstoreError)
-from tierstore.events import Event, EventKind, Phase  # noqa: E402
-from tierstore.tiers.reports import CheckpointInfo, VerifyReport  # noqa: E402
-from tierstore.plugin.host import hookimpl  # noqa: E402
-from tierstore.store import Store, open  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -36,5 +36,6 @@ __all__ = [
     "IntegrityError",
     "CommitError",
     "DrainError",
+    "ReplicationError",
     "StagingError",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "IntegrityError",
     "CommitError",
     "DrainError",
+    "ReplicationError",
     "StagingError",
 ]
 
@@ -52,6 +53,12 @@ class DrainError(TierstoreError):
         super().__init__(message)
         self.checkpoint_id = checkpoint_id
         self.tier = tier
+
+
+class ReplicationError(DrainError):
+    """Replicating a committed checkpoint to this rank's peers (the ``peer`` tier) failed;
+    ``store.wait()`` raises it. A kind of :class:`DrainError` (both are background copies), so
+    ``except DrainError`` catches it too."""
 
 
 class StagingError(TierstoreError):

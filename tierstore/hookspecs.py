@@ -6,7 +6,12 @@ Each receives a ``register(name, factory)`` callback: the core owns the names, s
 claiming one name is a :class:`~tierstore.PluginError` naming both. A factory is called with the
 validated options of its config table as keyword arguments (backends also get ``root``).
 
-Lifecycle hooks run while the store works; they are called on the rank where the thing happens.
+Lifecycle hooks run while the store works; they are called on the rank where the thing happens,
+through pluggy's own call path: ``@tierstore.hookimpl(wrapper=True)`` implementations wrap the
+others (to time them, trace them, or retry), as pluggy documents.
+
+Layer: plugin (with ``tierstore.plugin``); it imports nothing of tierstore but the events, and
+those only for type checking.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import pluggy
 
 if TYPE_CHECKING:
     from tierstore.events import Event
-    from tierstore.store import Store
+
+#: what ``tierstore_store_opened`` / ``tierstore_store_closing`` receive: the ``tierstore.Store``
+#: (named, not imported: this layer sits below the store)
+Store = Any
 
 hookspec = pluggy.HookspecMarker("tierstore")
 
@@ -31,7 +39,7 @@ def tierstore_register_backends(register: Register) -> None:
     """Register persistence backends: ``register("local", LocalBackend)``.
 
     Called once per ``tierstore.open()``, on every rank. A tier's ``backend`` key names one of
-    these. Factories subclass :class:`tierstore.kinds.Backend`. Returns nothing; not
+    these. Factories subclass :class:`tierstore.plugin.Backend`. Returns nothing; not
     firstresult (every implementation is called).
     """
 
@@ -41,7 +49,7 @@ def tierstore_register_commit_protocols(register: Register) -> None:
     """Register commit protocols: ``register("atomic", AtomicCommit)``.
 
     Called once per ``tierstore.open()``, on every rank. ``[store] commit`` names one; by default
-    each backend's ``default_commit``. Factories subclass :class:`tierstore.kinds.CommitProtocol`.
+    each backend's ``default_commit``. Factories subclass :class:`tierstore.plugin.CommitProtocol`.
     Returns nothing; not firstresult.
     """
 
@@ -51,7 +59,7 @@ def tierstore_register_codecs(register: Register) -> None:
     """Register codecs: ``register("zstd", ZstdCodec)``.
 
     Called once per ``tierstore.open()``, on every rank. A tier's ``codecs`` list names them in
-    the order they are applied on write. Factories subclass :class:`tierstore.kinds.Codec`.
+    the order they are applied on write. Factories subclass :class:`tierstore.plugin.Codec`.
     Returns nothing; not firstresult.
     """
 
@@ -61,7 +69,7 @@ def tierstore_register_staging(register: Register) -> None:
     """Register staging plugins: ``register("cpu", CpuStager)``.
 
     Called once per ``tierstore.open()``, on every rank. ``[store] staging`` names one.
-    Factories subclass :class:`tierstore.kinds.Stager`. Returns nothing; not firstresult.
+    Factories subclass :class:`tierstore.plugin.Stager`. Returns nothing; not firstresult.
     """
 
 
@@ -70,7 +78,7 @@ def tierstore_register_replication_strategies(register: Register) -> None:
     """Register replication strategies: ``register("clique", CliqueStrategy)``.
 
     Called once per ``tierstore.open()``, on every rank. A peer tier's ``replication.strategy``
-    names one. Factories subclass :class:`tierstore.kinds.ReplicationStrategy`. Returns
+    names one. Factories subclass :class:`tierstore.plugin.ReplicationStrategy`. Returns
     nothing; not firstresult.
     """
 

@@ -24,16 +24,15 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from tierstore.transport.collectives import make_store_group
+from tierstore.engine.context import StoreContext
+from tierstore.engine.saves import SaveSlot
 from tierstore.events import Event, EventKind, Phase
-
-if TYPE_CHECKING:
-    from tierstore.store import Store
+from tierstore.transport.collectives import make_store_group
 
 __all__ = ["Preemption"]
 
@@ -43,19 +42,22 @@ log = logging.getLogger("tierstore")
 class Preemption:
     """Turns SIGTERM into an emergency checkpoint at a step all ranks agree on.
 
-    Build it with ``store.preemption()`` (on every rank, from the main thread)."""
+    Build it with ``store.preemption()`` (on every rank, from the main thread). It gets the
+    store's context, its save slot, a factory of emergency writers and the store's ``close``."""
 
-    def __init__(self, store: "Store", signals: Iterable[int] = (signal.SIGTERM,)):
+    def __init__(self, context: StoreContext, slot: SaveSlot, emergency_writer: Callable[[], Any],
+                 close_store: Callable[..., None], signals: Iterable[int] = (signal.SIGTERM,)):
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("store.preemption() installs signal handlers, which Python "
                                "allows only in the main thread; call it there")
-        self._store = store
+        self._context, self._slot = context, slot
+        self._emergency_writer, self._close_store = emergency_writer, close_store
         self._signals = tuple(signals)
         self._received: int | None = None
         self._previous = {s: signal.signal(s, self._on_signal) for s in self._signals}
         # A group of its own: the per-step agreement must not interleave with the collectives
         # of an async save running on store.process_group in DCP's thread.
-        self._group = make_store_group(store.process_group)
+        self._group = make_store_group(context.groups.main)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only record: the step in progress finishes, then the loop asks requested_by_any().
@@ -80,18 +82,16 @@ class Preemption:
         it (collective: every rank calls it with the same id)."""
         import torch.distributed.checkpoint as dcp
 
-        store = self._store
-        store.host.phase(Phase.EMERGENCY_SAVE, checkpoint_id, store.tiers[0].name,
-                         store.ctx.rank)
+        ctx = self._context
+        fastest = ctx.tiers[0].name
+        ctx.host.phase(Phase.EMERGENCY_SAVE, checkpoint_id, fastest, ctx.rank)
         started = time.perf_counter()
-        store.slot.wait_idle()
-        dcp.save(state_dict, storage_writer=store.writer(emergency=True),
-                 checkpoint_id=checkpoint_id, process_group=store.process_group)
-        store.host.event(Event(EventKind.EMERGENCY_SAVED, checkpoint_id, store.tiers[0].name,
-                               store.ctx.rank, time.perf_counter() - started,
-                               detail={"signal": self._received}))
-        log.warning("emergency checkpoint %s committed on tier '%s'", checkpoint_id,
-                    store.tiers[0].name)
+        self._slot.wait_idle()
+        dcp.save(state_dict, storage_writer=self._emergency_writer(),
+                 checkpoint_id=checkpoint_id, process_group=ctx.groups.main)
+        ctx.host.event(Event(EventKind.EMERGENCY_SAVED, checkpoint_id, fastest, ctx.rank,
+                             time.perf_counter() - started, detail={"signal": self._received}))
+        log.warning("emergency checkpoint %s committed on tier '%s'", checkpoint_id, fastest)
 
     def save_and_exit(self, state_dict: dict[str, Any], checkpoint_id: str,
                       exit_code: int = 0) -> None:
@@ -99,7 +99,7 @@ class Preemption:
         stderr and resumed by the next ``tierstore.open``) and exit with ``exit_code``."""
         self.save(state_dict, checkpoint_id)
         self.close()
-        self._store.close(wait=False)
+        self._close_store(wait=False)
         sys.exit(exit_code)
 
     def close(self) -> None:

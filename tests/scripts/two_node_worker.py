@@ -62,8 +62,8 @@ def main() -> int:
     reads = Reads()
     store = tierstore.open(config(root), plugins=[reads])
     node = int(os.environ["GROUP_RANK"])
-    print(f"RANK {rank} NODE {node} RAM PART {store.tiers[0].layout.part} OF "
-          f"{store.tiers[0].layout.parts}", flush=True)
+    print(f"RANK {rank} NODE {node} RAM PART {store._ctx.tiers[0].layout.part} OF "
+          f"{store._ctx.tiers[0].layout.parts}", flush=True)
     if phase == "save":
         for step in (1, 2):
             dcp.save(state(step, rank, mesh), storage_writer=store.writer(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,8 +60,10 @@ STORE_OPTIONS: tuple[Option, ...] = (
            description="check each file's checksum while dcp.load reads it"),
     Option("drain_threads", int, default=4, check=_positive,
            description="files copied in parallel when draining to slower tiers"),
-    Option("drain_chunk_mib", int, default=8, check=_positive,
-           description="copy buffer per drain thread (memory = drain_threads x this)"),
+    Option("copy_chunk_mib", int, default=8, check=_positive,
+           description="piece size of every background copy: the buffer per drain thread "
+                       "(memory = drain_threads x this), and the pieces of peer replication "
+                       "and of peer fetches on load"),
     Option("exit_timeout", (int, float), default=600,
            description="seconds a process exiting without close() waits for pending drains"),
     Option("part_timeout", (int, float), default=600,
@@ -129,7 +132,7 @@ class StoreConfig:
     io_threads: int
     verify_on_load: bool
     drain_threads: int
-    drain_chunk_mib: int
+    copy_chunk_mib: int
     exit_timeout: float
     part_timeout: float
     tiers: tuple[TierConfig, ...]
@@ -206,10 +209,26 @@ def _plugin_choice(kind: str, value: Any, host: PluginHost, source: ConfigSource
     return PluginChoice(name, checked)
 
 
+#: old [store] key -> the key that replaced it (still accepted, with a DeprecationWarning)
+RENAMED_STORE_KEYS = {"drain_chunk_mib": "copy_chunk_mib"}
+
+
 def validate_store_table(raw: dict[str, Any], source: ConfigSource) -> dict[str, Any]:
     """The ``[store]`` table checked against the core's keys (plugins not resolved yet)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source.name}: 'store' must be a table ([store]), got {raw!r}")
+    raw = dict(raw)
+    for old, new in RENAMED_STORE_KEYS.items():
+        if old not in raw:
+            continue
+        where = source.where("store", None, old)
+        if new in raw:
+            raise ConfigError(f"{where}: [store] sets both '{old}' and '{new}', which replaced "
+                              f"it; keep '{new}' only")
+        warnings.warn(f"{where}: [store] key '{old}' is deprecated (it also sizes replication "
+                      f"and peer fetches); rename it to '{new}'", DeprecationWarning,
+                      stacklevel=4)
+        raw[new] = raw.pop(old)
     return validate_table(raw, STORE_OPTIONS, owner="[store]", source=source,
                           table_name="store", index=None)
 
@@ -285,7 +304,7 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         plugins=tuple(store_table["plugins"]), staging=staging, commit=commit,
         overwrite=store_table["overwrite"], io_threads=store_table["io_threads"],
         verify_on_load=store_table["verify_on_load"], drain_threads=store_table["drain_threads"],
-        drain_chunk_mib=store_table["drain_chunk_mib"], exit_timeout=store_table["exit_timeout"],
+        copy_chunk_mib=store_table["copy_chunk_mib"], exit_timeout=store_table["exit_timeout"],
         part_timeout=store_table["part_timeout"],
         tiers=tuple(tiers), source=source,
     )

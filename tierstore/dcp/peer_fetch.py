@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from tierstore.format.checksum import checksum_of
 from tierstore.transport.collectives import all_gather_object
@@ -21,27 +20,26 @@ from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.transport.ends import BufferTarget
 from tierstore.transport.transfer import Transfer, open_to_send, run_transfers
 
-if TYPE_CHECKING:
-    from tierstore.store import Store
-    from tierstore.tiers.tier import Tier
+from tierstore.engine.context import StoreContext
+from tierstore.tiers.tier import Tier
 
 __all__ = ["fetch_from_peers"]
 
 log = logging.getLogger("tierstore.dcp.peer_fetch")
 
 
-def _local_sources(store: "Store", sources: list[tuple["Tier", Manifest]]
-                   ) -> list[tuple["Tier", Manifest]]:
+def _local_sources(ctx: StoreContext, sources: list[tuple[Tier, Manifest]]
+                   ) -> list[tuple[Tier, Manifest]]:
     """The sources that count as "here": every tier up to the last node-local one (a shared
     tier after it is a slower tier, read only when no peer has the file)."""
-    order = store.read_tiers()
+    order = ctx.tiers.read_order()
     last_local = max((i for i, t in enumerate(order)
-                      if not t.layout.shared or t in store.replica_tiers), default=-1)
+                      if not t.layout.shared or ctx.tiers.is_replica(t)), default=-1)
     return [(t, m) for t, m in sources if order.index(t) <= last_local]
 
 
-def _good_copy(store: "Store", cid: str, rel: str, local: list[tuple["Tier", Manifest]],
-               verify: bool) -> tuple["Tier", FileEntry] | None:
+def _good_copy(cid: str, rel: str, local: list[tuple[Tier, Manifest]],
+               verify: bool) -> tuple[Tier, FileEntry] | None:
     for tier, manifest in local:
         entry = manifest.files.get(rel)
         if entry is None or tier.backend.size(f"{cid}/{rel}") != entry.size:
@@ -56,14 +54,14 @@ def _good_copy(store: "Store", cid: str, rel: str, local: list[tuple["Tier", Man
     return None
 
 
-def fetch_from_peers(store: "Store", cid: str, sources: list[tuple["Tier", Manifest]],
+def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]],
                      needed: set[str]) -> dict[str, tuple[FileEntry, bytes]]:
-    """Collective on the store's save group: fetch the files of ``needed`` that this rank has
+    """Collective on the store's io group: fetch the files of ``needed`` that this rank has
     no good copy of here from ranks that do. Returns relative path -> (entry, bytes)."""
-    rank, group = store.ctx.rank, store.save_group
-    local = _local_sources(store, sources)
-    verify = store.config.verify_on_load
-    missing = sorted(r for r in needed if _good_copy(store, cid, r, local, verify) is None)
+    rank, group = ctx.rank, ctx.groups.io
+    local = _local_sources(ctx, sources)
+    verify = ctx.config.verify_on_load
+    missing = sorted(r for r in needed if _good_copy(cid, r, local, verify) is None)
     servable: dict[str, int] = {}
     for tier, manifest in local:
         for rel, entry in manifest.files.items():
@@ -72,7 +70,7 @@ def fetch_from_peers(store: "Store", cid: str, sources: list[tuple["Tier", Manif
     views = all_gather_object((missing, servable), group)
     if not any(m for m, _ in views):
         return {}
-    store.host.phase(Phase.PEER_FETCH, cid, None, rank)
+    ctx.host.phase(Phase.PEER_FETCH, cid, None, rank)
     schedule: list[Transfer] = []
     for dst, (wants, _) in enumerate(views):
         for rel in wants:
@@ -86,7 +84,7 @@ def fetch_from_peers(store: "Store", cid: str, sources: list[tuple["Tier", Manif
     buffers: dict[str, BufferTarget] = {}
 
     def open_source(t: Transfer):
-        found = _good_copy(store, cid, t.key, local, False)
+        found = _good_copy(cid, t.key, local, False)
         if found is None:
             raise FileNotFoundError(f"{cid}/{t.key} vanished from this node while a peer "
                                     f"needed it")
@@ -98,7 +96,7 @@ def fetch_from_peers(store: "Store", cid: str, sources: list[tuple["Tier", Manif
 
     started = time.perf_counter()
     run_transfers(group, rank, mine, open_source, open_target, lambda *_: None,
-                  store.config.drain_chunk_mib << 20)
+                  ctx.copy_chunk_bytes)
     seconds = time.perf_counter() - started
     out: dict[str, tuple[FileEntry, bytes]] = {}
     for t in mine:
@@ -111,7 +109,7 @@ def fetch_from_peers(store: "Store", cid: str, sources: list[tuple["Tier", Manif
                         "manifest; trying slower tiers", cid, t.key, t.src)
             continue
         out[t.key] = (entry, data)
-        store.host.event(Event(EventKind.PEER_FETCHED, cid, None, rank, seconds, len(data),
+        ctx.host.event(Event(EventKind.PEER_FETCHED, cid, None, rank, seconds, len(data),
                                {"file": t.key, "from": t.src}))
         log.info("checkpoint %s: fetched %s (%d bytes) from rank %d", cid, t.key, len(data),
                  t.src)

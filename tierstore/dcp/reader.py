@@ -14,7 +14,8 @@ import pickle
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -29,12 +30,25 @@ from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
 from tierstore.format.item_io import FileReadError, read_items
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.dcp.peer_fetch import fetch_from_peers
+from tierstore.engine.catalog import Catalog
+from tierstore.engine.context import StoreContext
+from tierstore.engine.retention import Retention
+from tierstore.engine.saves import SaveSlot
+from tierstore.tiers.tier import Tier
 
-if TYPE_CHECKING:
-    from tierstore.store import Store
-    from tierstore.tiers.tier import Tier
+__all__ = ["TierstoreReader", "ReaderServices"]
 
-__all__ = ["TierstoreReader"]
+
+@dataclass(frozen=True)
+class ReaderServices:
+    """What a reader may use of its store (never the store itself)."""
+
+    context: StoreContext
+    #: loads tell retention what they read, so ``keep`` spares it
+    retention: Retention
+    #: a load waits for the store's save in flight
+    slot: SaveSlot
+    catalog: Catalog
 
 log = logging.getLogger("tierstore.dcp.reader")
 
@@ -42,10 +56,10 @@ log = logging.getLogger("tierstore.dcp.reader")
 class TierstoreReader(StorageReader):
     """Loads a checkpoint, checking every file against its manifest while reading it."""
 
-    def __init__(self, store: "Store"):
-        self._store = store
+    def __init__(self, services: ReaderServices):
+        self._services = services
         self._checkpoint_id: str | None = None
-        self._sources: list[tuple["Tier", Manifest]] = []
+        self._sources: list[tuple[Tier, Manifest]] = []
         self._metadata: Metadata | None = None
         self._rank = 0
         self._fresh = False
@@ -65,8 +79,9 @@ class TierstoreReader(StorageReader):
         ``keep`` spares it until this load has read its data."""
         cid = validate_checkpoint_id(checkpoint_id)
         self._stop_protecting()
-        self._store.loading(cid, begins=True)
-        self._protection = weakref.finalize(self, self._store.load_released_later, cid)
+        retention = self._services.retention
+        retention.loading(cid, begins=True)
+        self._protection = weakref.finalize(self, retention.load_released_later, cid)
         try:
             self._reset(cid)
         except BaseException:
@@ -74,26 +89,28 @@ class TierstoreReader(StorageReader):
             raise
 
     def _reset(self, cid: str) -> None:
-        store = self._store
-        store.host.phase(Phase.LOAD_BEGIN, cid, None, store.ctx.rank)
+        services = self._services
+        ctx = services.context
+        ctx.host.phase(Phase.LOAD_BEGIN, cid, None, ctx.rank)
         # Every tier with a manifest is a source, even one missing a file: files are read one
         # by one from the fastest tier that has a good copy.
-        store.slot.wait_idle()  # never load beside a save of this store in flight
-        sources = [(t, m) for t in store.read_tiers() if (m := t.read_manifest(cid)) is not None]
+        services.slot.wait_idle()  # never load beside a save of this store in flight
+        sources = [(t, m) for t in ctx.tiers.read_order()
+                   if (m := t.read_manifest(cid)) is not None]
         raw, codecs, problems = self._local_metadata(cid, sources)
         self._fetched = {}
-        if store.node_local and store.process_group is not None:
+        if ctx.tiers.node_local and ctx.groups.main is not None:
             # With a directory per node, only the coordinator's node has .metadata, and one
             # rank may find nothing while others do: decide together, so that no rank goes on
             # into DCP's collectives while another has raised.
             raw, codecs = self._share_metadata(cid, raw, codecs, sources)
         elif not sources:
-            available = [c.id for c in store.list()[:5]]
+            available = [c.id for c in services.catalog.list()[:5]]
             hint = (f"newest available: {', '.join(available)}" if available
                     else "no checkpoint is stored yet")
             raise CheckpointNotFound(
                 f"checkpoint '{cid}' is not complete on any tier "
-                f"({', '.join(t.name for t in store.tiers)}); {hint}. store.latest() gives the "
+                f"({', '.join(t.name for t in ctx.tiers)}); {hint}. store.latest() gives the "
                 f"newest loadable one"
             )
         elif raw is None:
@@ -112,7 +129,7 @@ class TierstoreReader(StorageReader):
         self._metadata = pickle.loads(raw)
         self._fresh = True
 
-    def _local_metadata(self, cid: str, sources: list[tuple["Tier", Manifest]]
+    def _local_metadata(self, cid: str, sources: list[tuple[Tier, Manifest]]
                         ) -> tuple[bytes | None, list[str], list[str]]:
         """The first copy of ``.metadata`` on this process's tiers that matches its manifest,
         the codecs of that copy, and what was wrong with the others."""
@@ -133,33 +150,33 @@ class TierstoreReader(StorageReader):
         return None, [], problems or ["no tier holds it"]
 
     def _share_metadata(self, cid: str, raw: bytes | None, codecs: list[str],
-                        sources: list[tuple["Tier", Manifest]]) -> tuple[bytes, list[str]]:
+                        sources: list[tuple[Tier, Manifest]]) -> tuple[bytes, list[str]]:
         """Collective: check that every rank's files are held by some rank (on any tier, a
         replica included) and take the metadata (and its codecs) from the lowest rank that has
         it. Raises the same ``CheckpointNotFound`` on every rank otherwise."""
-        store = self._store
-        group = store.process_group
+        ctx = self._services.context
+        tiers, group, world = ctx.tiers, ctx.groups.main, ctx.job.world_size
         covered: set[int] = set()
         saved_world, shared_complete = None, False
         for tier, manifest in sources:
             if len(tier.present_files(cid, manifest)) == len(manifest.files):
                 covered |= set(manifest.ranks)
-                shared_complete |= tier.layout.shared and tier not in store.replica_tiers \
+                shared_complete |= tier.layout.shared and not tiers.is_replica(tier) \
                     and manifest.has_metadata and set(manifest.ranks) >= set(range(manifest.world_size))
             saved_world = manifest.world_size
         status = all_gather_object((raw is not None, covered, saved_world, shared_complete),
                                    group)
         covered = set().union(*(c for _, c, _, _ in status))
         saved_world = next((w for _, _, w, _ in status if w is not None), None)
-        tiers = ", ".join(t.name for t in store.tiers)
+        names = ", ".join(t.name for t in tiers)
         if saved_world is None:
             raise CheckpointNotFound(
-                f"checkpoint '{cid}' is on no tier of any rank ({tiers}); store.latest() gives "
+                f"checkpoint '{cid}' is on no tier of any rank ({names}); store.latest() gives "
                 f"the newest loadable one")
-        if saved_world != store.ctx.world_size and not any(s for *_, s in status):
+        if saved_world != world and not any(s for *_, s in status):
             raise CheckpointNotFound(
                 f"checkpoint '{cid}' was saved by {saved_world} ranks and this job has "
-                f"{store.ctx.world_size}: its files are on node-local tiers and peer replicas, "
+                f"{world}: its files are on node-local tiers and peer replicas, "
                 f"which restore only with the world size (and replication strategy) of the save; "
                 f"load it with {saved_world} ranks, or from a tier that holds all of it (DCP "
                 f"reshards from there)")
@@ -170,10 +187,10 @@ class TierstoreReader(StorageReader):
                    f"holds a replica of them" if missing else
                    f"no rank has a good copy of {METADATA_NAME}")
             raise CheckpointNotFound(
-                f"checkpoint '{cid}' cannot be loaded by this job: {who} ({tiers}); "
+                f"checkpoint '{cid}' cannot be loaded by this job: {who} ({names}); "
                 f"store.latest() gives the newest loadable one")
         src = holders[0]
-        mine = (raw, codecs) if store.ctx.rank == src else None
+        mine = (raw, codecs) if ctx.rank == src else None
         return broadcast_object(mine, group, src)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -206,33 +223,33 @@ class TierstoreReader(StorageReader):
             self._stop_protecting()
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        store, metadata = self._store, self._metadata
+        ctx, metadata = self._services.context, self._metadata
         storage_data = metadata.storage_data
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
         started = time.perf_counter()
-        if store.node_local and store.process_group is not None:
-            self._fetched = fetch_from_peers(store, self._checkpoint_id, self._sources,
+        if ctx.tiers.node_local and ctx.groups.main is not None:
+            self._fetched = fetch_from_peers(ctx, self._checkpoint_id, self._sources,
                                              set(per_file))
 
         def read_file(relative: str) -> int:
             return self._read_one_file(relative, per_file[relative], planner)
 
-        workers = min(store.config.io_threads, max(1, len(per_file)))
+        workers = min(ctx.config.io_threads, max(1, len(per_file)))
         if workers == 1:
             total = sum(read_file(r) for r in per_file)
         else:
             with ThreadPoolExecutor(workers, thread_name_prefix="tierstore-read") as pool:
                 total = sum(pool.map(read_file, list(per_file)))
-        store.host.event(Event(EventKind.LOADED, self._checkpoint_id, self._sources[0][0].name,
+        ctx.host.event(Event(EventKind.LOADED, self._checkpoint_id, self._sources[0][0].name,
                                self._rank, time.perf_counter() - started, total))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     def _read_one_file(self, relative: str, reqs: list[ReadItem], planner: LoadPlanner) -> int:
-        store, cid = self._store, self._checkpoint_id
+        ctx, cid = self._services.context, self._checkpoint_id
         problems = []
         fetched = self._fetched.get(relative)
         if fetched is not None:  # not on this node: a peer sent it (verified)
@@ -244,18 +261,18 @@ class TierstoreReader(StorageReader):
             if entry is None:
                 problems.append(f"tier '{tier.name}': not in its manifest")
                 continue
-            store.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative)
+            ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative)
             try:
                 with tier.backend.open_read(f"{cid}/{relative}") as f:
                     nbytes = read_items(f, entry, reqs, self._metadata.storage_data,
-                                        self._metadata, planner, store.config.verify_on_load)
+                                        self._metadata, planner, ctx.config.verify_on_load)
             except (FileReadError, OSError) as exc:
                 problems.append(f"tier '{tier.name}': {exc}")
                 log.warning("checkpoint %s: %s on tier '%s' is bad (%s)", cid, relative,
                             tier.name, exc)
                 continue
             if n > 0:
-                store.host.event(Event(EventKind.FELL_BACK, cid, tier.name, self._rank,
+                ctx.host.event(Event(EventKind.FELL_BACK, cid, tier.name, self._rank,
                                        detail={"file": relative, "problems": list(problems)}))
                 log.warning("checkpoint %s: read %s from tier '%s' after: %s", cid, relative,
                             tier.name, "; ".join(problems))

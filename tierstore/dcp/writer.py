@@ -15,7 +15,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -24,24 +24,41 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierstore.format.checksum import checksum_of
-from tierstore.transport.collectives import all_gather_object
+from tierstore.engine.context import StoreContext
+from tierstore.engine.gc import GarbageCollector
+from tierstore.engine.publish import Publisher
+from tierstore.engine.replication import ReplicationJob, Replicator
+from tierstore.engine.saves import SaveLedger
 from tierstore.errors import CommitError
 from tierstore.events import Event, EventKind, Phase
+from tierstore.format.checksum import checksum_of
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
 from tierstore.format.item_io import HashingWriter, ItemLocation, split_items, write_items
 from tierstore.format.manifest import METADATA_NAME, FileEntry
-from tierstore.engine.replication import ReplicationJob
+from tierstore.plugin.bases import Stager
+from tierstore.tiers.tier import Tier
+from tierstore.transport.collectives import all_gather_object
 
-from tierstore.handoff import StoreSpec, checkpoint_process_store
-
-if TYPE_CHECKING:
-    from tierstore.store import Store
-    from tierstore.tiers.tier import Tier
-
-__all__ = ["TierstoreWriter"]
+__all__ = ["TierstoreWriter", "WriterServices"]
 
 log = logging.getLogger("tierstore.dcp.writer")
+
+
+@dataclass(frozen=True)
+class WriterServices:
+    """What a writer may use of its store (never the store itself)."""
+
+    context: StoreContext
+    ledger: SaveLedger
+    stager: Stager
+    publisher: Publisher
+    gc: GarbageCollector
+    replicator: Replicator | None
+    #: called when DCP pickles the writer for its checkpoint process: returns a picklable
+    #: callable that gives that process's services for the same store
+    hand_off: Callable[[], Callable[[], "WriterServices"]]
+    #: queue, in the background, what saves handed to DCP's checkpoint process left to do
+    adopt_later: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -56,7 +73,7 @@ class _PlanData:
 class _SaveState:
     checkpoint_id: str
     step: int
-    tier: "Tier"
+    tier: Tier
     started: float
     token: str | None = None
     staging: str | None = None
@@ -74,9 +91,10 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     # dcp.async_save need not call synchronize_staging: stage() returns a finished copy.
     _synchronize_after_execute = False
 
-    def __init__(self, store: "Store", *, emergency: bool = False):
-        self._store: "Store | None" = store
-        self._spec: StoreSpec | None = None
+    def __init__(self, services: WriterServices | None, *, emergency: bool = False):
+        self._services = services
+        # In DCP's checkpoint process: how to get this process's services (see __getstate__).
+        self._reopen: Callable[[], WriterServices] | None = None
         self._emergency = emergency
         self._save: _SaveState | None = None
         self._rank = 0
@@ -88,15 +106,15 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         process and waits for its answer: that thread now carries the save. The checkpoint
         process opens the same store (same config and plugins) to write the first tier; this
         process queues the drains to slower tiers once the save is committed."""
-        store = self._store
-        if store is None:
-            return {"spec": self._spec, "emergency": self._emergency}
-        store.slot.carried_here()
-        return {"spec": store.hand_off_spec(), "emergency": self._emergency}
+        services = self._services
+        if services is None:
+            return {"reopen": self._reopen, "emergency": self._emergency}
+        services.ledger.slot.carried_here()
+        return {"reopen": services.hand_off(), "emergency": self._emergency}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(None, emergency=state["emergency"])  # type: ignore[arg-type]
-        self._spec = state["spec"]
+        self.__init__(None, emergency=state["emergency"])  # type: ignore[misc]
+        self._reopen = state["reopen"]
 
     # -- AsyncStager ---------------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -104,23 +122,22 @@ class TierstoreWriter(StorageWriter, AsyncStager):
 
         Waits first for the store's previous save to finish (one save in flight): its files may
         still be written from the same staging buffers."""
-        store = self._store
-        store.host.phase(Phase.STAGE, rank=store.ctx.rank)
-        waited = store.slot.staged()
+        services = self._services
+        host, rank, slot = services.context.host, services.context.rank, services.ledger.slot
+        host.phase(Phase.STAGE, rank=rank)
+        waited = slot.staged()
+        stager = services.stager
         try:
             started = time.perf_counter()
-            staged = store.stager.stage(state_dict)
+            staged = stager.stage(state_dict)
         except BaseException:
-            store.slot.release_pending()
+            slot.release_pending()
             raise
         # After the copy, not beside it: the scan and keep's deletes would compete for CPU.
-        store.adopt_handed_off_saves_later()
-        stager = store.stager
-        store.host.event(Event(EventKind.STAGED, rank=store.ctx.rank,
-                               seconds=time.perf_counter() - started,
-                               nbytes=getattr(stager, "last_bytes", None),
-                               detail={"waited_s": waited,
-                                       "reused": getattr(stager, "last_reused", None)}))
+        services.adopt_later()
+        host.event(Event(EventKind.STAGED, rank=rank, seconds=time.perf_counter() - started,
+                         nbytes=stager.last_bytes,
+                         detail={"waited_s": waited, "reused": stager.last_reused}))
         return staged
 
     def synchronize_staging(self) -> None:
@@ -133,25 +150,26 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id=None) -> None:
         """Start a save: validate the id, pick the first tier that takes it, refuse an id that
         already exists there (unless ``overwrite``)."""
-        if self._store is None:  # unpickled in DCP's checkpoint process
-            self._store = checkpoint_process_store(self._spec)
-        store = self._store
-        store.slot.carried_here()  # waits for another thread's save still in flight
+        if self._services is None:  # unpickled in DCP's checkpoint process
+            self._services = self._reopen()
+        services = self._services
+        ctx, ledger = services.context, services.ledger
+        ledger.slot.carried_here()  # waits for another thread's save still in flight
         cid = validate_checkpoint_id(checkpoint_id)
-        step = store.step_for(cid)
-        tier = store.tiers[0] if self._emergency else store.first_tier_for(step)
-        store.host.phase(Phase.SAVE_BEGIN, cid, tier.name, store.ctx.rank)
-        if not store.config.overwrite:
-            for t in ([tier] if self._emergency else store.tiers_for(step)):
+        step = ledger.step_for(cid)
+        tier = ctx.tiers[0] if self._emergency else ctx.tiers.first_for(step)
+        ctx.host.phase(Phase.SAVE_BEGIN, cid, tier.name, ctx.rank)
+        if not ctx.config.overwrite:
+            for t in ([tier] if self._emergency else ctx.tiers.tiers_for(step)):
                 if t.read_manifest(cid) is not None:
                     raise CommitError(
                         f"checkpoint '{cid}' already exists on tier '{t.name}' "
                         f"({t.backend.describe()}); save under a new id, or set [store] "
                         f"overwrite = true to replace it"
                     )
-        store.save_running(None)  # a new save on this thread: any earlier one is over
+        ledger.save_running(None)  # a new save on this thread: any earlier one is over
         self._save = _SaveState(cid, step, tier, time.perf_counter(), drain=not self._emergency,
-                                seq=store.save_seq)
+                                seq=ledger.save_seq)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember this rank's role; refuse a save that did not come with a checkpoint id
@@ -189,18 +207,19 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     def _write_data(self, save: _SaveState, plan: SavePlan, planner: SavePlanner
                     ) -> Future[list[WriteResult]]:
         data: _PlanData = plan.storage_data
-        store, tier = self._store, save.tier
+        services, tier = self._services, save.tier
+        ctx, ledger = services.context, services.ledger
         save.token = data.token
-        store.save_running(data.token)
-        layout, rank = tier.layout, store.ctx.rank
+        ledger.save_running(data.token)
+        layout, rank = tier.layout, ctx.rank
         if rank == layout.leader:
-            store.collect_garbage(tier)  # what interrupted saves left in this directory
-        save.staging = tier.commit.begin(tier.backend, save.checkpoint_id, data.token)
-        buckets = split_items(plan.items, store.config.io_threads)
+            services.gc.collect(tier)  # what interrupted saves left in this directory
+        save.staging = tier.begin_save(save.checkpoint_id, data.token)
+        buckets = split_items(plan.items, ctx.config.io_threads)
 
         def write_file(n: int) -> list[WriteResult]:
             relative = f"{data.prefix}{n}.distcp"
-            store.host.phase(Phase.WRITE_FILE, save.checkpoint_id, tier.name, self._rank,
+            ctx.host.phase(Phase.WRITE_FILE, save.checkpoint_id, tier.name, self._rank,
                              file=relative)
             started = time.perf_counter()
             with tier.backend.open_write(f"{save.staging}/{relative}") as raw:
@@ -213,7 +232,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             first = results[0]
             results[0] = dataclasses.replace(
                 first, storage_data=ItemLocation(first.storage_data.info, (relative, entry)))
-            store.host.event(Event(EventKind.WRITTEN, save.checkpoint_id, tier.name, self._rank,
+            ctx.host.event(Event(EventKind.WRITTEN, save.checkpoint_id, tier.name, self._rank,
                                    time.perf_counter() - started, entry.size, {"file": relative}))
             return results
 
@@ -237,7 +256,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 self._publish_part(save, results, failure)
         finally:
             if failure is not None or not self._is_coordinator:
-                store.save_running(None)  # only the coordinator has more to do (finish)
+                ledger.save_running(None)  # only the coordinator has more to do (finish)
 
         if failure is not None:
             raise failure
@@ -248,8 +267,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     def _queue_replication(self, save: _SaveState, wrote: bool) -> None:
         """Every rank, once per save the peer tier takes (so that the ranks' replication jobs
         pair up): send this rank's files to its peers once they are committed."""
-        store = self._store
-        replicator = store.replicator
+        replicator = self._services.replicator
         if replicator is None or not save.drain or not replicator.peer.takes(save.step):
             return
         replicator.submit(ReplicationJob(save.checkpoint_id, save.tier, save.step,
@@ -260,10 +278,10 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         """Node-local first tier: every rank shares what it wrote (a collective on the store's
         save group); each group's leader then publishes the group's part, except the
         coordinator's group, which ``finish`` publishes with the global ``.metadata``."""
-        store, tier = self._store, save.tier
-        layout, rank = tier.layout, store.ctx.rank
+        services, tier = self._services, save.tier
+        layout, rank = tier.layout, services.context.rank
         mine = [r.storage_data.file for r in results if r.storage_data.file is not None]
-        gathered = all_gather_object((rank, failure is None, mine), store.save_group)
+        gathered = all_gather_object((rank, failure is None, mine), services.context.groups.io)
         if failure is not None or rank != layout.leader or layout.part == layout.part_of(0):
             return
         failed = [r for r, ok, _ in gathered if not ok]
@@ -273,10 +291,11 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         files = {rel: entry for r, _, entries in gathered if r in layout.part_ranks
                  for rel, entry in entries}
         try:
-            store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
-                          seconds=time.perf_counter() - save.started, drain=save.drain)
+            services.publisher.publish(tier, save.checkpoint_id, save.staging, save.token, files,
+                                       save.step, seconds=time.perf_counter() - save.started,
+                                       drain=save.drain)
         except BaseException:
-            tier.commit.abort(tier.backend, save.checkpoint_id, save.staging)
+            tier.abort_save(save.checkpoint_id, save.staging)
             raise
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -284,7 +303,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         (on a node-local tier: for the coordinator's group; the other groups published theirs in
         ``write_data``)."""
         save = self._require_save()
-        store, tier = self._store, save.tier
+        services, tier = self._services, save.tier
         files: dict[str, FileEntry] = {}
         storage_md = {}
         for rank_results in results:
@@ -301,19 +320,19 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         metadata.storage_data = storage_md
         metadata.storage_meta = StorageMeta(checkpoint_id=save.checkpoint_id, save_id=save.token)
         try:
-            store.host.phase(Phase.WRITE_METADATA, save.checkpoint_id, tier.name, self._rank)
+            services.context.host.phase(Phase.WRITE_METADATA, save.checkpoint_id, tier.name, self._rank)
             raw = pickle.dumps(metadata)
             tier.backend.write_bytes(f"{save.staging}/{METADATA_NAME}", raw)
             files[METADATA_NAME] = all_files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw),
                                                                         None)
-            store.publish(tier, save.checkpoint_id, save.staging, save.token, files, save.step,
-                          seconds=time.perf_counter() - save.started, all_files=all_files,
-                          drain=save.drain)
+            services.publisher.publish(tier, save.checkpoint_id, save.staging, save.token, files,
+                                       save.step, seconds=time.perf_counter() - save.started,
+                                       all_files=all_files, drain=save.drain)
         except BaseException:
-            tier.commit.abort(tier.backend, save.checkpoint_id, save.staging)
+            tier.abort_save(save.checkpoint_id, save.staging)
             raise
         finally:
-            store.save_running(None)
+            services.ledger.save_running(None)
             self._save = None
 
     def storage_meta(self) -> StorageMeta | None:

@@ -18,23 +18,25 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from tierstore.format.checksum import Hasher, checksum_of
+from tierstore.engine.context import StoreContext
+from tierstore.engine.gc import GarbageCollector
+from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
+from tierstore.engine.manifests import build_manifest
+from tierstore.engine.retention import Retention
 from tierstore.errors import DrainError
 from tierstore.events import Event, EventKind, Phase
+from tierstore.format.checksum import Hasher, checksum_of, hash_stream
 from tierstore.format.item_io import HashingWriter, decode_item, encode_to
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
+from tierstore.tiers.tier import Tier
 
-if TYPE_CHECKING:
-    from tierstore.store import Store
-    from tierstore.tiers.tier import Tier
+__all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished"]
 
-__all__ = ["DrainJob", "Drainer", "PendingCopy"]
-
-log = logging.getLogger("tierstore.engine.drain")
+log = logging.getLogger("tierstore.drain")
 
 
 @dataclass(frozen=True)
@@ -49,19 +51,16 @@ class PendingCopy:
 
 
 @dataclass
-class DrainJob:
+class DrainJob(BackgroundJob):
     """Copy ``checkpoint_id`` from ``source`` to each of ``targets`` (in order).
 
     ``token`` is the save's token; ``all_files`` every file of the checkpoint (all parts), which
     the rank that commits a shared copy of a node-local checkpoint waits for."""
 
-    checkpoint_id: str
-    source: "Tier"
-    targets: list["Tier"]
+    targets: list[Tier]
     token: str
     all_files: dict[str, FileEntry]
     done: list[str] = field(default_factory=list)
-    copied: bool = False  # every target tried: retention may evict it from ``source`` again
 
 
 class _CopyPool:
@@ -100,125 +99,73 @@ class _CopyPool:
             self._queue.put(None)
 
 
-def wait_until_empty(cond: threading.Condition, pending: list, timeout: float | None,
-                     message: Callable[[], str]) -> None:
-    """With ``cond`` held: wait until ``pending`` is empty (its owner notifies ``cond`` when it
-    shrinks); ``TimeoutError(message())`` after ``timeout`` seconds."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while pending:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            raise TimeoutError(message())
-        cond.wait(left)
+class Drainer(BackgroundJobs[DrainJob]):
+    """The drain of one store: jobs run in submission order (the order of saves)."""
 
+    what = "drains"
 
-class Drainer:
-    """One drain worker per store: jobs run in submission order (the order of saves)."""
-
-    def __init__(self, store: "Store", copy_threads: int, chunk_bytes: int,
-                 part_timeout: float = 600.0):
-        self._store = store
-        self._chunk = chunk_bytes
-        self._part_timeout = part_timeout
-        self._pool = _CopyPool(copy_threads)
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Condition()
-        self._pending: list[DrainJob] = []
-        self._failures: list[DrainError] = []
-        self._closed = False
-        self._worker = threading.Thread(target=self._run, name="tierstore-drain", daemon=True)
-        self._worker.start()
-
-    # -- called by the store --------------------------------------------------------------------
-    def submit(self, job: DrainJob) -> None:
-        """Queue a drain; returns at once."""
-        with self._lock:
-            self._pending.append(job)
-        self._jobs.put(job)
-
-    def protected(self, tier: "Tier") -> set[str]:
-        """Ids that retention must not delete from ``tier`` yet: drains still read them."""
-        with self._lock:
-            return {j.checkpoint_id for j in self._pending if j.source is tier and not j.copied}
+    def __init__(self, context: StoreContext, retention: Retention, gc: GarbageCollector):
+        self._context, self._retention, self._gc = context, retention, gc
+        self._host, self._rank = context.host, context.rank
+        self._chunk = context.copy_chunk_bytes
+        self._part_timeout = context.config.part_timeout
+        self._pool = _CopyPool(context.config.drain_threads)
+        super().__init__("tierstore-drain")
+        retention.spare_with(self.protected)
 
     def pending(self) -> list[PendingCopy]:
         """Copies not finished yet, in order."""
-        with self._lock:
-            return [PendingCopy(j.checkpoint_id, t.name) for j in self._pending
-                    for t in j.targets if t.name not in j.done]
+        return [PendingCopy(j.checkpoint_id, t.name) for j in self.pending_jobs()
+                for t in j.targets if t.name not in j.done]
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued drain is done; raise the first failure since the last call."""
-        with self._lock:
-            wait_until_empty(self._lock, self._pending, timeout,
-                             lambda: f"drains still running after {timeout} s: "
-                             + ", ".join(map(str, self.pending())))
-            failures, self._failures = self._failures, []
-        if failures:
-            first = failures[0]
-            if len(failures) > 1:
-                others = "; ".join(str(f) for f in failures[1:])
-                raise DrainError(f"{first} (and {len(failures) - 1} more: {others})",
-                                 first.checkpoint_id, first.tier) from first
-            raise first
+    def describe_pending(self) -> list[str]:
+        return [str(c) for c in self.pending()]
 
-    def unreported_failures(self) -> list[DrainError]:
-        """Failures no ``wait()`` has raised yet."""
-        with self._lock:
-            return list(self._failures)
-
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Stop the threads (after ``wait``)."""
-        self._closed = True
         self._jobs.put(None)
         self._pool.close()
 
-    # -- the worker --------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+    # -- the jobs ------------------------------------------------------------------------------
+    def run_job(self, job: DrainJob) -> None:
+        for target in job.targets:
             try:
-                for target in job.targets:
-                    try:
-                        self._drain_one(job, target)
-                    except BaseException as exc:
-                        self._record_failure(job, target, exc)
-                    job.done.append(target.name)
-            finally:
-                # Retention on the source may have spared this id while it was being copied:
-                # apply it before wait() returns.
-                with self._lock:
-                    job.copied = True
-                self._store.retain_quietly(job.source)
-                with self._lock:
-                    self._pending.remove(job)
-                    self._lock.notify_all()
+                self._drain_one(job, target)
+            except BaseException as exc:
+                self._target_failed(job, target, exc)
+            job.done.append(target.name)
 
-    def _safely(self, fn: Callable[[], object], what: str) -> None:
+    def after_job(self, job: DrainJob) -> None:
+        # Retention on the source may have spared this id while it was being copied: apply it
+        # before wait() returns.
+        self._retention.apply_quietly(job.source)
+
+    def failure(self, job: DrainJob, exc: BaseException) -> DrainError:
+        return DrainError(f"the drain of checkpoint '{job.checkpoint_id}' failed: "
+                          f"{type(exc).__name__}: {exc}", job.checkpoint_id, None)
+
+    @staticmethod
+    def _safely(fn: Callable[[], object], what: str) -> None:
         try:
             fn()
         except Exception:
             log.exception("%s failed", what)
 
-    def _record_failure(self, job: DrainJob, target: "Tier", exc: BaseException) -> None:
-        store = self._store
+    def _target_failed(self, job: DrainJob, target: Tier, exc: BaseException) -> None:
         err = exc if isinstance(exc, DrainError) else DrainError(
             f"checkpoint '{job.checkpoint_id}' was not copied to tier '{target.name}' "
             f"({target.backend.describe()}): {type(exc).__name__}: {exc}; it is still complete "
             f"on tier '{job.source.name}'", job.checkpoint_id, target.name)
-        with self._lock:
-            self._failures.append(err)
+        self.record_failure(err)
         log.error("%s", err)
-        store.host.event(Event(EventKind.FAILED, job.checkpoint_id, target.name, store.ctx.rank,
+        self._host.event(Event(EventKind.FAILED, job.checkpoint_id, target.name, self._rank,
                                detail={"during": "drain", "error": str(err)}))
 
-    def _drain_one(self, job: DrainJob, target: "Tier") -> None:
-        store, source, cid = self._store, job.source, job.checkpoint_id
-        host, rank = store.host, store.ctx.rank
+    def _drain_one(self, job: DrainJob, target: Tier) -> None:
+        source, cid = job.source, job.checkpoint_id
+        host, rank = self._host, self._rank
         host.phase(Phase.DRAIN_BEGIN, cid, target.name, rank, source=source.name)
-        manifest = source.manifest(cid)
+        manifest = source.complete_manifest(cid)
         if manifest is None:
             raise DrainError(f"checkpoint '{cid}' is no longer complete on tier "
                              f"'{source.name}', so it cannot be copied to '{target.name}'",
@@ -231,7 +178,7 @@ class Drainer:
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
                          nbytes=manifest.size_bytes, detail={"source": source.name}))
         if rank == target.layout.leader:
-            store.collect_garbage(target, protect={job.token})
+            self._gc.collect(target, protect={job.token})
         token = job.token if gathering else uuid.uuid4().hex[:16]
         transcode = manifest.codecs != [c.name for c in target.config.codecs]
         if transcode and gathering:
@@ -240,7 +187,7 @@ class Drainer:
                 f"{manifest.codecs}) cannot be drained to the shared tier '{target.name}' with "
                 f"other codecs ({[c.name for c in target.config.codecs]}) yet; give both tiers "
                 f"the same codecs", cid, target.name)
-        staging = target.commit.begin(target.backend, cid, token)
+        staging = target.begin_save(cid, token)
         try:
             if transcode:
                 copy = self._transcode(job, source, target, manifest, staging)
@@ -257,11 +204,11 @@ class Drainer:
                 if gathering:
                     self._wait_for_parts(job, target, staging)
                 host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
-                target.commit.commit(target.backend, cid, staging, copy.to_json(),
-                                     lambda phase: host.phase(phase, cid, target.name, rank))
+                target.commit_save(cid, staging, copy,
+                                   lambda phase: host.phase(phase, cid, target.name, rank))
         except BaseException:
             if commits:
-                self._safely(lambda: target.commit.abort(target.backend, cid, staging),
+                self._safely(lambda: target.abort_save(cid, staging),
                              f"removing the partial copy of {cid} on '{target.name}'")
             raise
         seconds = time.perf_counter() - started
@@ -270,17 +217,17 @@ class Drainer:
         log.info("drained %s from '%s' to '%s' (%d bytes in %.2f s)", cid, source.name,
                  target.name, manifest.size_bytes, seconds)
         if commits:
-            store.retain_quietly(target)
+            self._retention.apply_quietly(target)
 
     @staticmethod
-    def _can_upload(source: "Tier", target: "Tier", cid: str, manifest: Manifest) -> bool:
+    def _can_upload(source: Tier, target: Tier, cid: str, manifest: Manifest) -> bool:
         """Whether the target takes whole local files in one concurrent transfer (object
         stores through fsspec) and the source has them as local files."""
         return (target.backend.bulk_upload
                 and target.backend.local_path("") is None
                 and all(source.backend.local_path(f"{cid}/{rel}") for rel in manifest.files))
 
-    def _upload(self, source: "Tier", target: "Tier", cid: str, staging: str,
+    def _upload(self, source: Tier, target: Tier, cid: str, staging: str,
                 manifest: Manifest) -> None:
         """Hand the source files to the object store's own concurrent multipart upload while
         checking them against the manifest on the copy pool (a local read); a mismatch fails
@@ -297,20 +244,12 @@ class Drainer:
         if errors:
             raise errors[0]
 
-    def _check_local_file(self, source: "Tier", target: "Tier", cid: str, rel: str,
+    def _check_local_file(self, source: Tier, target: Tier, cid: str, rel: str,
                           manifest: Manifest) -> None:
-        store = self._store
-        store.host.phase(Phase.DRAIN_FILE, cid, target.name, store.ctx.rank, file=rel)
-        entry = manifest.files[rel]
-        hasher = Hasher()
-        size = 0
-        buf = bytearray(self._chunk)
-        view = memoryview(buf)
+        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel)
         with source.backend.open_read(f"{cid}/{rel}") as fin:
-            while n := fin.readinto(view):
-                hasher.update(view[:n])
-                size += n
-        _check_source(cid, rel, source, target, entry, size, hasher.hexdigest())
+            size, checksum = hash_stream(fin, self._chunk)
+        _check_source(cid, rel, source, target, manifest.files[rel], size, checksum)
 
     def _run_all(self, calls: list[tuple]) -> list:
         """Run ``(fn, *args)`` calls on the copy pool; raise the first failure after all end."""
@@ -320,7 +259,7 @@ class Drainer:
             raise errors[0]
         return [f.result() for f in futures]
 
-    def _transcode(self, job: DrainJob, source: "Tier", target: "Tier", manifest: Manifest,
+    def _transcode(self, job: DrainJob, source: Tier, target: Tier, manifest: Manifest,
                    staging: str) -> Manifest:
         """Copy a checkpoint to a tier with other codecs: every item is decoded from the
         source's stream transforms and encoded with the target's, and DCP's metadata is
@@ -347,15 +286,12 @@ class Drainer:
         raw = pickle.dumps(metadata)
         target.backend.write_bytes(f"{staging}/{METADATA_NAME}", raw)
         files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw), None)
-        copy = self._target_manifest(job, source, target, manifest, False)
-        copy.files = files
-        copy.codecs = [c.name for c in target.config.codecs]
-        return copy
+        return self._target_manifest(job, source, target, manifest, False, files=files,
+                                     codecs=[c.name for c in target.config.codecs])
 
-    def _transcode_file(self, source: "Tier", target: "Tier", cid: str, staging: str, rel: str,
+    def _transcode_file(self, source: Tier, target: Tier, cid: str, staging: str, rel: str,
                         manifest: Manifest, items: list) -> tuple[str, FileEntry, dict]:
-        store = self._store
-        store.host.phase(Phase.DRAIN_FILE, cid, target.name, store.ctx.rank, file=rel)
+        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel)
         entry = manifest.files[rel]
         extensions = [c.extension() for c in target.codecs]
         hasher = Hasher()
@@ -394,20 +330,23 @@ class Drainer:
                 f"it was not copied to '{target.name}'", cid, target.name)
         return rel, FileEntry(out.offset, out.hasher.hexdigest(), entry.rank), infos
 
-    def _target_manifest(self, job: DrainJob, source: "Tier", target: "Tier",
-                         manifest: Manifest, gathering: bool) -> Manifest:
-        copy = Manifest.from_json(manifest.to_json())
-        # The pin may have changed while copying: take the source's flag as it is now.
-        now = source.read_manifest(job.checkpoint_id)
-        copy.pinned = now.pinned if now is not None else manifest.pinned
-        copy.plugins = dict(manifest.plugins, backend=target.config.backend,
-                            commit=target.commit_name)
+    def _target_manifest(self, job: DrainJob, source: Tier, target: Tier, manifest: Manifest,
+                         gathering: bool, files: dict[str, FileEntry] | None = None,
+                         codecs: list[str] | None = None) -> Manifest:
+        """The manifest of the copy on ``target``: the source's, with the target's plugins,
+        the pin as it is now, and (``gathering``) every part's files as one part."""
+        now = source.read_manifest(job.checkpoint_id)  # the pin may have changed meanwhile
+        fields = {"pinned": now.pinned if now is not None else manifest.pinned}
+        if codecs is not None:
+            fields["codecs"] = codecs
         if gathering:
-            copy.files = dict(job.all_files)
-            copy.part, copy.parts, copy.ranks = 0, 1, list(range(manifest.world_size))
-        return copy
+            files = dict(job.all_files)
+            fields.update(part=0, parts=1, ranks=list(range(manifest.world_size)))
+        return build_manifest(target, job.checkpoint_id,
+                              manifest.files if files is None else files, like=manifest,
+                              **fields)
 
-    def _wait_for_parts(self, job: DrainJob, target: "Tier", staging: str) -> None:
+    def _wait_for_parts(self, job: DrainJob, target: Tier, staging: str) -> None:
         """Wait until the other groups' files are in the shared staging directory."""
         deadline = time.monotonic() + self._part_timeout
         delay = 0.02
@@ -425,36 +364,23 @@ class Drainer:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def _copy_file(self, source: "Tier", target: "Tier", cid: str, staging: str, rel: str,
+    def _copy_file(self, source: Tier, target: Tier, cid: str, staging: str, rel: str,
                    manifest: Manifest, publish_each: bool) -> int:
         """Copy one file, checking it against the manifest. ``publish_each``: the file appears
         under its name only once complete (others wait for it by name)."""
-        store = self._store
-        store.host.phase(Phase.DRAIN_FILE, cid, target.name, store.ctx.rank, file=rel)
-        entry = manifest.files[rel]
-        hasher = Hasher()
-        buf = bytearray(self._chunk)
-        view = memoryview(buf)
-        copied = 0
+        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel)
         dest = f"{staging}/{rel}"
         partial = f"{dest}.part" if publish_each and target.backend.supports_rename else dest
         with source.backend.open_read(f"{cid}/{rel}") as fin, \
                 target.backend.open_write(partial) as fout:
-            while True:
-                n = fin.readinto(view)
-                if not n:
-                    break
-                chunk = view[:n]
-                hasher.update(chunk)
-                fout.write(chunk)
-                copied += n
-        _check_source(cid, rel, source, target, entry, copied, hasher.hexdigest())
+            copied, checksum = hash_stream(fin, self._chunk, fout.write)
+        _check_source(cid, rel, source, target, manifest.files[rel], copied, checksum)
         if partial != dest:
             target.backend.rename(partial, dest, replace=True)
         return copied
 
 
-def _check_source(cid: str, rel: str, source: "Tier", target: "Tier", entry: FileEntry,
+def _check_source(cid: str, rel: str, source: Tier, target: Tier, entry: FileEntry,
                   size: int, checksum: str) -> None:
     """Raise when the bytes read from the source differ from its manifest: a bad copy is never
     propagated to a slower tier."""

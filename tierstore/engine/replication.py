@@ -15,43 +15,36 @@ into the pages of replicas ``keep`` dropped (tierstore.transport.transfer), chec
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from tierstore.version import __version__
-from tierstore.transport.collectives import all_gather_object
-from tierstore.engine.drain import wait_until_empty
-from tierstore.errors import DrainError
+from tierstore.engine.context import StoreContext
+from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
+from tierstore.engine.manifests import build_manifest
+from tierstore.engine.retention import Retention
+from tierstore.engine.saves import SaveLedger
+from tierstore.errors import DrainError, ReplicationError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import Hasher
-from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
+from tierstore.format.manifest import METADATA_NAME, FileEntry
+from tierstore.transport.collectives import all_gather_object
 from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
-
-if TYPE_CHECKING:
-    from tierstore.plugin.bases import ReplicationStrategy
-    from tierstore.store import Store
-    from tierstore.tiers.tier import Tier
 
 __all__ = ["ReplicationJob", "Replicator"]
 
-log = logging.getLogger("tierstore.engine.replication")
+log = logging.getLogger("tierstore.replication")
 
 
 @dataclass
-class ReplicationJob:
+class ReplicationJob(BackgroundJob):
     """Replicate this rank's files of ``checkpoint_id`` (saved to ``source``)."""
 
-    checkpoint_id: str
-    source: "Tier"
     step: int
     token: str
     wrote: bool  # this rank's write succeeded
     save_seq: int  # the store's save counter when the save started
     carrier: threading.Thread = field(default_factory=threading.current_thread)
-    sent: bool = False  # over: retention may evict the checkpoint from ``source`` again
 
 
 @dataclass
@@ -62,95 +55,53 @@ class _Received:
     hasher: Hasher = field(default_factory=Hasher)
 
 
-class Replicator:
+class Replicator(BackgroundJobs[ReplicationJob]):
     """Runs the replication jobs of one store (see the module docstring)."""
 
-    def __init__(self, store: "Store", peer: "Tier", strategy: "ReplicationStrategy",
-                 replica_tiers: dict[int, "Tier"], group: Any, commit_timeout: float,
-                 piece_bytes: int):
-        self._store = store
-        self.peer = peer
-        self.strategy = strategy
-        self.replica_tiers = replica_tiers
-        self.group = group
-        self._commit_timeout = commit_timeout
-        self._piece_bytes = piece_bytes
-        self._jobs: queue.Queue = queue.Queue()
-        self._cond = threading.Condition()
-        self._pending: list[ReplicationJob] = []
-        self._failures: list[DrainError] = []
-        self._thread = threading.Thread(target=self._run, name="tierstore-replicate",
-                                        daemon=True)
-        self._thread.start()
+    what = "replication"
 
-    def submit(self, job: ReplicationJob) -> None:
-        """Queue a job; returns at once."""
-        with self._cond:
-            self._pending.append(job)
-        self._jobs.put(job)
-
-    def protected(self, tier: "Tier") -> set[str]:
-        """Ids that retention must not delete from ``tier`` yet: replications still send them."""
-        with self._cond:
-            return {j.checkpoint_id for j in self._pending if j.source is tier and not j.sent}
+    def __init__(self, context: StoreContext, retention: Retention, ledger: SaveLedger):
+        tiers = context.tiers
+        assert tiers.peer is not None and tiers.strategy is not None
+        self._context, self._retention, self._ledger = context, retention, ledger
+        self._host, self._rank = context.host, context.rank
+        self.peer = tiers.peer
+        self.strategy = tiers.strategy
+        self.replica_tiers = tiers.replica_tiers
+        self.group = context.groups.replication
+        self._commit_timeout = context.config.part_timeout
+        self._piece_bytes = context.copy_chunk_bytes
+        super().__init__("tierstore-replicate")
+        retention.spare_with(self.protected)
 
     def pending(self) -> list[str]:
         """Checkpoint ids whose replication is not finished."""
-        with self._cond:
-            return [j.checkpoint_id for j in self._pending]
+        return [j.checkpoint_id for j in self.pending_jobs()]
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued job is done; raise the first failure since the last call."""
-        with self._cond:
-            wait_until_empty(self._cond, self._pending, timeout,
-                             lambda: f"replication still running after {timeout} s: "
-                             + ", ".join(self.pending()))
-            failures, self._failures = self._failures, []
-        if failures:
-            raise failures[0]
+    # -- the jobs ------------------------------------------------------------------------------
+    def run_job(self, job: ReplicationJob) -> None:
+        self._replicate(job)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the thread (after ``wait``), waiting up to ``timeout`` seconds for it to end:
-        a transfer still running (``store.close(wait=False)``) fails once the group is gone."""
-        self._jobs.put(None)
-        self._thread.join(timeout)
+    def failure(self, job: ReplicationJob, exc: BaseException) -> DrainError:
+        err = ReplicationError(
+            f"checkpoint '{job.checkpoint_id}' was not replicated to the peers of rank "
+            f"{self._rank} (tier '{self.peer.name}'): {type(exc).__name__}: {exc}; it is still "
+            f"complete on tier '{job.source.name}'", job.checkpoint_id, self.peer.name)
+        self._host.event(Event(EventKind.FAILED, job.checkpoint_id, self.peer.name, self._rank,
+                               detail={"error": str(err)}))
+        return err
 
-    # -- the thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._replicate(job)
-            except BaseException as exc:  # reported through wait()
-                log.exception("replication of %s failed", job.checkpoint_id)
-                err = DrainError(
-                    f"checkpoint '{job.checkpoint_id}' was not replicated to the peers of rank "
-                    f"{self._store.ctx.rank} (tier '{self.peer.name}'): {type(exc).__name__}: "
-                    f"{exc}; it is still complete on tier '{job.source.name}'",
-                    job.checkpoint_id, self.peer.name)
-                self._store.host.event(Event(EventKind.FAILED, job.checkpoint_id, self.peer.name,
-                                             self._store.ctx.rank, detail={"error": str(err)}))
-                with self._cond:
-                    self._failures.append(err)
-            finally:
-                # ``keep`` spared the checkpoint on its source tier while it was sent: apply it
-                # now, before wait() returns.
-                with self._cond:
-                    job.sent = True
-                # Only the rank that publishes the source's part applies keep there (as after
-                # a save): another rank would not know of that rank's drains and loads.
-                if job.source.layout.leader == self._store.ctx.rank:
-                    self._store.retain_quietly(job.source)
-                with self._cond:
-                    self._pending.remove(job)
-                    self._cond.notify_all()
+    def after_job(self, job: ReplicationJob) -> None:
+        # ``keep`` spared the checkpoint on its source tier while it was sent: apply it now,
+        # before wait() returns. Only the rank that publishes the source's part applies keep
+        # there (as after a save): another rank would not know of that rank's drains and loads.
+        if job.source.layout.leader == self._rank:
+            self._retention.apply_quietly(job.source)
 
     def _committed_files(self, job: ReplicationJob) -> dict[str, FileEntry] | None:
         """This rank's files of the save once committed on the source tier (the coordinator's
         include ``.metadata``), or None when the save is over without committing them."""
-        rank = self._store.ctx.rank
+        rank = self._rank
         deadline = time.monotonic() + self._commit_timeout
         while job.wrote:
             manifest = job.source.read_manifest(job.checkpoint_id)
@@ -159,7 +110,7 @@ class Replicator:
                 if rank == 0 and METADATA_NAME in manifest.files:
                     files[METADATA_NAME] = manifest.files[METADATA_NAME]
                 return files if rank in manifest.ranks else None
-            over = (not job.carrier.is_alive() or self._store.save_seq != job.save_seq
+            over = (not job.carrier.is_alive() or self._ledger.save_seq != job.save_seq
                     or time.monotonic() > deadline)
             if over:
                 # The save's thread is gone (or a newer save began) and nothing is committed.
@@ -184,15 +135,14 @@ class Replicator:
                 hold.release()
 
     def _agree_and_exchange(self, job: ReplicationJob, files: dict[str, FileEntry] | None) -> None:
-        store, rank = self._store, self._store.ctx.rank
-        world = store.ctx.world_size
+        rank, world = self._rank, self._context.job.world_size
         agreed = all_gather_object((job.checkpoint_id, files is not None), self.group)
         if not all(ok and cid == job.checkpoint_id for cid, ok in agreed):
             log.info("not replicating %s: the save did not commit on every rank",
                      job.checkpoint_id)
             return
         assert files is not None
-        store.host.phase(Phase.REPLICATE, job.checkpoint_id, self.peer.name, rank)
+        self._host.phase(Phase.REPLICATE, job.checkpoint_id, self.peer.name, rank)
         started = time.perf_counter()
         manifest = job.source.read_manifest(job.checkpoint_id)
         header = {"files": files, "step": job.step, "token": job.token,
@@ -207,8 +157,7 @@ class Replicator:
                      for dst in holders for rel, e in sorted(files.items())]
         transfers += [Transfer(src, rank, rel, e.size)
                       for src in held for rel, e in sorted(headers[src]["files"].items())]
-        staging = {src: self.replica_tiers[src].commit.begin(self.replica_tiers[src].backend,
-                                                            job.checkpoint_id, job.token)
+        staging = {src: self.replica_tiers[src].begin_save(job.checkpoint_id, job.token)
                    for src in held}
         received_files: dict[tuple[int, str], _Received] = {}
 
@@ -234,21 +183,20 @@ class Replicator:
                 self._commit_replica(job, src, headers[src], staging[src], received_files)
         except BaseException:
             for src in held:
-                tier = self.replica_tiers[src]
-                tier.commit.abort(tier.backend, job.checkpoint_id, staging[src])
+                self.replica_tiers[src].abort_save(job.checkpoint_id, staging[src])
             raise
         sent = sum(e.size for e in files.values()) * len(holders)
-        store.host.event(Event(EventKind.REPLICATED, job.checkpoint_id, self.peer.name, rank,
+        self._host.event(Event(EventKind.REPLICATED, job.checkpoint_id, self.peer.name, rank,
                                time.perf_counter() - started, sent + received,
                                {"sent": sent, "received": received, "to": holders,
                                 "from": held}))
         # Housekeeping once the replicas are published (it frees or recycles old replicas).
         for src in held:
-            store.retain_quietly(self.replica_tiers[src])
+            self._retention.apply_quietly(self.replica_tiers[src])
 
     def _commit_replica(self, job: ReplicationJob, src: int, header: dict, staging: str,
                         received_files: dict[tuple[int, str], "_Received"]) -> None:
-        tier, store = self.replica_tiers[src], self._store
+        tier = self.replica_tiers[src]
         files: dict[str, FileEntry] = header["files"]
         for rel, entry in files.items():
             r = received_files.get((src, rel))
@@ -256,15 +204,11 @@ class Replicator:
             if entry.size and got != (entry.size, entry.checksum):
                 raise OSError(f"the replica of {rel} from rank {src} does not match its "
                               f"manifest (size {got[0]} of {entry.size}, checksum differs)")
-        manifest = Manifest(
-            checkpoint_id=job.checkpoint_id, files=files, world_size=header["world_size"],
-            codecs=header["codecs"], step=header["step"], part=0, parts=1, ranks=[src],
-            save_token=header["token"], created=header["created"],
-            plugins={"backend": tier.config.backend, "commit": tier.commit_name,
-                     "replication": str(self.strategy)},
-            tierstore_version=__version__,
-        )
-        manifest.committed = time.time()
-        tier.commit.commit(tier.backend, job.checkpoint_id, staging, manifest.to_json(),
-                           lambda phase: store.host.phase(phase, job.checkpoint_id, tier.name,
-                                                          store.ctx.rank))
+        manifest = build_manifest(
+            tier, job.checkpoint_id, files, plugins={"replication": str(self.strategy)},
+            world_size=header["world_size"], codecs=header["codecs"], step=header["step"],
+            part=0, parts=1, ranks=[src], save_token=header["token"], created=header["created"],
+            committed=time.time())
+        tier.commit_save(job.checkpoint_id, staging, manifest,
+                         lambda phase: self._host.phase(phase, job.checkpoint_id, tier.name,
+                                                        self._rank))

@@ -1,4 +1,4 @@
-"""One save in flight per store.
+"""Saves in flight: one at a time per store, their step numbers, and the tokens gc must spare.
 
 ``dcp.async_save`` runs each save in a new thread (or hands it to DCP's checkpoint process). Two
 saves of one store must never overlap: the second would overwrite the staging buffers the first
@@ -17,7 +17,9 @@ import logging
 import threading
 import time
 
-__all__ = ["SaveSlot"]
+from tierstore.format.ids import step_of
+
+__all__ = ["SaveSlot", "SaveLedger"]
 
 log = logging.getLogger("tierstore")
 
@@ -81,3 +83,47 @@ class SaveSlot:
         with self._cond:
             self._pending_since = None
             self._cond.notify_all()
+
+
+class SaveLedger:
+    """The saves of one store: the slot that serialises them, how many have started (the step
+    number of ids without one, and a save's sequence number for background jobs), and which
+    save each thread is running (gc spares their files)."""
+
+    def __init__(self) -> None:
+        self.slot = SaveSlot()
+        self._lock = threading.Lock()
+        self._saves = 0
+        # thread ident -> token of the save that thread is running
+        self._in_flight: dict[int, str] = {}
+
+    @property
+    def save_seq(self) -> int:
+        """How many saves this store has started (a save's number, for background jobs)."""
+        return self._saves
+
+    def step_for(self, checkpoint_id: str) -> int:
+        """Count a new save; return the step number ``every`` is counted on: the id's trailing
+        integer, else the count of saves made through this store (from 1)."""
+        with self._lock:
+            self._saves += 1
+            count = self._saves
+        step = step_of(checkpoint_id)
+        return count if step is None else step
+
+    def save_running(self, token: str | None) -> None:
+        """Record that this thread now runs the save ``token`` (None: it runs none).
+
+        DCP gives a writer no call when a save fails on another rank, so a save counts as over
+        when its thread starts another one or ends; that is what lets gc collect its files."""
+        with self._lock:
+            if token is None:
+                self._in_flight.pop(threading.get_ident(), None)
+            else:
+                self._in_flight[threading.get_ident()] = token
+
+    def tokens_in_flight(self) -> set[str]:
+        """Tokens of saves still running in live threads of this process."""
+        alive = {t.ident for t in threading.enumerate()}
+        with self._lock:
+            return {tok for ident, tok in self._in_flight.items() if ident in alive}

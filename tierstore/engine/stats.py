@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, replace
 
-import tierstore
+from tierstore.plugin.host import hookimpl
 from tierstore.events import Event, EventKind
 
 
@@ -68,7 +68,7 @@ class TierStats:
         self.figures: dict[str, TierFigures] = {}
         self._lock = threading.Lock()
 
-    @tierstore.hookimpl
+    @hookimpl
     def tierstore_event(self, event: Event) -> None:
         if event.tier is None:
             return

@@ -3,9 +3,14 @@ far above disk speed, so hashing never bounds a save or a load)."""
 
 from __future__ import annotations
 
+from typing import IO, Callable
+
 import xxhash
 
-__all__ = ["ALGORITHM", "Hasher", "checksum_of"]
+__all__ = ["ALGORITHM", "Hasher", "checksum_of", "hash_stream", "CHUNK_BYTES"]
+
+#: read size of :func:`hash_stream` when the caller gives none
+CHUNK_BYTES = 8 << 20
 
 ALGORITHM = "xxh3_128"
 
@@ -30,3 +35,20 @@ def checksum_of(data) -> str:
     h = Hasher()
     h.update(data)
     return h.hexdigest()
+
+
+def hash_stream(source: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
+                sink: Callable[[memoryview], object] | None = None) -> tuple[int, str]:
+    """Read ``source`` to its end in chunks through one reused buffer, hashing every byte (and
+    handing each chunk to ``sink``, e.g. a copy's ``write``); return (size, checksum). The one
+    read-and-hash loop of the project: verification, drains and their checks all use it."""
+    hasher = Hasher()
+    size = 0
+    view = memoryview(bytearray(chunk_bytes))
+    while n := source.readinto(view):
+        chunk = view[:n]
+        hasher.update(chunk)
+        if sink is not None:
+            sink(chunk)
+        size += n
+    return size, hasher.hexdigest()

@@ -117,7 +117,7 @@ class PluginHost:
                 raise PluginError(
                     f"plugin '{plugin}' ({self.origin(plugin)}) registered {kind.name} '{name}' as "
                     f"{factory.__qualname__}, which does not subclass "
-                    f"tierstore.kinds.{kind.base.__name__}"
+                    f"tierstore.plugin.{kind.base.__name__}"
                 )
             if not callable(factory):
                 raise PluginError(
@@ -157,18 +157,40 @@ class PluginHost:
                                      rank=rank, detail=detail)
 
     def event(self, event: Event) -> None:
-        """Deliver an event to every observer; a failing observer is logged, never fatal."""
+        """Deliver an event to every observer through pluggy's own call path (so
+        ``@hookimpl(wrapper=True)`` observers wrap the others); a failing observer is logged,
+        never fatal, and the others still get the event (see :meth:`isolate_observers`)."""
+        try:
+            self.pm.hook.tierstore_event(event=event)
+        except Exception:  # a wrapper's own failure; plain observers are isolated already
+            log.exception("an observer wrapper failed on event %s", event.kind)
+
+    def isolate_observers(self) -> None:
+        """Make each plain ``tierstore_event`` implementation log its exceptions instead of
+        raising them, so that one failing observer never stops the others (pluggy stops a
+        hook call at the first exception). Wrappers are left as they are: they see the
+        outcome of the others."""
         for impl in self.pm.hook.tierstore_event.get_hookimpls():
-            try:
-                impl.function(event=event)
-            except Exception:  # observers must not break checkpointing
-                log.exception("observer '%s' failed on event %s", impl.plugin_name, event.kind)
+            if not (impl.wrapper or impl.hookwrapper):
+                impl.function = _isolated(impl.function, impl.plugin_name)
 
     def store_opened(self, store: Any) -> None:
         self.pm.hook.tierstore_store_opened(store=store)
 
     def store_closing(self, store: Any) -> None:
         self.pm.hook.tierstore_store_closing(store=store)
+
+
+def _isolated(function: Callable[..., Any], plugin: str) -> Callable[..., Any]:
+    """``function`` (an observer's ``tierstore_event``), logging its exceptions."""
+
+    def observe(*args: Any) -> None:
+        try:
+            function(*args)
+        except Exception:  # observers must not break checkpointing
+            log.exception("observer '%s' failed on an event", plugin)
+
+    return observe
 
 
 def _register(pm: pluggy.PluginManager, plugin: object, name: str, origin: str,
@@ -241,4 +263,5 @@ def build_plugin_host(extra_modules: list[str] | tuple[str, ...] = (),
         ) from exc
     host = PluginHost(pm, origins)
     host.collect_registrations()
+    host.isolate_observers()
     return host

@@ -1,12 +1,24 @@
-"""Plain data objects the store returns and the CLI prints."""
+"""Plain data about stored checkpoints, which the store returns and the CLI prints."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tierstore.tiers.tier import Problem
-
 __all__ = ["CheckpointInfo", "VerifyReport", "Problem"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a stored checkpoint, as plain data (``verify`` reports, errors)."""
+
+    tier: str
+    checkpoint_id: str
+    file: str | None
+    what: str
+
+    def __str__(self) -> str:
+        where = f"{self.checkpoint_id}/{self.file}" if self.file else self.checkpoint_id
+        return f"tier '{self.tier}': {where}: {self.what}"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """A tier: one backend and its commit protocol, with the rules of the TOML (every, keep).
 
 Derives everything the store needs from the backend's primitives: which checkpoints are complete
-(manifest present and matching the files' sizes), verification (sizes and checksums), retention,
-and removal of what interrupted saves left behind.
+(manifest present and matching the files' sizes), verification (sizes and checksums), which
+checkpoints ``keep`` drops, and what interrupted saves left behind. It is the only code that
+talks to a commit protocol: saves, drains and replicas begin, commit and abort through it.
 """
 
 from __future__ import annotations
@@ -11,32 +12,18 @@ import logging
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Callable
 
-from tierstore.format.checksum import Hasher
 from tierstore.config.validate import TierConfig
+from tierstore.format.checksum import hash_stream
+from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from tierstore.plugin.bases import Backend, CommitProtocol
 from tierstore.tiers.layout import SINGLE, TierLayout
-from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
+from tierstore.tiers.reports import Problem
 
-__all__ = ["Tier", "Problem"]
+__all__ = ["Tier"]
 
-log = logging.getLogger("tierstore.tiers.tier")
-
-_READ_CHUNK = 8 << 20
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a stored checkpoint, as plain data (``verify`` reports, errors)."""
-
-    tier: str
-    checkpoint_id: str
-    file: str | None
-    what: str
-
-    def __str__(self) -> str:
-        where = f"{self.checkpoint_id}/{self.file}" if self.file else self.checkpoint_id
-        return f"tier '{self.tier}': {where}: {self.what}"
+log = logging.getLogger("tierstore.tiers")
 
 
 @dataclass
@@ -85,7 +72,7 @@ class Tier:
         return {rel for rel, entry in manifest.files.items()
                 if self.backend.size(f"{checkpoint_id}/{rel}") == entry.size}
 
-    def manifest(self, checkpoint_id: str) -> Manifest | None:
+    def complete_manifest(self, checkpoint_id: str) -> Manifest | None:
         """The manifest of ``checkpoint_id`` if it is committed here and every file has its
         recorded size; None otherwise (a checkpoint without a matching manifest does not exist)."""
         manifest = self.read_manifest(checkpoint_id)
@@ -102,7 +89,7 @@ class Tier:
         """Every complete checkpoint here, by id."""
         out = {}
         for name in self.checkpoint_names():
-            manifest = self.manifest(name)
+            manifest = self.complete_manifest(name)
             if manifest is not None:
                 out[name] = manifest
         return out
@@ -134,23 +121,30 @@ class Tier:
         return problems
 
     def checksum_file(self, path: str) -> tuple[int, str]:
-        hasher = Hasher()
-        size = 0
-        buf = bytearray(_READ_CHUNK)
-        view = memoryview(buf)
+        """Size and checksum of file ``path``, read whole."""
         with self.backend.open_read(path) as f:
-            while True:
-                n = f.readinto(view)
-                if not n:
-                    break
-                hasher.update(view[:n])
-                size += n
-        return size, hasher.hexdigest()
+            return hash_stream(f)
+
+    # -- the commit protocol (nothing else calls it) ------------------------------------------
+    def begin_save(self, checkpoint_id: str, token: str) -> str:
+        """Prepare a save (or a drained copy, or a replica) of ``checkpoint_id``; returns the
+        staging directory its files go into."""
+        return self.commit.begin(self.backend, checkpoint_id, token)
+
+    def commit_save(self, checkpoint_id: str, staging: str, manifest: Manifest,
+                    announce: Callable[[str], None]) -> None:
+        """Write ``manifest`` last and make the checkpoint visible (``announce(phase)`` right
+        before the step that publishes it)."""
+        self.commit.commit(self.backend, checkpoint_id, staging, manifest.to_json(), announce)
+
+    def abort_save(self, checkpoint_id: str, staging: str) -> None:
+        """Throw away what a failed save, drain or replica wrote under ``staging``."""
+        self.commit.abort(self.backend, checkpoint_id, staging)
 
     # -- changing what is there --------------------------------------------------------------
     def set_pinned(self, checkpoint_id: str, pinned: bool) -> bool:
         """Rewrite the manifest's pinned flag; False when the checkpoint is not complete here."""
-        manifest = self.manifest(checkpoint_id)
+        manifest = self.complete_manifest(checkpoint_id)
         if manifest is None:
             return False
         if manifest.pinned != pinned:
@@ -187,3 +181,7 @@ class Tier:
         except those of the save tokens in ``protect`` (saves still in flight). Anything else in
         the root, such as a user's own DCP checkpoint without a manifest, is never touched."""
         return self.commit.find_leftovers(self.backend, self.backend.list(""), protect)
+
+    def remove_leftover(self, name: str) -> None:
+        """Delete one entry :meth:`leftovers` named (never a committed checkpoint)."""
+        self.backend.delete(name)

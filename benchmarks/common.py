@@ -1,0 +1,350 @@
+"""What the benchmarks in this folder share: the state dict they save, filesystem helpers, the
+options every one of them takes, round bookkeeping, report lines, the ``--json`` / ``--strict``
+ending, and the entry and exit status of the benchmarks that run under torchrun.
+
+Not a benchmark itself. A benchmark run as ``python benchmarks/<name>.py`` has this folder first
+on ``sys.path``, so ``import common`` (or ``from common import ...``) finds this module with no
+path set-up; ``tierstore`` must be importable (``pip install -e .``, as ``make`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Callable, Iterator, TypeVar
+
+import torch
+
+import tierstore
+from tierstore.events import EventKind
+
+GB = 1e9
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+R = TypeVar("R")
+
+
+# -- state dict ------------------------------------------------------------------------------
+
+def make_state_dict(size_mib: int, tensors: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``tensors`` fp32 tensors of random data totalling ``size_mib`` MiB (the last one takes
+    the remainder). 2-D where the size allows, like real weights."""
+    total = size_mib * (1 << 20) // 4
+    if tensors < 1 or total < tensors:
+        raise SystemExit(f"--tensors must be between 1 and the number of floats ({total})")
+    gen = torch.Generator().manual_seed(seed)
+    per = total // tensors
+    sd = {}
+    for i in range(tensors):
+        numel = per if i < tensors - 1 else total - per * (tensors - 1)
+        shape = (numel // 1024, 1024) if numel % 1024 == 0 else (numel,)
+        sd[f"layer{i:03d}.weight"] = torch.randn(shape, generator=gen, dtype=torch.float32)
+    return sd
+
+
+def nbytes_of(sd: dict[str, torch.Tensor]) -> int:
+    """Tensor payload in bytes: the figure every contender's GB/s is computed from."""
+    return sum(t.nbytes for t in sd.values())
+
+
+def check_equal(what: str, dest: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> None:
+    """Fail loudly (``<what> returned wrong data for '<key>'``) when a load did not reproduce
+    the saved tensors."""
+    for key, ref in sd.items():
+        if not torch.equal(dest[key], ref):
+            raise SystemExit(f"{what} returned wrong data for '{key}'")
+
+
+# -- observing a store -----------------------------------------------------------------------
+
+class DrainTimer:
+    """Observer passed to ``tierstore.open(plugins=[...])``: keeps each tier's drain_finished
+    event and the process CPU time used between that tier's drain_started and drain_finished."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, object] = {}
+        self.cpu: dict[str, float] = {}
+        self._cpu0: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @tierstore.hookimpl
+    def tierstore_event(self, event) -> None:
+        with self._lock:
+            if event.kind == EventKind.DRAIN_STARTED:
+                self._cpu0[event.tier] = time.process_time()
+            elif event.kind == EventKind.DRAIN_FINISHED:
+                self.cpu[event.tier] = time.process_time() - self._cpu0.pop(event.tier, 0.0)
+                self.finished[event.tier] = event
+
+
+# -- filesystem and network helpers ------------------------------------------------------------
+
+def fs_type(path: str) -> str:
+    """Filesystem type of ``path`` (longest mount-point prefix in /proc/mounts), or '?'."""
+    path = os.path.realpath(path)
+    best, kind = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                mnt = parts[1].replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def remove(path: str) -> None:
+    """Delete a file or directory tree if it exists."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def warm_page_cache(path: str) -> int:
+    """Read every file under ``path`` once (untimed) so a following load is served from the page
+    cache for both load contenders alike. Returns bytes read."""
+    buf = bytearray(16 << 20)
+    view = memoryview(buf)
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb", buffering=0) as f:
+                while n := f.readinto(view):
+                    total += n
+    return total
+
+
+def checkpoint_files(ckpt_dir: str) -> list[str]:
+    """Every file of a committed checkpoint directory, largest first (the drain's order)."""
+    names = [n for n in os.listdir(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, n))]
+    return sorted(names, key=lambda n: (-os.path.getsize(os.path.join(ckpt_dir, n)), n))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tests_module(name: str) -> ModuleType:
+    """The module ``tests/<name>.py`` of this checkout (e.g. ``servers``, the SeaweedFS
+    helper), loaded from its file: ``tests/`` is not a package and not on ``sys.path``."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_REPO, "tests", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses and pickling look it up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+# -- options and rounds ----------------------------------------------------------------------------
+
+def benchmark_parser(doc: str, repeat: int, warmup_costs: str,
+                     dir_help: str) -> argparse.ArgumentParser:
+    """The options every benchmark in this folder takes; each adds its own after."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mib", type=int, default=1024, help="state dict size (default 1024)")
+    p.add_argument("--tensors", type=int, default=64, help="number of tensors (default 64)")
+    p.add_argument("--repeat", type=int, default=repeat, help=f"timed rounds (default {repeat})")
+    p.add_argument("--warmup", type=int, default=1,
+                   help=f"untimed rounds first (default 1): first-call costs ({warmup_costs}) "
+                        f"would otherwise land on round 1")
+    p.add_argument("--dir", default=None, help=dir_help)
+    p.add_argument("--io-threads", type=int, default=None,
+                   help="tierstore [store] io_threads (default: tierstore's own default)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    return p
+
+
+def disk_parent(args: argparse.Namespace, why: str) -> tuple[str, str]:
+    """``--dir`` (default: the system temp dir) and its filesystem type; exits when it is tmpfs,
+    where fsync costs nothing and ``why`` would mean nothing."""
+    parent = args.dir or tempfile.gettempdir()
+    kind = fs_type(parent)
+    if kind in ("tmpfs", "ramfs"):
+        raise SystemExit(f"{parent} is on {kind} ({why}); point --dir at a disk-backed "
+                         f"filesystem")
+    return parent, kind
+
+
+def progress_log(quiet: bool) -> Callable[[str], None]:
+    """Per-round progress lines on stderr (none with ``--quiet``); also silences the warning DCP
+    gives on every call without a process group (these benchmarks mean to do that)."""
+    warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
+    warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+    return (lambda _m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+
+
+def rotated(items: tuple[str, ...], k: int) -> list[str]:
+    """``items`` in round-robin order starting at index ``k`` (mod len)."""
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+def warmup_then_rounds(args: argparse.Namespace, log: Callable[[str], None],
+                       new_results: Callable[[], R],
+                       one_round: Callable[[int, bool, R, Callable[[str], None]], None],
+                       res: R | None = None) -> R:
+    """``--warmup`` untimed rounds (each into fresh results, thrown away, without progress
+    lines), then ``--repeat`` timed rounds into ``res`` (default: fresh results), which is
+    returned. ``one_round(rnd, warm, results, log)`` runs round ``rnd`` (counted from 0 in
+    each phase)."""
+    for w in range(args.warmup):
+        log(f"warm-up round {w + 1} (not counted)")
+        one_round(w, True, new_results(), lambda _m: None)
+    res = new_results() if res is None else res
+    for rnd in range(args.repeat):
+        one_round(rnd, False, res, log)
+    return res
+
+
+# -- figures and the report --------------------------------------------------------------------
+
+def median_or_none(xs: list[float]) -> float | None:
+    """Median, None for an empty list (JSON has no NaN)."""
+    return statistics.median(xs) if xs else None
+
+
+def timing_figures(seconds: list[float], cpu: list[float],
+                   nbytes: list[float] | None = None, payload: int | None = None) -> dict:
+    """One contender's JSON figures: its rounds' wall seconds and median, GB/s of the median
+    (of ``payload`` bytes, or of the median of ``nbytes``, which is then kept as ``bytes``) and
+    its rounds' process CPU seconds and median."""
+    med = statistics.median(seconds)
+    if nbytes is None:
+        return {"seconds": seconds, "median_s": med, "gbps": payload / med / GB,
+                "cpu_seconds": cpu, "median_cpu_s": statistics.median(cpu)}
+    moved = statistics.median(nbytes)
+    return {"seconds": seconds, "median_s": med, "bytes": moved, "gbps": moved / med / GB,
+            "cpu_seconds": cpu, "median_cpu_s": statistics.median(cpu)}
+
+
+def verdict(target: str, ratio: float, per_round: list[float], *, least: float | None = None,
+            most: float | None = None) -> dict:
+    """An acceptance target as the JSON has it: ``ratio`` must be at least ``least`` (kept as
+    ``min``) or at most ``most`` (kept as ``max``); ``per_round``: the same ratio per round."""
+    v: dict = {"target": target, "ratio": ratio}
+    if least is not None:
+        v["min"] = least
+    if most is not None:
+        v["max"] = most
+    v["per_round"] = per_round
+    v["pass"] = (least is None or ratio >= least) and (most is None or ratio <= most)
+    return v
+
+
+def rounds_text(seconds: list[float]) -> str:
+    """A table cell with every round's seconds."""
+    return " ".join(f"{t:.3f}" for t in seconds)
+
+
+def print_verdicts(verdicts: list[dict], missed: str = "FAIL") -> None:
+    """One line per acceptance target: PASS, or ``missed``, with the per-round ratios."""
+    for v in verdicts:
+        rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
+        print(f"{'PASS' if v['pass'] else missed}: {v['target']}: {v['ratio']:.2f}x "
+              f"(per round: {rounds})")
+
+
+def print_informational(info: list[dict]) -> None:
+    """One ``INFO:`` line per ratio reported without a target."""
+    for v in info:
+        rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
+        print(f"INFO: {v['target']}: {v['ratio']:.2f}x (per round: {rounds})")
+
+
+def finish_report(args: argparse.Namespace, config: dict, summary: dict, t_start: float) -> int:
+    """Print the total run time (since ``t_start``, a ``time.perf_counter()``), write ``--json``
+    (config, machine, figures) and return the exit status (``--strict``: 1 when a target was
+    missed)."""
+    elapsed = time.perf_counter() - t_start
+    print(f"\n(total run time {elapsed:.0f} s)", flush=True)
+    if args.json:
+        doc = {
+            "config": config,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "python": platform.python_version(), "torch": torch.__version__,
+                        "tierstore": tierstore.__version__},
+            "elapsed_s": elapsed,
+            **summary,
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    return 1 if args.strict and not all(v["pass"] for v in summary["verdicts"]) else 0
+
+
+# -- benchmarks run under torchrun (replication.py, restore.py) -----------------------------------
+
+#: set by a launcher that runs a benchmark under torchrun: where rank 0 leaves its exit status
+STATUS_ENV = "TIERSTORE_BENCH_STATUS_FILE"
+
+
+def under_torchrun() -> bool:
+    """True inside a torchrun worker (torchrun sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@contextmanager
+def status_file(prefix: str) -> Iterator[str]:
+    """An empty temp file for rank 0's exit status (pass it to the ranks as ``STATUS_ENV``),
+    removed afterwards."""
+    fd, path = tempfile.mkstemp(prefix=prefix)
+    os.close(fd)
+    try:
+        yield path
+    finally:
+        os.remove(path)
+
+
+def read_status(path: str) -> int:
+    """The exit status rank 0 left in ``path`` (1 when it left none)."""
+    with open(path) as f:
+        text = f.read().strip()
+    return int(text) if text else 1
+
+
+def rank_exit_status(rank: int, status: int) -> int:
+    """A torchrun rank's exit code. Under a launcher (``STATUS_ENV`` set) rank 0 leaves
+    ``status`` in its file and every rank exits 0: a failed acceptance target is the report's
+    verdict, not a crash for torchrun to bury under its own failure report."""
+    if not os.environ.get(STATUS_ENV):
+        return status
+    if rank == 0:
+        with open(os.environ[STATUS_ENV], "w") as f:
+            f.write(str(status))
+    return 0
+
+
+def torchrun_main(argv: list[str] | None, parse_args: Callable[[list[str]], argparse.Namespace],
+                  worker: Callable[[argparse.Namespace], int],
+                  launch: Callable[[argparse.Namespace, list[str]], int]) -> int:
+    """A torchrun benchmark's entry point: inside torchrun be one rank (``worker``), else start
+    the torchrun invocations (``launch``) with these arguments."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    return worker(args) if under_torchrun() else launch(args, argv)

@@ -1,0 +1,139 @@
+"""``ReplicationStrategyTests``: what a replication strategy (which ranks keep a copy of whose
+files, for ``peer`` tiers) must do.
+
+Every rank computes ``holders`` on its own, so the answer must be a pure function of
+``(rank, world_size)``: in range, never the rank itself, no duplicates, the same on every call
+and in every copy of the strategy.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+
+from tierstore.plugin import ReplicationStrategy
+
+from ._helpers import assert_options_declared
+
+__all__ = ["ReplicationStrategyTests"]
+
+
+class ReplicationStrategyTests:
+    """Conformance tests for a :class:`tierstore.plugin.ReplicationStrategy`.
+
+    Subclass it in a class named ``Test...`` and provide the fixtures ``strategy`` (a
+    constructed strategy) and ``world_sizes`` (world sizes it claims to serve, at least one)::
+
+        class TestMyStrategy(ReplicationStrategyTests):
+            @pytest.fixture
+            def strategy(self):
+                return MyStrategy(copies=2)
+
+            @pytest.fixture
+            def world_sizes(self):
+                return [2, 4, 8, 12]
+
+            @pytest.fixture
+            def bad_world_sizes(self):       # optional: sizes it must refuse (default none)
+                return [1, 3]
+
+    Set ``covers_every_rank = False`` for a strategy that deliberately leaves some ranks
+    without a holder (the kit then checks that some rank really has none).
+    """
+
+    #: every rank's files have at least one holder for the world sizes served (world > 1)
+    covers_every_rank: bool = True
+
+    # -- fixtures ------------------------------------------------------------------------------
+    @pytest.fixture
+    def strategy(self) -> ReplicationStrategy:
+        """The strategy under test. Subclasses must override it."""
+        pytest.fail(f"{type(self).__name__} must provide a 'strategy' fixture: a constructed "
+                    f"tierstore.plugin.ReplicationStrategy (see ReplicationStrategyTests)")
+
+    @pytest.fixture
+    def world_sizes(self) -> list[int]:
+        """World sizes the strategy serves. Subclasses must override it."""
+        pytest.fail(f"{type(self).__name__} must provide a 'world_sizes' fixture: the world "
+                    f"sizes the strategy serves (see ReplicationStrategyTests)")
+
+    @pytest.fixture
+    def bad_world_sizes(self) -> list[int]:
+        """World sizes the strategy must refuse (default: none)."""
+        return []
+
+    # -- tests ---------------------------------------------------------------------------------
+    def test_options_are_declared_with_descriptions(self, strategy):
+        """``options`` is a tuple of Option, each described, defaults passing their checks."""
+        assert isinstance(strategy, ReplicationStrategy), \
+            f"{type(strategy).__name__} does not subclass ReplicationStrategy"
+        assert_options_declared(type(strategy))
+
+    def test_world_sizes_served_are_accepted(self, strategy, world_sizes):
+        """check_world_size returns None for every size the strategy serves."""
+        assert world_sizes, "the 'world_sizes' fixture is empty: name the sizes you serve"
+        for world in world_sizes:
+            problem = strategy.check_world_size(world)
+            assert problem is None, f"{strategy}: world size {world} refused: {problem}"
+
+    def test_bad_world_sizes_are_refused_with_a_sentence(self, strategy, bad_world_sizes):
+        """check_world_size returns a sentence naming sizes that work for a refused size."""
+        for world in bad_world_sizes:
+            problem = strategy.check_world_size(world)
+            assert isinstance(problem, str) and len(problem.split()) >= 3, \
+                f"{strategy}: world size {world}: check_world_size returned {problem!r}, not a " \
+                f"sentence saying why"
+            assert re.search(r"\d", problem), \
+                f"{strategy}: world size {world}: {problem!r} names no size that works"
+
+    def test_holders_are_other_ranks_in_range_without_duplicates(self, strategy, world_sizes):
+        """holders(rank, world) are ints in [0, world), never rank itself, each once."""
+        for world in world_sizes:
+            for rank in range(world):
+                held_by = strategy.holders(rank, world)
+                where = f"{strategy}: holders({rank}, {world}) = {held_by!r}"
+                assert isinstance(held_by, list), f"{where} is not a list"
+                assert all(isinstance(h, int) and not isinstance(h, bool) for h in held_by), \
+                    f"{where}: not all ints"
+                assert rank not in held_by, f"{where} contains the rank itself"
+                assert all(0 <= h < world for h in held_by), f"{where}: out of range"
+                assert len(set(held_by)) == len(held_by), f"{where}: duplicates"
+
+    def test_holders_are_deterministic(self, strategy, world_sizes):
+        """The same answer on every call, in any order, and from a copy of the strategy (every
+        rank's process computes it on its own)."""
+        other = copy.deepcopy(strategy)
+        for world in world_sizes:
+            first = [strategy.holders(r, world) for r in range(world)]
+            backwards = [strategy.holders(r, world) for r in reversed(range(world))][::-1]
+            copied = [other.holders(r, world) for r in range(world)]
+            assert first == backwards == copied, f"{strategy}: holders change between calls " \
+                                                 f"at world size {world}"
+
+    def test_every_rank_has_a_holder(self, strategy, world_sizes):
+        """With covers_every_rank (the default), every rank's files have a holder when there
+        is more than one rank. A class that sets covers_every_rank = False must really leave
+        some rank without one (the declaration matches what the strategy does)."""
+        bare = {w: [r for r in range(w) if not strategy.holders(r, w)]
+                for w in world_sizes if w > 1}
+        if self.covers_every_rank:
+            assert not any(bare.values()), \
+                f"{strategy}: ranks without a holder, by world size: {bare} (set " \
+                f"covers_every_rank = False in {type(self).__name__} if that is intended)"
+        else:
+            assert any(bare.values()), \
+                f"{type(self).__name__} sets covers_every_rank = False but every rank of " \
+                f"{strategy} has a holder at world sizes {world_sizes}: remove the setting"
+
+    def test_str_is_informative(self, strategy):
+        """str(strategy) is not the default object repr and shows each option's value."""
+        text = str(strategy)
+        assert text and " object at 0x" not in text, \
+            f"str() of {type(strategy).__name__} is {text!r}: define __str__ (name and options)"
+        for opt in type(strategy).options:
+            if hasattr(strategy, opt.name):
+                value = str(getattr(strategy, opt.name))
+                assert value in text, \
+                    f"str(strategy) = {text!r} does not show option {opt.name} = {value}"

@@ -1,0 +1,105 @@
+"""The core's structure, checked: layers (import-linter's contracts in pyproject.toml), no import
+cycle among the core's modules, and a Store whose public names are the Contract's API."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+import tierstore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: DESIGN.md, Contract, Python API
+CONTRACT_API = {"writer", "reader", "latest", "list", "verify", "pin", "unpin", "gc", "wait",
+                "pending", "stats", "preemption", "close", "process_group"}
+
+
+def _lint_imports() -> subprocess.CompletedProcess:
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert exe, "import-linter is not installed in the test environment (pip install -e .[test])"
+    return subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_layers_and_plugin_boundaries_hold():
+    result = _lint_imports()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def _cycles(graph: grimp.ImportGraph, package: str) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), counting every import:
+    module level, inside functions and under TYPE_CHECKING (grimp sees them all)."""
+    modules = sorted(m for m in graph.modules if m == package or m.startswith(package + "."))
+    edges = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i in modules)
+             for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in edges[v]:
+                out.append(sorted(group))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for m in modules:
+        if m not in index:
+            visit(m)
+    return out
+
+
+def test_no_import_cycle_among_the_core_modules():
+    graph = grimp.build_graph("tierstore", cache_dir=None)
+    assert _cycles(graph, "tierstore") == []
+
+
+def test_cycle_detection_sees_a_cycle(tmp_path, monkeypatch):
+    """The check above can fail: a two-module package importing itself in a circle (one import
+    inside a function, one under TYPE_CHECKING) is reported."""
+    pkg = tmp_path / "circular_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from circular_pkg import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from circular_pkg import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("circular_pkg", cache_dir=None)
+    assert _cycles(graph, "circular_pkg") == [["circular_pkg.a", "circular_pkg.b"]]
+
+
+def test_store_public_names_are_the_contract_api():
+    public = {n for n in dir(tierstore.Store) if not n.startswith("_")}
+    assert public == CONTRACT_API
+
+
+def test_no_module_of_the_core_imports_the_package_back():
+    """``__version__`` and everything else is imported from its module, never from the
+    ``tierstore`` package (which imports the whole store)."""
+    graph = grimp.build_graph("tierstore", cache_dir=None)
+    importers = {m for m in graph.find_modules_that_directly_import("tierstore")
+                 if m.startswith("tierstore.")}
+    assert importers <= {"tierstore.demo"}, importers  # the demo is a user of the API

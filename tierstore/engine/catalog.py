@@ -1,0 +1,109 @@
+"""Queries about what is stored: which checkpoints this job can load (``latest``), what each
+tier holds (``list``), whether a copy is intact (``verify``), and pins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierstore.engine.context import StoreContext
+from tierstore.errors import CheckpointNotFound
+from tierstore.format.ids import validate_checkpoint_id
+from tierstore.format.manifest import MANIFEST_NAME, Manifest
+from tierstore.tiers.reports import CheckpointInfo, VerifyReport
+from tierstore.transport.collectives import all_gather_object
+
+__all__ = ["Catalog", "Coverage"]
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What one process holds of a checkpoint (see :meth:`Catalog.coverage`)."""
+
+    ranks: frozenset[int]
+    has_metadata: bool
+    committed: float
+
+
+class Catalog:
+    """Answers the store's queries from the tiers' manifests."""
+
+    def __init__(self, context: StoreContext):
+        self._context = context
+
+    def latest(self) -> str | None:
+        """Newest checkpoint this job can load: every rank's files are on some tier (of some
+        node, for node-local tiers) with their recorded sizes, and DCP's ``.metadata`` is too.
+        A collective on the store's group under torch.distributed."""
+        ctx = self._context
+        views = all_gather_object(self.coverage(), ctx.groups.main)
+        world = set(range(ctx.job.world_size))
+        best: tuple[float, str] | None = None
+        for cid in set().union(*views):
+            held = [v[cid] for v in views if cid in v]
+            ranks = set().union(*(h.ranks for h in held))
+            if ranks >= world and any(h.has_metadata for h in held):
+                key = (max(h.committed for h in held), cid)
+                best = key if best is None or key > best else best
+        return best[1] if best else None
+
+    def coverage(self) -> dict[str, Coverage]:
+        """What this process holds of each checkpoint, over all its tiers: the ranks whose
+        files are all present (a file may come from any tier), whether ``.metadata`` is, and
+        when it was committed."""
+        parts: dict[tuple[str, tuple[int, ...]], tuple[Manifest, set[str]]] = {}
+        for tier in self._context.tiers.read_order():
+            for cid in tier.checkpoint_names():
+                manifest = tier.read_manifest(cid)
+                if manifest is None:
+                    continue
+                _, present = parts.setdefault((cid, tuple(manifest.ranks)), (manifest, set()))
+                present |= tier.present_files(cid, manifest)
+        out: dict[str, Coverage] = {}
+        for (cid, ranks), (manifest, present) in parts.items():
+            if len(present) != len(manifest.files):
+                continue
+            prev = out.get(cid, Coverage(frozenset(), False, manifest.committed))
+            out[cid] = Coverage(prev.ranks | frozenset(ranks),
+                                prev.has_metadata or manifest.has_metadata,
+                                max(prev.committed, manifest.committed))
+        return out
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint complete on some tier of this process, newest first."""
+        found: dict[str, tuple[list[str], Manifest]] = {}
+        for tier in self._context.tiers:
+            for cid, manifest in tier.complete().items():
+                names, _ = found.setdefault(cid, ([], manifest))
+                names.append(tier.name)
+        infos = [
+            CheckpointInfo(id=cid, tiers=names, size_bytes=m.size_bytes, created=m.created,
+                           committed=m.committed, pinned=m.pinned, step=m.step)
+            for cid, (names, m) in found.items()
+        ]
+        return sorted(infos, key=lambda c: (c.committed, c.id), reverse=True)
+
+    def verify(self, checkpoint_id: str, tier: str | None = None) -> VerifyReport:
+        """Re-read ``checkpoint_id`` on one tier (or every tier holding it) and check every
+        file's size and checksum against the manifest."""
+        cid = validate_checkpoint_id(checkpoint_id)
+        tiers = self._context.tiers
+        checked, problems = [], []
+        for t in ([tiers.named(tier)] if tier else tiers):
+            found = t.verify(cid)
+            if tier is None and found and found[0].file == MANIFEST_NAME \
+                    and found[0].what.startswith("missing"):
+                continue  # not on this tier at all: nothing to report when checking every tier
+            checked.append(t.name)
+            problems.extend(found)
+        return VerifyReport(cid, checked, problems)
+
+    def set_pinned(self, checkpoint_id: str, pinned: bool) -> None:
+        """Pin (or unpin) ``checkpoint_id`` on every tier holding it; CheckpointNotFound when
+        none does."""
+        cid = validate_checkpoint_id(checkpoint_id)
+        done = [t.name for t in self._context.tiers if t.set_pinned(cid, pinned)]
+        if not done:
+            raise CheckpointNotFound(
+                f"cannot {'pin' if pinned else 'unpin'} '{cid}': it is not complete on any tier; "
+                f"store.list() shows what is stored"
+            )

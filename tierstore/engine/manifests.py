@@ -1,0 +1,34 @@
+"""Building manifests: the one function that makes a :class:`Manifest` for a tier, whether for a
+save's commit, a drained copy or a peer replica."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.tiers.tier import Tier
+from tierstore.version import __version__
+
+__all__ = ["build_manifest"]
+
+# What a copy keeps of the manifest it was made from: the same save, step, times and versions.
+_INHERITED = ("world_size", "codecs", "step", "part", "parts", "ranks", "save_token", "created",
+              "committed", "pinned", "tierstore_version", "torch_version")
+
+
+def build_manifest(tier: Tier, checkpoint_id: str, files: dict[str, FileEntry], *,
+                   like: Manifest | None = None, plugins: dict[str, str] | None = None,
+                   **fields: Any) -> Manifest:
+    """The manifest of ``checkpoint_id`` on ``tier`` listing ``files``.
+
+    ``like``: the manifest of the copy this one is made from (a drain), whose save, step,
+    times and versions it keeps; ``fields`` set or override any other field of
+    :class:`Manifest`. ``plugins`` adds to the plugins recorded; the tier's own backend and
+    commit protocol are always recorded as they are."""
+    values: dict[str, Any] = ({name: copy.deepcopy(getattr(like, name)) for name in _INHERITED}
+                              if like is not None else {"tierstore_version": __version__})
+    values.update(fields)
+    recorded = {**(like.plugins if like is not None else {}), **(plugins or {}),
+                "backend": tier.config.backend, "commit": tier.commit_name}
+    return Manifest(checkpoint_id=checkpoint_id, files=dict(files), plugins=recorded, **values)

@@ -1,0 +1,40 @@
+"""Recovery at open: queueing the drains nobody made (an earlier process was killed mid-drain,
+or exited first; or a save was made in DCP's checkpoint process)."""
+
+from __future__ import annotations
+
+import logging
+
+from tierstore.engine.drain import DrainJob, Drainer, PendingCopy
+from tierstore.tiers.tier import Tier
+
+__all__ = ["queue_missing_copies"]
+
+log = logging.getLogger("tierstore.recovery")
+
+
+def queue_missing_copies(tiers: list[Tier], drainer: Drainer) -> None:
+    """Queue the copies nobody has made. A copy is missing when a checkpoint is complete on a
+    faster tier, absent from a slower tier that takes its step, newer than everything there
+    (older ones were evicted by keep), and not queued already."""
+    queued = set(drainer.pending())
+    jobs: dict[str, tuple[Tier, list[Tier], float]] = {}
+    complete = [tier.complete() for tier in tiers]
+    for j, target in enumerate(tiers):
+        on_target = complete[j]
+        newest = max((m.committed for m in on_target.values()), default=float("-inf"))
+        for i in range(j):
+            for cid, manifest in complete[i].items():
+                if (manifest.step is None or not target.takes(manifest.step)
+                        or cid in on_target or manifest.committed <= newest
+                        or PendingCopy(cid, target.name) in queued
+                        or target.read_manifest(cid) is not None):
+                    continue
+                _, targets, _ = jobs.setdefault(cid, (tiers[i], [], manifest.committed))
+                if target not in targets:
+                    targets.append(target)
+    for cid, (source, targets, _) in sorted(jobs.items(), key=lambda kv: kv[1][2]):
+        log.info("queueing the drain of %s from '%s' to %s", cid, source.name,
+                 ", ".join(f"'{t.name}'" for t in targets))
+        manifest = source.read_manifest(cid)
+        drainer.submit(DrainJob(cid, source, targets, manifest.save_token, manifest.files))

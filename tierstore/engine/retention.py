@@ -1,0 +1,117 @@
+"""Retention: the only code that evicts (deletes) a committed checkpoint.
+
+The rule, in one place: on a tier with ``keep = N``, a complete checkpoint is evicted when
+
+1. it is not among the N most recently committed complete checkpoints of that tier,
+2. it is not pinned (``store.pin``),
+3. nothing in this store still reads it: no drain copying it from that tier, no replication
+   sending it, no load reading it (each tells retention what to spare, see :meth:`spare_with`
+   and :meth:`loading`), and
+4. no other process sharing the directory (a rank of the same node sending it to its peers)
+   holds its directory lock; then it is left for the next pass.
+
+Retention runs after every commit on a tier (a save, a drained copy, a replica) and after each
+background job ends on its source, so what was spared is evicted as soon as it is free. A
+failure to evict after a commit is logged and retried at the next pass, never raised into the
+commit that already succeeded. Evicted files may be recycled by the backend
+(:meth:`tierstore.plugin.Backend.discard`); that is why nothing still reading may be evicted.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Callable
+
+from tierstore.events import Event, EventKind, Phase
+from tierstore.plugin.host import PluginHost
+from tierstore.tiers.tier import Tier
+
+__all__ = ["Retention"]
+
+log = logging.getLogger("tierstore.retention")
+
+
+class Retention:
+    """Applies ``keep`` on the tiers of one store (see the module docstring for the rule)."""
+
+    def __init__(self, host: PluginHost, rank: int):
+        self._host, self._rank = host, rank
+        # Saves (writer thread), drains and replication (their threads) all apply retention:
+        # one at a time, or two would pick the same victim.
+        self._lock = threading.Lock()
+        self._spares: list[Callable[[Tier], set[str]]] = []
+        # checkpoint id -> loads of it under way
+        self._loading: collections.Counter[str] = collections.Counter()
+        # Loads ended by a reader's finalizer: the garbage collector may run it on any thread,
+        # inside any lock (this one too), so it only appends here (atomic) and the next
+        # retention or load counts it.
+        self._loads_released: collections.deque[str] = collections.deque()
+
+    def spare_with(self, spared: Callable[[Tier], set[str]]) -> None:
+        """Register a source of ids not to evict from a tier yet (a background job's
+        ``protected``)."""
+        self._spares.append(spared)
+
+    def loading(self, checkpoint_id: str, begins: bool) -> None:
+        """Count a load of ``checkpoint_id`` starting (``begins``) or over: while one is under
+        way, ``keep`` does not evict that checkpoint from any tier."""
+        with self._lock:
+            self._count_released_loads()
+            self._count_load(checkpoint_id, 1 if begins else -1)
+
+    def load_released_later(self, checkpoint_id: str) -> None:
+        """A load of ``checkpoint_id`` is over, told from a finalizer: safe on any thread and
+        inside any lock (it takes none); counted at the next retention or load."""
+        self._loads_released.append(checkpoint_id)
+
+    def apply_quietly(self, tier: Tier) -> None:
+        """:meth:`apply` after something committed: a failure to evict is logged (and retried
+        at the next pass), never raised to the commit that is already done."""
+        try:
+            self.apply(tier)
+        except Exception:
+            log.exception("applying keep on tier '%s' failed; the next save retries", tier.name)
+
+    def apply(self, tier: Tier) -> list[str]:
+        """Evict what ``keep`` no longer keeps on ``tier``; returns the ids evicted."""
+        if tier.config.keep is None:
+            return []
+        self._host.phase(Phase.RETAIN, None, tier.name, self._rank)
+        with self._lock:
+            self._count_released_loads()
+            busy = set(self._loading)
+            for spared in self._spares:
+                busy |= spared(tier)
+            victims = [cid for cid in tier.retention_victims(tier.complete())
+                       if cid not in busy and self._evict(tier, cid)]
+        for cid in victims:
+            self._host.event(Event(EventKind.EVICTED, cid, tier.name, self._rank))
+            log.info("evicted %s from tier '%s' (keep = %d)", cid, tier.name, tier.config.keep)
+        return victims
+
+    def _evict(self, tier: Tier, checkpoint_id: str) -> bool:
+        """Evict ``checkpoint_id`` from ``tier`` unless another process (a rank sharing the
+        directory) still sends it; then the next retention on the tier does."""
+        lock = tier.backend.lock_directory(checkpoint_id, exclusive=True)
+        if lock is None:
+            log.info("not evicting %s from tier '%s' yet: another process is reading it",
+                     checkpoint_id, tier.name)
+            return False
+        try:
+            tier.delete(checkpoint_id, evicted=True)
+        except FileNotFoundError:
+            return False  # gone meanwhile (gc, or another process sharing the directory)
+        finally:
+            lock.release()
+        return True
+
+    def _count_released_loads(self) -> None:
+        while self._loads_released:
+            self._count_load(self._loads_released.popleft(), -1)
+
+    def _count_load(self, checkpoint_id: str, change: int) -> None:
+        self._loading[checkpoint_id] += change
+        if self._loading[checkpoint_id] <= 0:
+            del self._loading[checkpoint_id]

@@ -1,0 +1,130 @@
+"""Building the tiers of a store from its validated config: one backend and commit protocol per
+``[[tier]]``, each tier's layout across the job, the checks that drains can fill every tier, and
+the peer tier's replication strategy with the replica tiers this rank keeps."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tierstore.config.validate import StoreConfig, TierConfig
+from tierstore.errors import ConfigError, PluginError
+from tierstore.format.item_io import register_extension
+from tierstore.plugin.host import PluginHost
+from tierstore.plugin.options import validate_table
+from tierstore.tiers.layout import TierLayout, compute_layouts
+from tierstore.tiers.tier import Tier
+from tierstore.tiers.tierset import TierSet
+from tierstore.transport.collectives import RankContext
+
+__all__ = ["build_tiers"]
+
+
+def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: Any) -> TierSet:
+    """Every tier of ``config`` for this process. Collective under torch.distributed (the
+    layouts are agreed on ``group``). Raises ConfigError / PluginError naming the tier."""
+    tiers = [_build_tier(tc, config, host, ctx) for tc in config.tiers]
+    for tier, layout in zip(tiers, compute_layouts(tiers, ctx, group, config.source)):
+        tier.layout = layout
+    _check_drain_paths(tiers, config)
+    peer, strategy, replica_tiers = _replication(tiers, config, host, ctx)
+    return TierSet(tuple(tiers), peer, strategy, replica_tiers)
+
+
+def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: RankContext) -> Tier:
+    reg = host.lookup("backend", tc.backend)
+    options = tc.expanded_options(ctx, reg.options)
+    root = str(options.get("path") or options.get("url") or "")
+    try:
+        backend = reg.factory(root=root, **options)
+    except (ConfigError, PluginError):
+        raise
+    except Exception as exc:
+        raise PluginError(
+            f"backend '{tc.backend}' ({reg.origin}) failed to start for tier '{tc.name}': "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    problem = backend.check_reachable()
+    if problem:
+        key = "url" if "url" in options else "path"
+        where = config.source.where("tier", tc.index, key)
+        raise ConfigError(
+            f"{where}: tier '{tc.name}': {key} {backend.describe()!r} cannot be used: "
+            f"{problem}; point '{key}' at a writable location"
+        )
+    commit_name = config.commit.name if config.commit else backend.default_commit
+    commit_reg = host.lookup("commit", commit_name)
+    if commit_reg is None:
+        raise PluginError(
+            f"backend '{tc.backend}' ({reg.origin}) asks for commit protocol '{commit_name}', "
+            f"which no plugin registers; registered: {', '.join(host.names('commit'))}"
+        )
+    commit_options = config.commit.options if config.commit else {}
+    codecs = []
+    for choice in tc.codecs:
+        codec = host.lookup("codec", choice.name).factory(**choice.options)
+        register_extension(type(codec.extension()))
+        codecs.append(codec)
+    return Tier(tc, backend, commit_reg.factory(**commit_options), commit_name, codecs=codecs)
+
+
+def _check_drain_paths(tiers: list[Tier], config: StoreConfig) -> None:
+    """Each group of a node-local tier is filled by its own leader from the same group's
+    directory on a faster tier, so every tier before a node-local one must be node-local with
+    the same groups (node-local tiers first, shared ones after)."""
+    for j, target in enumerate(tiers):
+        if target.layout.shared:
+            continue
+        for source in tiers[:j]:
+            if source.layout.all_parts != target.layout.all_parts:
+                where = config.source.where("tier", target.config.index, "path")
+                what = ("is shared by every rank" if source.layout.shared else
+                        f"groups the ranks as {[list(p) for p in source.layout.all_parts]}")
+                raise ConfigError(
+                    f"{where}: tier '{target.name}' has a directory per group of ranks "
+                    f"{[list(p) for p in target.layout.all_parts]}, but the faster tier "
+                    f"'{source.name}' {what}, so drains could not fill it; list node-local "
+                    f"tiers first, with the same placeholders ({{node}} or {{rank}}) in their "
+                    f"paths, and shared tiers after them"
+                )
+
+
+def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: RankContext):
+    """The peer tier, its strategy (checked against the world size) and the replica tiers for
+    the ranks this one holds; (None, None, {}) without a peer tier."""
+    peers = [t for t in tiers if t.backend.replication is not None]
+    if not peers:
+        return None, None, {}
+    source = config.source
+    if len(peers) > 1:
+        raise ConfigError(
+            f"{source.where('tier', peers[1].config.index, 'backend')}: tiers "
+            f"{', '.join(repr(t.name) for t in peers)} are all peer tiers; keep one")
+    peer = peers[0]
+    where = source.where("tier", peer.config.index, "replication")
+    table = dict(peer.backend.replication)
+    name = table.pop("strategy", None)
+    reg = host.lookup("replication", name) if isinstance(name, str) else None
+    if reg is None:
+        raise ConfigError(
+            f"{where}: tier '{peer.name}': replication needs 'strategy' naming one of "
+            f"{', '.join(host.names('replication'))} (got {name!r}), e.g. "
+            f"replication = {{ strategy = \"clique\", factor = 2, jump = 1 }}")
+    options = validate_table(table, reg.options,
+                             owner=f"tier '{peer.name}' replication strategy '{name}'",
+                             source=source, table_name="tier", index=peer.config.index)
+    strategy = reg.factory(**options)
+    problem = strategy.check_world_size(ctx.world_size)
+    if problem:
+        raise ConfigError(f"{where}: tier '{peer.name}': {problem}")
+    held = [src for src in range(ctx.world_size) if ctx.rank in strategy.holders(src, ctx.world_size)]
+    return peer, strategy, {src: _replica_tier(peer, src, ctx.rank) for src in held}
+
+
+def _replica_tier(peer: Tier, src: int, rank: int) -> Tier:
+    """The tier where ``rank`` keeps rank ``src``'s replicas (beside the peer tier)."""
+    backend = peer.backend.replica_backend(src, rank)
+    config = dataclasses.replace(peer.config, name=f"{peer.name}:rank-{src}")
+    layout = TierLayout(0, 1, (src,), ((src,),))
+    return Tier(config, backend, peer.commit, peer.commit_name, layout=layout,
+                codecs=peer.codecs)

@@ -1,0 +1,67 @@
+"""The tiers of one store in this process, fastest first, as plain data: the configured tiers,
+the peer tier's replication strategy and the replica tiers this rank keeps for its peers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from tierstore.plugin.bases import ReplicationStrategy
+from tierstore.tiers.tier import Tier
+
+__all__ = ["TierSet"]
+
+
+@dataclass(frozen=True, eq=False)
+class TierSet(Sequence):
+    """The configured tiers (a sequence, fastest first) and what replication adds to them."""
+
+    tiers: tuple[Tier, ...]
+    #: the tier holding peers' replicas (``backend.replication`` set), or None
+    peer: Tier | None = None
+    strategy: ReplicationStrategy | None = None
+    #: rank -> the tier where this rank keeps that rank's replicas (beside the peer tier)
+    replica_tiers: dict[int, Tier] = field(default_factory=dict)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.tiers[index]
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    def __iter__(self) -> Iterator[Tier]:
+        return iter(self.tiers)
+
+    @property
+    def node_local(self) -> bool:
+        """Whether some tier is split into parts (a directory per node or rank)."""
+        return any(t.layout.parts > 1 for t in self.tiers)
+
+    def named(self, name: str) -> Tier:
+        """The configured tier called ``name``; ValueError naming the tiers otherwise."""
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise ValueError(f"no tier named {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+
+    def tiers_for(self, step: int) -> list[Tier]:
+        """Every tier that takes ``step``: the first one is saved to, the rest get the drain."""
+        return [t for t in self.tiers if t.takes(step)]
+
+    def first_for(self, step: int) -> Tier:
+        """The fastest tier whose ``every`` takes ``step`` (one with every = 1 always does)."""
+        return next(t for t in self.tiers if t.takes(step))
+
+    def is_replica(self, tier: Tier) -> bool:
+        """Whether ``tier`` holds replicas of other ranks' files."""
+        return any(tier is t for t in self.replica_tiers.values())
+
+    def read_order(self) -> list[Tier]:
+        """Every tier a load may read, fastest first: the replica tiers come right after the
+        peer tier (own copy, then replicas kept here, then slower tiers)."""
+        out: list[Tier] = []
+        for tier in self.tiers:
+            out.append(tier)
+            if tier is self.peer:
+                out += self.replica_tiers.values()
+        return out
