@@ -17,8 +17,11 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	$(PY) -m pip install --quiet -e '.[s3,gcs]'
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
+# The example third-party plugin is installed like any plugin package (its entry point is how
+# tierstore finds it); the suite runs the conformance kits against it.
+$(VENV)/.installed-test: $(VENV)/.installed examples/tierstore-example-plugin/pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e examples/tierstore-example-plugin
 	touch $@
 
 demo: $(VENV)/.installed

@@ -96,10 +96,11 @@ class CodecTests:
         """The tier's ``codecs`` entry naming the codec (default: :attr:`codec_name`)."""
         return self.codec_name
 
-    @pytest.fixture
-    def store_config(self, tmp_path, codec_spec) -> dict[str, Any]:
-        """One local tier using the codec."""
-        return {"tier": [{"name": "coded", "backend": "local", "path": str(tmp_path / "coded"),
+    @staticmethod
+    def store_config(root, codec_spec: Any) -> dict[str, Any]:
+        """One ``local`` tier in ``root`` using the codec (its checkpoints are read back from
+        ``root/<id>`` with stock DCP)."""
+        return {"tier": [{"name": "coded", "backend": "local", "path": str(root),
                           "codecs": [codec_spec]}]}
 
     # -- helpers -------------------------------------------------------------------------------
@@ -163,12 +164,13 @@ class CodecTests:
             stored = self.encode(ext, data, piece)
             assert self.decode(ext.get_descriptor(), type(ext), stored) == data, f"piece {piece}"
 
-    def test_dcp_round_trip_through_a_store(self, tmp_path, store_config, codec_plugin, codec):
+    def test_dcp_round_trip_through_a_store(self, tmp_path, codec_spec, codec_plugin, codec):
         """dcp.save / dcp.load through a store whose tier uses the codec: tensors bitwise equal,
         the manifest lists the codec and every item in the metadata carries its descriptor."""
         sd = make_state_dict(1)
         want = copy.deepcopy(sd)
-        with tierstore.open(copy.deepcopy(store_config), plugins=[codec_plugin]) as store:
+        with tierstore.open(self.store_config(tmp_path / "coded", codec_spec),
+                            plugins=[codec_plugin]) as store:
             dcp.save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
             loaded = _empty_like(want)
             dcp.load(loaded, storage_reader=store.reader(), checkpoint_id="step-1")
@@ -184,13 +186,14 @@ class CodecTests:
             assert list(info.transform_descriptors or ()) == [descriptor], \
                 f"item {index.fqn} records transforms {info.transform_descriptors}"
 
-    def test_stock_dcp_loads_it_with_the_extension_registered(self, tmp_path, store_config,
+    def test_stock_dcp_loads_it_with_the_extension_registered(self, tmp_path, codec_spec,
                                                               codec_plugin, codec):
         """No lock-in: stock dcp.load (FileSystemReader with an ExtensionRegistry knowing the
         codec's extension) undoes the codec from the stored descriptors."""
         sd = make_state_dict(2)
         want = copy.deepcopy(sd)
-        with tierstore.open(copy.deepcopy(store_config), plugins=[codec_plugin]) as store:
+        with tierstore.open(self.store_config(tmp_path / "coded", codec_spec),
+                            plugins=[codec_plugin]) as store:
             dcp.save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
         registry = ExtensionRegistry()
         registry.register(type(codec.extension()))

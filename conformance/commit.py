@@ -212,12 +212,13 @@ class CommitProtocolTests:
             assert not protocol.is_leftover(name), f"is_leftover({name!r}) is True"
 
     def test_interrupted_delete_is_a_leftover(self, backend, protocol):
-        """A delete cut short (the core's way: moved aside to trash_name() with rename, else
-        begin_delete() then the manifest removed) leaves what find_leftovers collects."""
+        """A delete cut short (the core's way: moved aside to trash_name() where the backend
+        renames and the protocol ``moves_aside_to_delete``, else begin_delete() then the
+        manifest removed) leaves what find_leftovers collects."""
         files = _dcp_files(2)
         manifest = self.commit(backend, protocol, "step-2", files)
         self.commit(backend, protocol, "step-1", _dcp_files(1))
-        if backend.supports_rename:
+        if backend.supports_rename and protocol.moves_aside_to_delete:
             aside = protocol.trash_name("step-1", _token())
             assert isinstance(aside, str) and "/" not in aside and aside != "step-1", aside
             backend.rename("step-1", aside)

@@ -22,7 +22,7 @@ from tierstore.plugin import Stager, hookimpl
 from ._helpers import assert_options_declared, assert_trees_equal, tensor_bytes
 from .roundtrip import _empty_like, assert_state_dicts_equal, make_state_dict
 
-__all__ = ["StagerTests", "make_training_state"]
+__all__ = ["StagerTests", "make_training_state", "mutate_in_place"]
 
 
 def make_training_state(seed: int = 0) -> dict[str, Any]:

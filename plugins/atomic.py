@@ -19,6 +19,8 @@ _TRASH = ".tierstore-trash."
 class AtomicRenameCommit(CommitProtocol):
     """Publish a checkpoint with one directory rename (POSIX ``rename(2)`` is atomic)."""
 
+    moves_aside_to_delete = True
+
     def begin(self, backend: Backend, checkpoint_id: str, token: str) -> str:
         if not backend.supports_rename:
             raise CommitError(

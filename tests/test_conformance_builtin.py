@@ -87,6 +87,8 @@ class TestMemoryRoundTrip(StockLoadableRoundTripTests):
 # -- codec -----------------------------------------------------------------------------------
 
 class TestZstdCodec(CodecTests):
+    """``zstd`` at its default and several levels, and with compression threads."""
+
     @pytest.fixture(params=[{}, {"level": 1}, {"level": 9}, {"level": -5}, {"threads": 2}],
                     ids=["default", "level 1", "level 9", "level -5", "2 threads"])
     def codec(self, request):
@@ -96,6 +98,8 @@ class TestZstdCodec(CodecTests):
 # -- staging ---------------------------------------------------------------------------------
 
 class _BuiltinStager(StagerTests):
+    """A built-in stager, built through the plugin host."""
+
     staging: str
 
     @pytest.fixture
@@ -118,6 +122,8 @@ class TestShmStager(_BuiltinStager):
 # -- replication -----------------------------------------------------------------------------
 
 class TestCliqueFactor2Jump1(ReplicationStrategyTests):
+    """Pairs of neighbouring ranks."""
+
     @pytest.fixture
     def strategy(self):
         return _build("replication", "clique", factor=2, jump=1)
@@ -132,6 +138,8 @@ class TestCliqueFactor2Jump1(ReplicationStrategyTests):
 
 
 class TestCliqueFactor2Jump2(ReplicationStrategyTests):
+    """Pairs two ranks apart (two GPUs per node: copies on the other node)."""
+
     @pytest.fixture
     def strategy(self):
         return _build("replication", "clique", factor=2, jump=2)
@@ -146,6 +154,8 @@ class TestCliqueFactor2Jump2(ReplicationStrategyTests):
 
 
 class TestCliqueFactor3Jump4(ReplicationStrategyTests):
+    """Triples four ranks apart."""
+
     @pytest.fixture
     def strategy(self):
         return _build("replication", "clique", factor=3, jump=4)
@@ -160,6 +170,8 @@ class TestCliqueFactor3Jump4(ReplicationStrategyTests):
 
 
 class TestRingOffset1(ReplicationStrategyTests):
+    """Each copy on the next rank."""
+
     @pytest.fixture
     def strategy(self):
         return _build("replication", "ring")
@@ -174,6 +186,8 @@ class TestRingOffset1(ReplicationStrategyTests):
 
 
 class TestRingOffset4(ReplicationStrategyTests):
+    """Each copy four ranks further (refused where 4 wraps back to the rank itself)."""
+
     @pytest.fixture
     def strategy(self):
         return _build("replication", "ring", offset=4)
@@ -190,6 +204,8 @@ class TestRingOffset4(ReplicationStrategyTests):
 # -- commit protocols --------------------------------------------------------------------------
 
 class _OverLocal(CommitProtocolTests):
+    """A protocol over the built-in ``local`` backend."""
+
     @pytest.fixture
     def backend(self, tmp_path):
         backend = _backend("local", tmp_path / "tier")
@@ -198,24 +214,19 @@ class _OverLocal(CommitProtocolTests):
 
 
 class TestAtomicCommitOverLocal(_OverLocal):
+    """``atomic`` on its home backend."""
+
     @pytest.fixture
     def protocol(self):
         return _build("commit", "atomic")
 
 
 class TestManifestLastCommitOverLocal(_OverLocal):
+    """``manifest-last`` chosen by ``[store] commit`` for a local tier."""
+
     @pytest.fixture
     def protocol(self):
         return _build("commit", "manifest-last")
-
-    # Known bug: Tier.delete moves a checkpoint aside with trash_name() whenever the backend
-    # has rename, and manifest-last does not implement it, so `[store] commit = "manifest-last"`
-    # on a local tier cannot delete or evict (keep). Strict: passes again once fixed.
-    @pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                       reason="manifest-last has no trash_name(), which Tier.delete calls on "
-                              "backends with rename")
-    def test_interrupted_delete_is_a_leftover(self, backend, protocol):
-        super().test_interrupted_delete_is_a_leftover(backend, protocol)
 
 
 class TestManifestLastCommitOverFsspecMemory(CommitProtocolTests):

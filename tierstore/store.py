@@ -21,7 +21,7 @@ from tierstore.dcp.reader import ReaderServices, TierstoreReader
 from tierstore.dcp.writer import TierstoreWriter, WriterServices
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import Groups, StoreContext
-from tierstore.engine.drain import Drainer, PendingCopy, report_unfinished
+from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_unfinished
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.publish import Publisher
 from tierstore.engine.recovery import queue_missing_copies
@@ -105,11 +105,9 @@ class Store:
 
     # -- queries -----------------------------------------------------------------------------
     def latest(self) -> str | None:
-        """Newest checkpoint this job can load: every rank's files are on some tier (of some
-        node, for node-local tiers) with their recorded sizes, and DCP's ``.metadata`` is too;
-        checksums are checked while loading, file by file, falling back to the next tier. Under
-        torch.distributed this is a collective on the store's group: every rank must call it,
-        and all get the same answer."""
+        """Newest checkpoint this job can load (every rank's files and DCP's ``.metadata`` on
+        some tier). Under torch.distributed a collective: every rank calls it, all get the
+        same answer."""
         self._check_open()
         return self._catalog.latest()
 
@@ -151,15 +149,11 @@ class Store:
                 for name in self._gc.collect(tier)]
 
     def wait(self, timeout: float | None = None, *, all_ranks: bool = False) -> None:
-        """Block until every background transfer started so far is done (drains to slower
-        tiers, peer replication); raise the first failure since the last ``wait`` as a
-        ``DrainError`` (``ReplicationError`` for replication) naming the checkpoint, the tier
-        and the cause. ``TimeoutError`` when ``timeout`` seconds pass.
-
-        Drains run on the rank that committed the copy they read (rank 0 for a shared tier,
-        each node's leader for a node-local one), so a plain ``wait()`` covers this process's
-        work. ``all_ranks=True`` (a collective: every rank calls it) returns on every rank once
-        every rank's work is done, and raises there the first failure of any rank."""
+        """Block until every background copy started so far is done (drains, replication);
+        raise the first failure since the last ``wait`` (``DrainError``, ``ReplicationError``
+        for replication) naming checkpoint, tier and cause; ``TimeoutError`` after ``timeout``
+        seconds. A plain ``wait()`` covers this process's work; ``all_ranks=True`` (collective)
+        returns on every rank once every rank's is done, raising the first failure of any."""
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -193,10 +187,9 @@ class Store:
                           self.close, signals)
 
     def close(self, wait: bool = True) -> None:
-        """Wait for background work (raising its failures), then release the drain threads,
-        backends and the store's process groups. ``wait=False``: do not wait for drains (what
-        is left is listed on stderr; the next ``tierstore.open`` resumes drains to shared
-        tiers)."""
+        """Wait for background work (raising its failures), then release threads, backends and
+        process groups. ``wait=False``: do not wait (what is left is listed on stderr; the
+        next ``tierstore.open`` resumes drains to shared tiers)."""
         if self._closed:
             return
         ctx = self._ctx
@@ -236,22 +229,13 @@ class Store:
 
 
 def _exit_handler(store_ref: "weakref.ref[Store]"):
-    """At interpreter exit, finish what an unclosed store still has to drain (for at most
-    ``[store] exit_timeout`` seconds) and say on stderr what did not reach which tier."""
+    """At interpreter exit, finish what an unclosed store still has to drain."""
 
     def handler() -> None:
         store = store_ref()
-        if store is None or store._closed:
-            return
-        failures: list[DrainError] = []
-        try:
-            store._hand_off.adopt()
-            store._drainer.wait(store._ctx.config.exit_timeout)
-        except TimeoutError:
-            pass
-        except DrainError as exc:
-            failures.append(exc)
-        report_unfinished(store._drainer.pending(), failures)
+        if store is not None and not store._closed:
+            finish_at_exit(store._drainer, store._hand_off.adopt,
+                           store._ctx.config.exit_timeout)
 
     return handler
 

@@ -34,7 +34,7 @@ from tierstore.format.item_io import HashingWriter, decode_item, encode_to
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.tiers.tier import Tier
 
-__all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished"]
+__all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished", "finish_at_exit"]
 
 log = logging.getLogger("tierstore.drain")
 
@@ -399,3 +399,18 @@ def report_unfinished(pending: list[PendingCopy], failures: list[DrainError]) ->
               + ", ".join(map(str, pending)), file=sys.stderr)
     for failure in failures:
         print(f"tierstore: drain failed: {failure}", file=sys.stderr)
+
+
+def finish_at_exit(drainer: Drainer, adopt: Callable[[], None], timeout: float) -> None:
+    """At interpreter exit: queue what DCP's checkpoint process committed (``adopt``), finish
+    pending drains for at most ``timeout`` seconds, and say on stderr what did not reach which
+    tier."""
+    failures: list[DrainError] = []
+    try:
+        adopt()
+        drainer.wait(timeout)
+    except TimeoutError:
+        pass
+    except DrainError as exc:
+        failures.append(exc)
+    report_unfinished(drainer.pending(), failures)

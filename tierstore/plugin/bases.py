@@ -164,6 +164,9 @@ class CommitProtocol(abc.ABC):
     """
 
     options: ClassVar[tuple[Option, ...]] = ()
+    #: True when a checkpoint is deleted by first moving it aside to :meth:`trash_name` (on
+    #: backends with rename); False: by :meth:`begin_delete`, then the manifest, then the rest
+    moves_aside_to_delete: ClassVar[bool] = False
 
     @abc.abstractmethod
     def begin(self, backend: Backend, checkpoint_id: str, token: str) -> str:
@@ -206,7 +209,8 @@ class CommitProtocol(abc.ABC):
 
     def trash_name(self, checkpoint_id: str, token: str) -> str:
         """A root entry name to move a checkpoint to before deleting it; ``is_leftover`` must
-        recognise it, so gc finishes a delete that a crash cut short."""
+        recognise it, so gc finishes a delete that a crash cut short. Required when
+        ``moves_aside_to_delete`` is True."""
         raise NotImplementedError(f"{type(self).__name__} does not move checkpoints aside")
 
 

@@ -155,11 +155,12 @@ class Tier:
 
     def delete(self, checkpoint_id: str, *, evicted: bool = False) -> None:
         """Remove a checkpoint so that a crash part-way leaves nothing visible and nothing gc
-        cannot recognise: renamed aside first where rename is atomic, else the manifest first.
+        cannot recognise: moved aside first where the backend renames atomically and the
+        protocol names a trash entry, else marked (``begin_delete``) and the manifest first.
         ``evicted``: ``keep`` drops it and nothing reads it (the backend may reuse its storage,
         :meth:`Backend.discard`)."""
         remove = self.backend.discard if evicted else self.backend.delete
-        if self.backend.supports_rename:
+        if self.backend.supports_rename and self.commit.moves_aside_to_delete:
             aside = self.commit.trash_name(checkpoint_id, uuid.uuid4().hex[:16])
             self.backend.rename(checkpoint_id, aside)
             self.backend.sync_dir("")

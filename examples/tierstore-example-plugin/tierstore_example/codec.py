@@ -72,9 +72,12 @@ class _Decompressor(io.RawIOBase):
             if self._zlib.eof:
                 return 0
             compressed = self._zlib.unconsumed_tail or self._source.read(_CHUNK)
-            if not compressed:
+            if compressed:
+                self._out, self._pos = self._zlib.decompress(compressed, _CHUNK), 0
+                continue
+            self._out, self._pos = self._zlib.flush(), 0  # input done: what zlib still holds
+            if not self._out and not self._zlib.eof:
                 raise EOFError("the zlib stream ends early: the item is truncated")
-            self._out, self._pos = self._zlib.decompress(compressed, _CHUNK), 0
         view = memoryview(buffer).cast("B")
         n = min(len(view), len(self._out) - self._pos)
         view[:n] = self._out[self._pos:self._pos + n]
