@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Callable, Iterator, TypeVar
 
 import torch
+import torch.distributed as dist
 
 import tierstore
 from tierstore.events import EventKind
@@ -328,10 +329,12 @@ def read_status(path: str) -> int:
     return int(text) if text else 1
 
 
-def rank_exit_status(rank: int, status: int) -> int:
-    """A torchrun rank's exit code. Under a launcher (``STATUS_ENV`` set) rank 0 leaves
-    ``status`` in its file and every rank exits 0: a failed acceptance target is the report's
-    verdict, not a crash for torchrun to bury under its own failure report."""
+def finish_rank(rank: int, status: int) -> int:
+    """End a torchrun rank: tear down its default process group and return its exit code.
+    Under a launcher (``STATUS_ENV`` set) rank 0 leaves ``status`` in its file and every rank
+    exits 0: a failed acceptance target is the report's verdict, not a crash for torchrun to
+    bury under its own failure report."""
+    dist.destroy_process_group()
     if not os.environ.get(STATUS_ENV):
         return status
     if rank == 0:

@@ -38,12 +38,12 @@ rotating per round):
   ``tierstore.open(plugins=[...])``): its ``seconds`` run from when every rank has agreed that
   the save committed everywhere (an all-gather) to when the received replicas are committed
   (file lists exchanged, staging directories made, every file sent from its mapped pages in
-  pieces of ``[store] drain_chunk_mib`` MiB while received pieces land in the mapped pages of
+  pieces of ``[store] copy_chunk_mib`` MiB while received pieces land in the mapped pages of
   recycled files and are checksummed in a helper thread, the replicas' manifests checked and
   committed); its ``nbytes`` are the bytes sent plus the bytes received.
 * ``raw-gloo``: the same bytes in the same pattern with nothing else: on a gloo group of its
   own, each rank ``isend``s pieces of exactly the sizes its replication sent (its files of the
-  latest ``replicate`` save, cut at ``drain_chunk_mib`` MiB, to the ranks that event named in
+  latest ``replicate`` save, cut at ``copy_chunk_mib`` MiB, to the ranks that event named in
   ``to``) and ``irecv``s what its sources send, round ``k`` moving the ``k``-th piece of every
   pair, ``ROUNDS_IN_FLIGHT`` rounds posted before the oldest is waited for, as
   ``run_transfers`` does. Sent from and received
@@ -118,8 +118,8 @@ import tierstore
 from tierstore.events import EventKind, Phase
 from tierstore.transport.transfer import ROUNDS_IN_FLIGHT
 
-from common import (GB, STATUS_ENV, benchmark_parser, finish_report, fs_type, make_state_dict,
-                    nbytes_of, print_verdicts, progress_log, rank_exit_status, read_status,
+from common import (GB, STATUS_ENV, benchmark_parser, finish_rank, finish_report, fs_type,
+                    make_state_dict, nbytes_of, print_verdicts, progress_log, read_status,
                     rotated, rounds_text, status_file, torchrun_main, verdict)
 from common import median_or_none as med
 
@@ -248,7 +248,7 @@ def store_config(root: str, peer: bool, args: argparse.Namespace) -> dict:
     if args.io_threads is not None:
         store_table["io_threads"] = args.io_threads
     if args.chunk_mib is not None:
-        store_table["drain_chunk_mib"] = args.chunk_mib
+        store_table["copy_chunk_mib"] = args.chunk_mib
     if store_table:
         config["store"] = store_table
     return config
@@ -676,7 +676,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ranks (torchrun --nproc-per-node) when not already under torchrun "
                         "(default 2)")
     p.add_argument("--chunk-mib", type=int, default=None,
-                   help="tierstore [store] drain_chunk_mib, the piece size of the transfers and "
+                   help="tierstore [store] copy_chunk_mib, the piece size of the transfers and "
                         "of the raw exchange (default: tierstore's own default)")
     p.add_argument("--train-s", type=float, default=0.5,
                    help="seconds of quiet training steps, and the least seconds of busy ones "
@@ -725,7 +725,7 @@ def worker(args: argparse.Namespace) -> int:
                 plugins=[recorders[name]])
         raw_group = dist.new_group(backend="gloo")
         bench = Bench(args, rank, world, base, sd, stores, recorders, raw_group,
-                      stores["on"]._ctx.config.drain_chunk_mib << 20, Trainer(world))
+                      stores["on"]._ctx.config.copy_chunk_mib << 20, Trainer(world))
         log(f"{world} ranks, benchmark dir {base} ({fs_type(base)}), pieces of "
             f"{bench.piece_bytes >> 20} MiB")
         warm = []
@@ -756,8 +756,7 @@ def worker(args: argparse.Namespace) -> int:
             store.close(wait=False)
         if rank == 0 and base is not None:
             shutil.rmtree(base, ignore_errors=True)
-    dist.destroy_process_group()
-    return rank_exit_status(rank, status)
+    return finish_rank(rank, status)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,9 +99,9 @@ import tierstore
 from tierstore import EventKind
 from tierstore.events import Phase
 
-from common import (GB, STATUS_ENV, benchmark_parser, finish_report, free_port, fs_type,
-                    make_state_dict, nbytes_of, progress_log, rank_exit_status, read_status,
-                    rotated, rounds_text, status_file, torchrun_main)
+from common import (GB, STATUS_ENV, benchmark_parser, finish_rank, finish_report, free_port,
+                    fs_type, make_state_dict, nbytes_of, progress_log, read_status, rotated,
+                    rounds_text, status_file, torchrun_main)
 
 CONTENDERS = ("peer-restore", "object-tier", "intact")
 NODES, PER_NODE = 2, 2
@@ -544,8 +544,7 @@ def worker(args: argparse.Namespace) -> int:
     finally:
         if own_base and rank == 0 and base is not None:
             shutil.rmtree(base, ignore_errors=True)
-    dist.destroy_process_group()
-    return rank_exit_status(rank, status)
+    return finish_rank(rank, status)
 
 
 def main(argv: list[str] | None = None) -> int:

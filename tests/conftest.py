@@ -9,6 +9,9 @@ import pytest
 
 import tierstore
 
+# The shared helpers' and the conformance kit's asserts explain themselves when they fail.
+pytest.register_assert_rewrite("helpers", "scripts.worker_common", "tierstore_conformance")
+
 # DCP warns on every single-process save/load; the tests do that on purpose.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -44,6 +47,16 @@ def _bucket_name(request) -> str:
     return f"t-{stem}-{_uuid.uuid4().hex[:10]}" if stem else f"t-{_uuid.uuid4().hex[:16]}"
 
 
+def _fresh_bucket(server, request):
+    """A new bucket on ``server`` (restarted if a previous test killed it and did not bring it
+    back) for the test; deleted with its objects afterwards."""
+    if not server.running():
+        server.restart()
+    url = server.make_bucket(_bucket_name(request))
+    yield url
+    _drop_bucket(server, url)
+
+
 def _drop_bucket(server, url: str) -> None:
     """Best effort: delete a test's bucket and its objects if the server is up."""
     if not server.running():
@@ -57,41 +70,25 @@ def _drop_bucket(server, url: str) -> None:
 @pytest.fixture(scope="session")
 def seaweed():
     """A running SeaweedFS S3 server (SeaweedS3): credentials enforced, data in a temp dir."""
-    server = SeaweedS3()
-    server.start()
-    try:
+    with SeaweedS3() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
 def fake_gcs():
     """A running fake-gcs-server (FakeGCS), filesystem backend in a temp dir."""
-    server = FakeGCS()
-    server.start()
-    try:
+    with FakeGCS() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def s3_bucket(seaweed, request):
     """`s3://<fresh bucket>` on the session's SeaweedFS; storage options: `seaweed.storage_options()`."""
-    if not seaweed.running():  # a previous test killed it and did not bring it back
-        seaweed.restart()
-    url = seaweed.make_bucket(_bucket_name(request))
-    yield url
     # Each SeaweedFS bucket takes 7 of the server's volume slots (a few hundred, by free disk).
-    _drop_bucket(seaweed, url)
+    yield from _fresh_bucket(seaweed, request)
 
 
 @pytest.fixture
 def gcs_bucket(fake_gcs, request):
     """`gs://<fresh bucket>` on the session's fake-gcs-server; options: `fake_gcs.storage_options()`."""
-    if not fake_gcs.running():
-        fake_gcs.restart()
-    url = fake_gcs.make_bucket(_bucket_name(request))
-    yield url
-    _drop_bucket(fake_gcs, url)
+    yield from _fresh_bucket(fake_gcs, request)

@@ -4,10 +4,7 @@ process executor (in a subprocess, which DCP needs a process group for)."""
 
 from __future__ import annotations
 
-import io
-import os
-import subprocess
-import sys
+import copy
 import threading
 import time
 from pathlib import Path
@@ -15,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import (assert_trees_equal, free_port, load_like, make_async_state,
+                     mutate_everything, run_script)
+from recording import Recorder
 
 import tierstore
-from recording import Recorder
 from tierstore import EventKind
-
-HERE = Path(__file__).resolve().parent
 
 
 def two_tiers(tmp_path: Path, staging: str | dict = "cpu") -> dict:
@@ -29,99 +26,21 @@ def two_tiers(tmp_path: Path, staging: str | dict = "cpu") -> dict:
                      {"name": "disk", "backend": "local", "path": str(tmp_path / "disk")}]}
 
 
-def make_state(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "model": {"w": torch.randn(64, 32, generator=g),
-                  "half": torch.randn(128, generator=g).to(torch.bfloat16),
-                  "ints": torch.randint(0, 1000, (50,), generator=g),
-                  "flags": torch.rand(33, generator=g) > 0.5,
-                  "scalar": torch.tensor(3.5),
-                  "view": torch.randn(10, 10, generator=g)[:, 2]},
-        "optim": {"state": {0: {"exp_avg": torch.randn(64, 32, generator=g)}},
-                  "param_groups": [{"lr": 0.1, "params": [0]}]},
-        "blob": io.BytesIO(b"opaque bytes"),
-        "epoch": 7,
-    }
-
-
-def zeros_like_state(sd: dict) -> dict:
-    def z(v):
-        if isinstance(v, torch.Tensor):
-            return torch.zeros_like(v)
-        if isinstance(v, dict):
-            return {k: z(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [z(x) for x in v]
-        if isinstance(v, io.BytesIO):
-            return io.BytesIO()
-        return None if isinstance(v, int) else v
-    return z(sd)
-
-
-def assert_state_equal(got, want, path="") -> None:
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and torch.equal(got, want), path
-    elif isinstance(want, dict):
-        for k in want:
-            assert_state_equal(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, list):
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_state_equal(g, w, f"{path}[{i}]")
-    elif isinstance(want, io.BytesIO):
-        got.seek(0)
-        assert got.read() == want.getvalue(), path
-    else:
-        assert got == want, path
-
-
-def clone_state(sd):
-    if isinstance(sd, torch.Tensor):
-        return sd.clone()
-    if isinstance(sd, dict):
-        return {k: clone_state(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [clone_state(v) for v in sd]
-    if isinstance(sd, io.BytesIO):
-        return io.BytesIO(sd.getvalue())
-    return sd
-
-
-def load(store, checkpoint_id, like) -> dict:
-    dest = zeros_like_state(like)
-    dcp.load(dest, storage_reader=store.reader(), checkpoint_id=checkpoint_id)
-    return dest
-
-
-def mutate_everything(sd) -> None:
-    for v in (sd.values() if isinstance(sd, dict) else sd):
-        if isinstance(v, torch.Tensor):
-            if v.dtype == torch.bool:
-                v.logical_not_()
-            else:
-                v.add_(1)
-        elif isinstance(v, (dict, list)):
-            mutate_everything(v)
-        elif isinstance(v, io.BytesIO):
-            v.seek(0)
-            v.write(b"CHANGED")
-
-
 @pytest.mark.parametrize("staging", ["cpu", "pinned", "shm"])
 def test_async_save_round_trips_bitwise_and_ignores_later_mutation(tmp_path, staging):
-    sd = make_state()
+    sd = make_async_state()
     with tierstore.open(two_tiers(tmp_path, staging)) as store:
         expected = []
         for i in range(3):
             fut = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{i}")
-            expected.append(clone_state(sd))
+            expected.append(copy.deepcopy(sd))
             # Training changes every tensor (and the BytesIO) right after the save staged.
             mutate_everything(sd)
             fut.result()
         store.wait()
         assert store.latest() == "step-2"
         for i in (1, 2):  # ram keeps 2, disk has all
-            assert_state_equal(load(store, f"step-{i}", expected[i]), expected[i])
+            assert_trees_equal(load_like(store, f"step-{i}", expected[i]), expected[i])
         assert [c.tiers for c in store.list()][0] == ["ram", "disk"]
 
 
@@ -139,8 +58,8 @@ def test_buffers_are_reused_while_the_layout_holds_and_reallocated_when_it_chang
         staged = [e for e in rec.events if e.kind == EventKind.STAGED]
         assert [e.detail["reused"] for e in staged] == [False, True, False, False]
         assert staged[0].nbytes == 100 * 10 * 4 + 10 * 4
-        assert_state_equal(load(store, "step-3", grown), grown)
-        assert_state_equal(load(store, "step-4", retyped), retyped)
+        assert_trees_equal(load_like(store, "step-3", grown), grown)
+        assert_trees_equal(load_like(store, "step-4", retyped), retyped)
 
 
 def test_shm_staging_buffers_are_in_shared_memory(tmp_path):
@@ -186,8 +105,8 @@ def test_a_second_async_save_waits_for_the_first(tmp_path):
         assert waited >= 0.4
         assert rec.events[[e.kind for e in rec.events].index(EventKind.STAGED, 1)] \
             .detail["waited_s"] >= 0.4
-        assert torch.equal(load(store, "step-1", sd)["w"], torch.full((1000,), 1.0))
-        assert torch.equal(load(store, "step-2", sd)["w"], torch.full((1000,), 2.0))
+        assert torch.equal(load_like(store, "step-1", sd)["w"], torch.full((1000,), 1.0))
+        assert torch.equal(load_like(store, "step-2", sd)["w"], torch.full((1000,), 2.0))
 
 
 def test_a_plain_save_waits_for_an_async_save_in_flight(tmp_path):
@@ -218,7 +137,7 @@ def test_staging_over_the_memory_bound_is_a_clear_error_and_loses_nothing(tmp_pa
         # Nothing of step-2 was written, step-1 still loads, and saving goes on.
         assert not (tmp_path / "ram" / "step-2").exists()
         assert store.latest() == "step-1"
-        assert torch.equal(load(store, "step-1", small)["w"], small["w"])
+        assert torch.equal(load_like(store, "step-1", small)["w"], small["w"])
         dcp.async_save(small, storage_writer=store.writer(), checkpoint_id="step-3").result()
         assert store.latest() == "step-3"
 
@@ -241,57 +160,10 @@ def test_errors_surface_through_the_future(tmp_path):
         assert store.latest() == "step-2"
 
 
-PROCESS_SCRIPT = r'''
-import io, os, sys, warnings
-warnings.filterwarnings("ignore")
-import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-sys.path.insert(0, sys.argv[3])
-import tierstore
-from test_async import make_state, mutate_everything, clone_state, load, assert_state_equal
-
-if __name__ == "__main__":
-    root, staging = sys.argv[1], sys.argv[2]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4], RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-    config = {"store": {"staging": staging},
-              "tier": [{"name": "ram", "backend": "local", "path": f"{root}/ram", "keep": 1},
-                       {"name": "disk", "backend": "local", "path": f"{root}/disk"}]}
-    store = tierstore.open(config)
-    sd = make_state()
-    expected = {}
-    for i in range(3):
-        fut = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{i}",
-                             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                             process_group=store.process_group)
-        expected[i] = clone_state(sd)
-        mutate_everything(sd)
-        fut.result()
-    store.wait()  # drains of the checkpoint process's saves run in this process
-    tiers = {c.id: c.tiers for c in store.list()}
-    assert tiers == {"step-2": ["ram", "disk"], "step-1": ["disk"], "step-0": ["disk"]}, tiers
-    for i in range(3):
-        assert_state_equal(load(store, f"step-{i}", expected[i]), expected[i])
-    store.close()
-    print("PROCESS EXECUTOR OK", flush=True)
-'''
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("staging", ["shm", "cpu"])
 def test_process_executor_round_trips_and_drains_from_the_training_process(tmp_path, staging):
-    import socket
-
-    script = tmp_path / "process_save.py"
-    script.write_text(PROCESS_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "tiers"), staging,
-                           str(HERE), str(port)], env=env, capture_output=True, text=True,
-                          timeout=200)
+    proc = run_script("async_process_worker.py", tmp_path / "tiers", staging, free_port(),
+                      timeout=200)
     assert proc.returncode == 0 and "PROCESS EXECUTOR OK" in proc.stdout, \
         f"{proc.stdout}\n{proc.stderr[-8000:]}"

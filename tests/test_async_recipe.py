@@ -14,51 +14,17 @@ state of its own step.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_torchrun
 
 import tierstore
 
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "scripts" / "async_recipe_worker.py"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_recipe(root: Path, *args: str, timeout: float = 240) -> str:
-    """Both ranks of the worker under torchrun; returns stdout + stderr, failing the test unless
-    torchrun exited 0 and both ranks printed ``RANK <r> OK``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER), str(root),
-           *args]
-    # Own session, so a hang kills torchrun and both workers, not torchrun alone.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s\n--- stdout\n{out}\n"
-                    f"--- stderr\n{err[-20000:]}")
-    output = f"--- stdout\n{out}\n--- stderr\n{err[-20000:]}"
-    problems = [line for line in out.splitlines() if "MISMATCH" in line]
-    assert proc.returncode == 0 and not problems, "\n".join(problems) + "\n" + output
-    for rank in range(2):
-        assert f"RANK {rank} OK" in out, output
-    return out
+def run_recipe(root, *args: str) -> str:
+    """Both ranks of the worker under torchrun; returns their stdout, failing the test unless
+    torchrun exited 0, no line says MISMATCH and both ranks printed ``RANK <r> OK``."""
+    return run_torchrun("async_recipe_worker.py", root, *args, timeout=240)
 
 
 @pytest.mark.timeout(300)

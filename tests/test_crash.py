@@ -4,26 +4,17 @@ and what the dead save left must be hidden, then removed by the next save or by 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
+from helpers import assert_state_dicts_equal, empty_like, load_like, make_state_dict, run_script
+from scripts.crash_save import config
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tierstore
-
-HERE = Path(__file__).resolve().parent
-SCRIPT = HERE / "scripts" / "crash_save.py"
-
-_spec = importlib.util.spec_from_file_location("_tierstore_test_crash_save", SCRIPT)
-crash_save = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(crash_save)
 
 # (kind, name, nth): where the child kills itself while saving step-2.
 KILL_POINTS = {
@@ -35,25 +26,10 @@ KILL_POINTS = {
 }
 
 
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bitwise(actual: dict, expected: dict) -> None:
-    assert set(actual) == set(expected)
-    for k, v in expected.items():
-        if isinstance(v, torch.Tensor):
-            assert actual[k].dtype == v.dtype and actual[k].shape == v.shape, k
-            assert torch.equal(raw(actual[k]), raw(v)), f"{k}: bytes differ"
-        else:
-            assert actual[k] == v, k
-
-
 def load(store, cid: str, seed: int) -> None:
     """Load ``cid`` into zeros and check it equals ``make_state_dict(seed)`` bit for bit."""
-    target = crash_save.zeros_like_state_dict(crash_save.make_state_dict(seed))
-    dcp.load(target, storage_reader=store.reader(), checkpoint_id=cid)
-    assert_bitwise(target, crash_save.make_state_dict(seed))
+    want = make_state_dict(seed)
+    assert_state_dicts_equal(load_like(store, cid, want), want)
 
 
 def hidden(root: Path) -> list[str]:
@@ -62,9 +38,7 @@ def hidden(root: Path) -> list[str]:
 
 def crash(root: Path, point: str) -> None:
     kind, name, nth = KILL_POINTS[point]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(root), kind, name, str(nth)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = run_script("crash_save.py", root, kind, name, nth)
     output = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     assert "saved step-1" in proc.stdout, output
     assert proc.returncode == -signal.SIGKILL, f"expected death by SIGKILL\n{output}"
@@ -76,8 +50,8 @@ def assert_state_after_crash(root: Path, store) -> None:
     load(store, "step-1", seed=1)
     assert not (root / "step-2").exists()
     with pytest.raises(tierstore.CheckpointNotFound, match="step-2"):
-        dcp.load(crash_save.zeros_like_state_dict(crash_save.make_state_dict(2)),
-                 storage_reader=store.reader(), checkpoint_id="step-2")
+        dcp.load(empty_like(make_state_dict(2)), storage_reader=store.reader(),
+                 checkpoint_id="step-2")
     left = hidden(root)
     assert left and all(n.startswith(".tierstore-tmp.") for n in left), left
 
@@ -87,9 +61,9 @@ def assert_state_after_crash(root: Path, store) -> None:
 def test_sigkill_mid_save_next_save_cleans_up(tmp_path, point):
     root = tmp_path / "tier"
     crash(root, point)
-    with tierstore.open(crash_save.config(str(root))) as store:
+    with tierstore.open(config(str(root))) as store:
         assert_state_after_crash(root, store)
-        dcp.save(crash_save.make_state_dict(3), storage_writer=store.writer(),
+        dcp.save(make_state_dict(3), storage_writer=store.writer(),
                  checkpoint_id="step-3")
         assert hidden(root) == []
         assert store.latest() == "step-3"
@@ -97,7 +71,7 @@ def test_sigkill_mid_save_next_save_cleans_up(tmp_path, point):
         load(store, "step-3", seed=3)
         load(store, "step-1", seed=1)
         # The id the dead save wanted is free: saving it now works.
-        dcp.save(crash_save.make_state_dict(2), storage_writer=store.writer(),
+        dcp.save(make_state_dict(2), storage_writer=store.writer(),
                  checkpoint_id="step-2")
         load(store, "step-2", seed=2)
         assert hidden(root) == []
@@ -109,7 +83,7 @@ def test_sigkill_mid_save_next_save_cleans_up(tmp_path, point):
 def test_sigkill_mid_save_gc_cleans_up(tmp_path, point):
     root = tmp_path / "tier"
     crash(root, point)
-    with tierstore.open(crash_save.config(str(root))) as store:
+    with tierstore.open(config(str(root))) as store:
         assert_state_after_crash(root, store)
         before = hidden(root)
         removed = store.gc()
@@ -140,12 +114,12 @@ class FailAt:
 def test_save_failing_with_exception_keeps_previous(tmp_path, phase):
     root = tmp_path / "tier"
     fault = FailAt(phase, "step-2")
-    with tierstore.open(crash_save.config(str(root)), plugins=[fault]) as store:
-        dcp.save(crash_save.make_state_dict(1), storage_writer=store.writer(),
+    with tierstore.open(config(str(root)), plugins=[fault]) as store:
+        dcp.save(make_state_dict(1), storage_writer=store.writer(),
                  checkpoint_id="step-1")
         writer = store.writer()
         with pytest.raises(CheckpointException) as info:
-            dcp.save(crash_save.make_state_dict(2), storage_writer=writer,
+            dcp.save(make_state_dict(2), storage_writer=writer,
                      checkpoint_id="step-2")
         assert f"injected disk failure before {phase} of step-2" in str(info.value)
         assert store.latest() == "step-1"
@@ -155,7 +129,7 @@ def test_save_failing_with_exception_keeps_previous(tmp_path, phase):
 
         # The same writer saves again once the fault is gone; nothing hidden stays behind.
         fault.armed = False
-        dcp.save(crash_save.make_state_dict(2), storage_writer=writer, checkpoint_id="step-2")
+        dcp.save(make_state_dict(2), storage_writer=writer, checkpoint_id="step-2")
         assert store.latest() == "step-2"
         load(store, "step-2", seed=2)
         load(store, "step-1", seed=1)
@@ -166,11 +140,11 @@ def test_save_failing_with_exception_keeps_previous(tmp_path, phase):
 @pytest.mark.parametrize("phase", ["write_file", "write_metadata", "write_manifest", "publish"])
 def test_gc_removes_what_a_failed_save_left_in_this_process(tmp_path, phase):
     root = tmp_path / "tier"
-    with tierstore.open(crash_save.config(str(root)), plugins=[FailAt(phase, "step-2")]) as store:
-        dcp.save(crash_save.make_state_dict(1), storage_writer=store.writer(),
+    with tierstore.open(config(str(root)), plugins=[FailAt(phase, "step-2")]) as store:
+        dcp.save(make_state_dict(1), storage_writer=store.writer(),
                  checkpoint_id="step-1")
         with pytest.raises(CheckpointException, match="injected disk failure"):
-            dcp.save(crash_save.make_state_dict(2), storage_writer=store.writer(),
+            dcp.save(make_state_dict(2), storage_writer=store.writer(),
                      checkpoint_id="step-2")
         left = hidden(root)
         removed = store.gc()

@@ -11,42 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_torchrun
 
 import tierstore
-
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "scripts" / "multirank_worker.py"
-FAIL_WORKER = HERE / "scripts" / "multirank_fail_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
-
-def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 150):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
-    try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        pytest.fail(f"torchrun did not finish in {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}")
 
 
 @pytest.mark.timeout(200)
 def test_two_ranks_save_and_load_bitwise(tmp_path):
     root = tmp_path / "shared-tier"
-    proc = run_torchrun(WORKER, str(root))
-    output = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-20000:]}"
-    assert proc.returncode == 0, output
-    for rank in range(2):
-        assert f"RANK {rank} OK" in proc.stdout, output
-    assert "MISMATCH" not in proc.stdout, output
+    run_torchrun("multirank_worker.py", root)  # every rank OK, no MISMATCH
 
     # Seen afterwards from a plain (non-distributed) process: both checkpoints are there,
     # verified, written by a world of 2, with data files from both ranks, and nothing hidden left.
@@ -69,20 +44,13 @@ def test_save_failing_on_one_rank(tmp_path, phase, failing_rank):
     """One rank's save of step-2 fails: every rank gets the error, latest() stays step-1 on both,
     step-3 then saves and loads, and no hidden leftover of step-2 stays in the shared root."""
     root = tmp_path / "shared-tier"
-    proc = run_torchrun(FAIL_WORKER, str(root), phase, str(failing_rank))
-    output = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-20000:]}"
-    problems = [line for line in proc.stdout.splitlines() if "PROBLEM" in line]
-    assert proc.returncode == 0 and not problems, "\n".join(problems) + "\n" + output
-    for rank in range(2):
-        assert f"RANK {rank} OK" in proc.stdout, output
+    run_torchrun("multirank_fail_worker.py", root, phase, failing_rank)  # OK, no PROBLEM
     assert sorted(os.listdir(root)) == ["step-1", "step-3"]
 
 
 @pytest.mark.timeout(120)
 def test_layouts_a_job_cannot_use_are_refused_before_anything_is_written(tmp_path):
-    proc = run_torchrun(HERE / "scripts" / "per_rank_root_worker.py", str(tmp_path / "t"))
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr[-5000:]
+    out = run_torchrun("per_rank_root_worker.py", tmp_path / "t", expect_ok=False)
     for rank in range(2):
         assert f"RANK {rank} SHARED CONFIGERROR" in out and f"RANK {rank} ORDER CONFIGERROR" in out
         assert f"RANK {rank} GOOD OPENED" in out

@@ -6,48 +6,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "scripts" / "two_node_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+from helpers import run_torchrun
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_two_nodes(*args: str, timeout: float = 180, worker: Path = WORKER) -> str:
-    """Both nodes' torchrun running ``worker``, concurrently; returns their combined output
-    (fails on error)."""
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen(
-        [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
-         "--master-addr=127.0.0.1", f"--master-port={port}", str(worker), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in (0, 1)]
-    outputs = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("the two-node job did not finish in time")
-        outputs.append(out)
-    text = "\n".join(outputs)
-    assert all(p.returncode == 0 for p in procs), text[-20000:]
-    for rank in range(4):
-        assert f"RANK {rank} OK" in text, text[-20000:]
-    return text
+def run_two_nodes(*args) -> str:
+    """two_node_worker.py on 2 simulated nodes x 2 ranks; every rank's output (fails unless
+    every rank is OK)."""
+    return run_torchrun("two_node_worker.py", *args, nnodes=2, timeout=180)
 
 
 def hidden(path: Path) -> list[str]:

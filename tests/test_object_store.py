@@ -13,7 +13,6 @@ import io
 import json
 import logging
 import shutil
-import sys
 import threading
 import time
 import traceback
@@ -22,13 +21,9 @@ import uuid
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-
-if "tierstore_conformance" not in sys.modules:  # its asserts explain themselves
-    pytest.register_assert_rewrite("tierstore_conformance")
-
+from helpers import assert_state_dicts_equal, empty_like, load_like, make_state_dict
 from recording import Recorder
-from tierstore_conformance import assert_state_dicts_equal, make_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 
 import tierstore
 from tierstore import ConfigError, DrainError, IntegrityError
@@ -66,16 +61,6 @@ def objects_under(server, prefix: str) -> dict[str, int]:
     fs = server.filesystem()
     return {p[len(prefix) + 1:]: info["size"]
             for p, info in fs.find(prefix, detail=True).items() if info["type"] == "file"}
-
-
-def empty_like(sd):
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros(sd.shape, dtype=sd.dtype)
-    if isinstance(sd, dict):
-        return {k: empty_like(v) for k, v in sd.items()}
-    if isinstance(sd, (list, tuple)):
-        return type(sd)(empty_like(v) for v in sd)
-    return type(sd)() if isinstance(sd, (int, float, str)) else None
 
 
 def compressible_state(seed: int) -> dict:
@@ -121,9 +106,7 @@ def test_checkpoints_drained_to_the_object_store_load_without_the_local_tier(
         assert store.latest() == "step-2"
         assert [(i.id, i.tiers) for i in store.list()] == [
             ("step-2", [kind]), ("step-1", [kind])]
-        loaded = empty_like(want)
-        dcp.load(loaded, storage_reader=store.reader(), checkpoint_id=store.latest())
-        assert_state_dicts_equal(loaded, want)
+        assert_state_dicts_equal(load_like(store, store.latest(), want), want)
         assert reads_by_tier(rec, "step-2") == {kind}
         assert store.stats()[kind].loads == 1
 
@@ -160,9 +143,7 @@ def test_zstd_on_the_s3_tier_recompresses_the_drain_and_loads_from_s3_alone(
     rec = Recorder()
     with tierstore.open(config, plugins=[rec]) as store:
         assert [(i.id, i.tiers) for i in store.list()] == [("step-3", ["s3"])]
-        loaded = empty_like(want)
-        dcp.load(loaded, storage_reader=store.reader(), checkpoint_id="step-3")
-        assert_state_dicts_equal(loaded, want)
+        assert_state_dicts_equal(load_like(store, "step-3", want), want)
         assert reads_by_tier(rec, "step-3") == {"s3"}
 
 
@@ -232,9 +213,7 @@ def test_a_drain_cut_off_by_a_dead_server_fails_loudly_and_is_cleaned_up(
             assert [(i.id, i.tiers) for i in store.list()] == [("step-1", ["local", "s3"])]
             assert store.verify("step-1", tier="s3").ok
             shutil.rmtree(tmp_path / "local")
-            loaded = empty_like(sd)
-            dcp.load(loaded, storage_reader=store.reader(), checkpoint_id="step-1")
-            assert_state_dicts_equal(loaded, make_state_dict(1))
+            assert_state_dicts_equal(load_like(store, "step-1", sd), make_state_dict(1))
         else:
             dcp.save(make_state_dict(2), storage_writer=store.writer(), checkpoint_id="step-2")
             store.wait()  # this drain completes, and removes what the failed one left

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
 import pytest
+from helpers import run_torchrun
 
 import tierstore
-from test_node_local import run_two_nodes as _run_two_nodes
-
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "scripts" / "peer_worker.py"
 
 
-def run(*args: str) -> str:
-    return _run_two_nodes(*args, worker=WORKER)
+def run(*args) -> str:
+    """peer_worker.py on 2 simulated nodes x 2 ranks; every rank's output (fails unless every
+    rank is OK)."""
+    return run_torchrun("peer_worker.py", *args, nnodes=2, timeout=180)
 
 
 @pytest.mark.timeout(900)

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import assert_state_dicts_equal, load_like
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tierstore
@@ -34,15 +35,9 @@ def state(step, n=2000):
             "step": step}
 
 
-def load(store, cid, n=2000):
-    out = {"w": torch.zeros(n), "b": torch.zeros(7, 3, dtype=torch.bfloat16), "step": 0}
-    dcp.load(out, storage_reader=store.reader(), checkpoint_id=cid)
-    return out
-
-
-def assert_same(out, expected):
-    assert torch.equal(out["w"], expected["w"]) and torch.equal(out["b"], expected["b"])
-    assert out["step"] == expected["step"]
+def assert_holds_step(store, cid, step):
+    """``cid`` loads back as ``state(step)``, bit for bit."""
+    assert_state_dicts_equal(load_like(store, cid, state(step)), state(step))
 
 
 def ids_on(root):
@@ -74,7 +69,7 @@ def test_ten_saves_through_three_tiers_with_every_keep_and_pins(tmp_path):
         assert stats["archive"].drains == 2 and stats["nvme"].bytes_drained > 5 * 8000
         assert stats["nvme"].evictions == 1   # step-2 (step-4 is pinned)
         for step in (5, 6, 10):               # each loads from the fastest tier holding it
-            assert_same(load(store, f"step-{step}"), state(step))
+            assert_holds_step(store, f"step-{step}", step)
         assert store.verify("step-10").ok and store.verify("step-10").tiers == [
             "ram", "nvme", "archive"]
 
@@ -92,7 +87,7 @@ def test_the_drain_copies_bytes_exactly_and_loads_without_the_fast_tier(tmp_path
     shutil.rmtree(tmp_path / "ram")
     with tierstore.open(three_tiers(tmp_path)) as store:
         assert store.latest() == "step-10"
-        assert_same(load(store, "step-10"), state(10))
+        assert_holds_step(store, "step-10", 10)
 
 
 def damage(path, how):
@@ -122,9 +117,7 @@ def test_a_bad_file_on_the_fast_tier_is_read_from_the_next_one(tmp_path, how):
         files = sorted(p for p in (tmp_path / "ram" / "step-1").iterdir() if p.suffix == ".distcp")
         assert len(files) >= 2
         damage(files[0], how)
-        out = {k: torch.zeros(200_000) for k in sd}
-        dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
-        assert all(torch.equal(out[k], sd[k]) for k in sd)
+        assert_state_dicts_equal(load_like(store, "step-1", sd), sd)
         fell_back = [e for e in rec.events if e.kind == EventKind.FELL_BACK]
         assert [(e.tier, e.detail["file"]) for e in fell_back] == [("nvme", files[0].name)]
         assert "ram" in fell_back[0].detail["problems"][0]
@@ -303,6 +296,4 @@ def test_killed_mid_drain_restart_shows_a_complete_checkpoint_and_resumes(tmp_pa
     import shutil
     shutil.rmtree(tmp_path / "ram")
     with tierstore.open(two_tiers(tmp_path)) as store:
-        out = {k: torch.zeros(50_000) for k in expected}
-        dcp.load(out, storage_reader=store.reader(), checkpoint_id=store.latest())
-        assert all(torch.equal(out[k], expected[k]) for k in expected)
+        assert_state_dicts_equal(load_like(store, store.latest(), expected), expected)

@@ -10,19 +10,15 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import script_command, script_env, torchrun_command
 
 import tierstore
-
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "scripts" / "preempt_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def _config(root: Path) -> dict:
@@ -33,11 +29,8 @@ def _config(root: Path) -> dict:
 def _run_and_signal(cmd: list[str], signal_rank: int, at_step: int, timeout: float = 180):
     """Start ``cmd``, send SIGTERM to the process of ``signal_rank`` once it printed step
     ``at_step``; return (exit code, stdout)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK"):
-        env.pop(k, None)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(cmd, env=script_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
@@ -82,7 +75,7 @@ def _check_emergency_checkpoint(root: Path, out: str, at_step: int, world: int) 
 @pytest.mark.timeout(200)
 def test_sigterm_single_process_saves_that_step_and_exits(tmp_path):
     at_step = random.randint(2, 12)
-    code, out = _run_and_signal([sys.executable, str(WORKER), str(tmp_path), "200"], 0, at_step)
+    code, out = _run_and_signal(script_command("preempt_worker.py", tmp_path, 200), 0, at_step)
     assert code == 0, out
     assert "NO SIGNAL" not in out, out
     _check_emergency_checkpoint(tmp_path, out, at_step, world=1)
@@ -91,8 +84,7 @@ def test_sigterm_single_process_saves_that_step_and_exits(tmp_path):
 @pytest.mark.timeout(240)
 def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tmp_path):
     at_step = random.randint(2, 12)
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(WORKER), str(tmp_path), "300"]
-    code, out = _run_and_signal(cmd, 1, at_step)
+    code, out = _run_and_signal(torchrun_command("preempt_worker.py", tmp_path, 300), 1, at_step)
     assert code == 0, out
     _check_emergency_checkpoint(tmp_path, out, at_step, world=2)
 

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import assert_state_dicts_equal, load_like
 from torch.distributed.checkpoint.stateful import Stateful
 
 import tierstore
@@ -34,40 +35,9 @@ def random_tensor(shape, dtype, gen):
                          dtype=torch.int64).to(dtype)
 
 
-def assert_bitwise_equal(actual, expected, path="sd"):
-    """Same structure, same dtypes, same bytes (NaNs included)."""
-    if isinstance(expected, dict):
-        assert set(actual) == set(expected), path
-        for k in expected:
-            assert_bitwise_equal(actual[k], expected[k], f"{path}.{k}")
-    elif isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype, path
-        assert actual.shape == expected.shape, path
-        a = actual.reshape(-1).contiguous().view(torch.uint8) if actual.numel() else actual
-        e = expected.reshape(-1).contiguous().view(torch.uint8) if expected.numel() else expected
-        assert torch.equal(a, e), f"{path}: bytes differ"
-    else:
-        assert actual == expected, path
-
-
-def zeros_like_sd(sd):
-    """A destination state dict of the same layout, zero-filled (non-tensors reset)."""
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            out[k] = zeros_like_sd(v)
-        elif isinstance(v, torch.Tensor):
-            out[k] = torch.zeros(v.shape, dtype=v.dtype)
-        else:
-            out[k] = None
-    return out
-
-
 def round_trip(store, sd, cid="step-1"):
     dcp.save(sd, storage_writer=store.writer(), checkpoint_id=cid)
-    out = zeros_like_sd(sd)
-    dcp.load(out, storage_reader=store.reader(), checkpoint_id=cid)
-    return out
+    return load_like(store, cid, sd)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -75,20 +45,20 @@ def test_every_dtype_round_trips_bitwise(store, dtype):
     gen = torch.Generator().manual_seed(0)
     sd = {"small": random_tensor((7, 3), dtype, gen),
           "large": random_tensor((600, 1000), dtype, gen)}  # large enough for the direct read path
-    assert_bitwise_equal(round_trip(store, sd), sd)
+    assert_state_dicts_equal(round_trip(store, sd), sd)
 
 
 def test_nan_and_inf_payloads_round_trip(store):
     t = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45])
     nan_bits = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)  # non-canonical NaN
     sd = {"t": torch.cat([t, nan_bits])}
-    assert_bitwise_equal(round_trip(store, sd), sd)
+    assert_state_dicts_equal(round_trip(store, sd), sd)
 
 
 def test_zero_size_tensors(store):
     sd = {"empty": torch.empty(0), "empty2d": torch.empty(0, 5, dtype=torch.bfloat16),
           "scalar": torch.tensor(3.5)}
-    assert_bitwise_equal(round_trip(store, sd), sd)
+    assert_state_dicts_equal(round_trip(store, sd), sd)
 
 
 def test_non_contiguous_views_save_only_their_projection(store, tmp_path):
@@ -134,7 +104,7 @@ def test_byte_io_items_step_counters_rng_state_and_stateful(store):
 def test_ten_thousand_small_tensors(store):
     gen = torch.Generator().manual_seed(3)
     sd = {f"layer{i}.w": torch.randn(4, generator=gen) for i in range(10_000)}
-    assert_bitwise_equal(round_trip(store, sd), sd)
+    assert_state_dicts_equal(round_trip(store, sd), sd)
 
 
 def test_single_tensor_of_256_mib(tmp_path):
@@ -158,7 +128,7 @@ def test_stock_dcp_loads_a_tierstore_local_checkpoint(store, local_config):
     out = {"w": torch.zeros(300, 300), "b": torch.zeros(300, dtype=torch.bfloat16), "step": 0}
     # Plain DCP, no tierstore involved: the directory is a stock DCP checkpoint.
     dcp.load(out, checkpoint_id=f"{local_config['tier'][0]['path']}/step-9")
-    assert_bitwise_equal(out, sd)
+    assert_state_dicts_equal(out, sd)
 
 
 def test_load_into_a_different_dtype_and_a_resharded_view(store):
@@ -177,7 +147,7 @@ def test_memory_tier_round_trip(tmp_path):
     config = {"tier": [{"name": "ram", "backend": "memory", "path": str(tmp_path / "shm")}]}
     sd = {"w": torch.randn(500, 500), "step": 3}
     with tierstore.open(config) as store:
-        assert_bitwise_equal(round_trip(store, sd), sd)
+        assert_state_dicts_equal(round_trip(store, sd), sd)
 
 
 def test_tensor_items_are_exactly_torch_save_bytes_without_crc():

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
-from worker_exit import run_worker
+from worker_common import run_worker
 
 import tierstore
 from tierstore.events import Phase

@@ -6,20 +6,19 @@ KIND is ``phase`` (kill just before the NTH announcement of phase NAME during st
 ``tierstore_phase`` hook) or ``event`` (kill right after the NTH event NAME of step-2, from a
 ``tierstore_event`` hook, e.g. the first ``written`` event: one data file is complete on disk).
 
-tests/test_crash.py imports ``make_state_dict`` and ``config`` from here so it can regenerate the
-exact data step-1 holds.
+Step N holds ``tierstore_conformance.make_state_dict(N)``; tests/test_crash.py builds the same to
+check what was saved, and opens the store with ``config`` from here.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import sys
 import threading
 import warnings
 
-import torch
+from tierstore_conformance import make_state_dict
 
 import tierstore
 
@@ -30,25 +29,6 @@ def config(root: str) -> dict:
     # io_threads = 3: a save writes several data files, in parallel.
     return {"store": {"io_threads": 3},
             "tier": [{"name": "disk", "backend": "local", "path": root}]}
-
-
-def make_state_dict(seed: int) -> dict:
-    """Deterministic state: a few tensors of different dtypes and a non-tensor item."""
-    gen = torch.Generator().manual_seed(seed)
-    sd = {
-        "w1": torch.randn(64, 64, generator=gen),
-        "w2": torch.randn(32, 48, generator=gen).to(torch.bfloat16),
-        "b": torch.randn(300, generator=gen).to(torch.float16),
-        "ids": torch.randint(-2**40, 2**40, (128,), generator=gen, dtype=torch.int64),
-        "mask": torch.randint(0, 2, (77,), generator=gen).bool(),
-        "extra": {"step": seed, "rng": random.Random(seed).getstate()},
-    }
-    return sd
-
-
-def zeros_like_state_dict(sd: dict) -> dict:
-    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": -1, "rng": None}
-            for k, v in sd.items()}
 
 
 class Killer:

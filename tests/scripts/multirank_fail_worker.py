@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import tierstore
 
-from worker_exit import run_worker
+from worker_common import check_equal, run_worker
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -75,9 +75,7 @@ def main() -> int:
         expected = state(rank, seed)
         target = {k: torch.zeros_like(v) for k, v in expected.items()}
         dcp.load(target, storage_reader=store.reader(), checkpoint_id=cid, process_group=pg)
-        for k, v in expected.items():
-            if not torch.equal(target[k], v):
-                problems.append(f"{cid}: {k} differs after load")
+        check_equal(problems, target, expected, f"{cid} after load")
     dist.barrier()
     if rank == 0:
         left = sorted(n for n in os.listdir(root) if n.startswith(".tierstore-"))

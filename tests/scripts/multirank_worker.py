@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_dev
 
 import tierstore
 
-from worker_exit import run_worker
+from worker_common import check_equal, run_worker
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -56,16 +56,8 @@ def random_tensor(shape, dtype, gen) -> torch.Tensor:
     return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
 
 
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def same_bytes(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
-    if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        fail(f"{name}: got {actual.dtype} {tuple(actual.shape)}, "
-             f"expected {expected.dtype} {tuple(expected.shape)}")
-    elif not torch.equal(raw(actual), raw(expected)):
-        fail(f"{name}: bytes differ")
+    check_equal(problems, actual, expected, name)  # dtype, shape and every byte
 
 
 def build(rank: int, mesh, zero: bool) -> tuple[dict, dict]:

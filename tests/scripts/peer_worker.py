@@ -12,18 +12,18 @@ import os
 import sys
 import warnings
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import init_device_mesh
 
 import tierstore
 from tierstore import EventKind
 from tierstore.events import Phase
-from worker_exit import run_worker
+from worker_common import check_node_checkpoint, node_state, run_worker
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
+OWN_NUMEL = 5000  # floats of each rank's own in the state
 
 STRATEGIES = {"clique": {"strategy": "clique", "factor": 2, "jump": 2},
               "ring": {"strategy": "ring", "offset": 2}}
@@ -74,15 +74,7 @@ def replica_inodes(root, rank, seen, cid):
 
 
 def state(step, rank, mesh, zero=False):
-    gen = torch.Generator().manual_seed(step)
-    full = torch.randn(64, 32, generator=gen)
-    replicated = torch.randn(10, generator=gen)
-    mine = torch.randn(5000, generator=torch.Generator().manual_seed(step * 10 + rank))
-    if zero:
-        full, replicated, mine = (torch.zeros_like(full), torch.zeros_like(replicated),
-                                  torch.zeros_like(mine))
-    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "replicated": replicated,
-            f"rank{rank}": mine, "step": 0 if zero else step}
+    return node_state(step, rank, mesh, OWN_NUMEL, zero=zero)
 
 
 def main() -> int:
@@ -105,23 +97,7 @@ def main() -> int:
               flush=True)
         dist.barrier()
     elif phase == "load":
-        expected = sys.argv[5]
-        latest = store.latest()
-        print(f"RANK {rank} LATEST {latest}", flush=True)
-        if latest != expected:
-            problems.append(f"latest() is {latest!r}, expected {expected!r}")
-        step = int(expected.split("-")[1])
-        out = state(step, rank, mesh, zero=True)
-        dcp.load(out, storage_reader=store.reader(), checkpoint_id=expected,
-                 process_group=store.process_group)
-        want = state(step, rank, mesh)
-        for key in ("replicated", f"rank{rank}"):
-            if not torch.equal(out[key], want[key]):
-                problems.append(f"{key} differs")
-        if not torch.equal(out["w"].to_local(), want["w"].to_local()):
-            problems.append("w (local shard) differs")
-        if out["step"] != step:
-            problems.append(f"step is {out['step']}")
+        check_node_checkpoint(store, problems, rank, mesh, sys.argv[5], OWN_NUMEL)
         for file, tier in sorted(set(seen.reads)):
             print(f"RANK {rank} READ {file} FROM {tier}", flush=True)
         for file, src in sorted(set(seen.fetched)):

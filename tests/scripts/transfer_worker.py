@@ -14,10 +14,10 @@ import sys
 
 import torch.distributed as dist
 
-from tierstore.transport.ends import BufferTarget, MappedFile, WrittenFile
+from tierstore.transport.ends import BufferTarget, FileSource, MappedFile, WrittenFile
 from tierstore.transport.transfer import ROUNDS_IN_FLIGHT, Transfer, run_transfers
 from tierstore_plugins.local import LocalBackend
-from worker_exit import run_worker
+from worker_common import run_worker
 
 problems: list[str] = []
 PIECE = 4096
@@ -95,7 +95,7 @@ def main() -> int:
                   "rb") as f:
             return f.read()
 
-    run("read-to-written", 0, lambda path, size: open(path, "rb", buffering=0),
+    run("read-to-written", 0, lambda path, size: FileSource(open(path, "rb", buffering=0)),
         written_target, read_file)
     run("mapped-to-buffer", 0, MappedFile, lambda kind, generation, t: BufferTarget(t.size),
         lambda kind, generation, src, name, end: bytes(end.data))

@@ -10,17 +10,17 @@ import os
 import sys
 import warnings
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import init_device_mesh
 
 import tierstore
 from tierstore.events import Phase
-from worker_exit import run_worker
+from worker_common import check_node_checkpoint, node_state, run_worker
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
+OWN_NUMEL = 1000  # floats of each rank's own in the state
 
 
 class Reads:
@@ -42,18 +42,6 @@ def config(root):
     ]}
 
 
-def state(step, rank, mesh, zero=False):
-    gen = torch.Generator().manual_seed(step)
-    full = torch.randn(64, 32, generator=gen)
-    replicated = torch.randn(10, generator=gen)
-    mine = torch.randn(1000, generator=torch.Generator().manual_seed(step * 10 + rank))
-    if zero:
-        full, replicated, mine = torch.zeros_like(full), torch.zeros_like(replicated), \
-            torch.zeros_like(mine)
-    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "replicated": replicated,
-            f"rank{rank}": mine, "step": 0 if zero else step}
-
-
 def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -66,7 +54,7 @@ def main() -> int:
           f"{store._ctx.tiers[0].layout.parts}", flush=True)
     if phase == "save":
         for step in (1, 2):
-            dcp.save(state(step, rank, mesh), storage_writer=store.writer(),
+            dcp.save(node_state(step, rank, mesh, OWN_NUMEL), storage_writer=store.writer(),
                      checkpoint_id=f"step-{step}", process_group=store.process_group)
         store.wait()
         dist.barrier()
@@ -74,24 +62,8 @@ def main() -> int:
         if latest != "step-2":
             problems.append(f"latest() is {latest!r} after saving, expected 'step-2'")
     else:
-        expected = sys.argv[3]
-        latest = store.latest()
-        print(f"RANK {rank} LATEST {latest}", flush=True)
-        if latest != expected:
-            problems.append(f"latest() is {latest!r}, expected {expected!r}")
-        step = int(latest.split("-")[1])
-        out = state(step, rank, mesh, zero=True)
-        dcp.load(out, storage_reader=store.reader(), checkpoint_id=latest,
-                 process_group=store.process_group)
-        want = state(step, rank, mesh)
-        if not torch.equal(out["w"].to_local(), want["w"].to_local()):
-            problems.append("w (local shard) differs")
-        if not torch.equal(out["replicated"], want["replicated"]):
-            problems.append("replicated differs")
-        if not torch.equal(out[f"rank{rank}"], want[f"rank{rank}"]):
-            problems.append(f"rank{rank} differs")
-        if out["step"] != step:
-            problems.append(f"step is {out['step']}")
+        check_node_checkpoint(store, problems, rank, mesh, sys.argv[3], OWN_NUMEL,
+                              load_latest=True)
         for file, tier in sorted(set(reads.reads)):
             print(f"RANK {rank} READ {file} FROM {tier}", flush=True)
     store.close()

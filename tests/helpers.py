@@ -1,0 +1,133 @@
+"""What the tests share: state dicts and their bitwise comparison, free ports, and running the
+scripts under tests/scripts (plain processes and torchrun jobs).
+
+State dicts and comparisons are the conformance kit's (``tierstore_conformance``), which checks
+plugins with the same ones; they come through ``tests/scripts/worker_common.py`` (imported here
+as ``scripts.worker_common``), where the scripts, which run in subprocesses and cannot import
+this module, find them too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scripts.worker_common import (assert_state_dicts_equal, assert_trees_equal, empty_like,
+                                   load_like, make_async_state, make_state_dict,
+                                   mutate_everything)
+
+__all__ = ["SCRIPTS", "assert_state_dicts_equal", "assert_trees_equal", "empty_like",
+           "free_port", "load_like", "make_async_state", "make_state_dict", "mutate_everything",
+           "run_script", "run_torchrun", "script_command", "script_env", "torchrun_command"]
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+# What a worker prints on a line of its own when something is wrong (run_worker's labels).
+PROBLEM_WORDS = ("MISMATCH", "PROBLEM")
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a script's process: one OpenMP thread, unbuffered output, and none of
+    the torch.distributed variables of a job this test may itself run in; ``extra`` on top."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def script_command(script: str, *args: Any) -> list[str]:
+    """``python tests/scripts/<script> args...``: the script in one plain process."""
+    return [sys.executable, str(SCRIPTS / script), *map(str, args)]
+
+
+def run_script(script: str, *args: Any, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``script_command(script, *args)`` with ``script_env()``; its result, whatever its
+    exit status (a test that kills it expects one)."""
+    return subprocess.run(script_command(script, *args), env=script_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def torchrun_command(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
+                     node_rank: int = 0, port: int | None = None) -> list[str]:
+    """``python -m torch.distributed.run`` running ``tests/scripts/<script>``: one node with its
+    own rendezvous (``--standalone``), or node ``node_rank`` of ``nnodes`` meeting on
+    127.0.0.1:``port``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
+                f"--master-port={port}"]
+    return [*cmd, str(SCRIPTS / script), *map(str, args)]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM torchrun (it stops its ranks, which run in sessions of their own), then SIGKILL
+    its session if it is still there after a grace period."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_torchrun(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
+                 timeout: float = 150, expect_ok: bool = True) -> str:
+    """Run ``tests/scripts/<script>`` under torchrun, ``nproc`` ranks on each of ``nnodes``
+    simulated nodes (one torchrun per node, concurrently, on a localhost rendezvous), and
+    return the ranks' stdout (the nodes' one after the other).
+
+    Fails the test, with stdout and the end of stderr, unless every torchrun exited 0 in time
+    and no line says MISMATCH or PROBLEM; with ``expect_ok``, also unless every rank printed
+    ``RANK <r> OK`` (what ``worker_common.run_worker`` prints for a rank without problems)."""
+    port = free_port() if nnodes > 1 else None
+    procs = [subprocess.Popen(
+        torchrun_command(script, *args, nproc=nproc, nnodes=nnodes, node_rank=node, port=port),
+        env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True) for node in range(nnodes)]
+    outs, errs, timed_out = [], [], False
+    try:
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                for p in procs:
+                    _stop(p)
+                out, err = proc.communicate()
+            outs.append(out)
+            errs.append(err)
+    finally:
+        for p in procs:
+            _stop(p)
+    stdout, stderr = "\n".join(outs), "\n".join(errs)
+    report = f"--- stdout\n{stdout}\n--- stderr\n{stderr[-20000:]}"
+    if timed_out:
+        pytest.fail(f"torchrun ({script}) did not finish in {timeout} s\n{report}")
+    problems = [line for line in stdout.splitlines() if any(w in line for w in PROBLEM_WORDS)]
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * nnodes and not problems, \
+        f"torchrun exit statuses {codes}\n" + "\n".join(problems) + "\n" + report
+    if expect_ok:
+        for rank in range(nproc * nnodes):
+            assert f"RANK {rank} OK" in stdout, report
+    return stdout
