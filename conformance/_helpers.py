@@ -14,7 +14,7 @@ from tierstore.plugin import Option
 
 from .roundtrip import assert_state_dicts_equal
 
-__all__ = ["assert_options_declared", "assert_trees_equal", "tensor_bytes", "NoCloseWriter"]
+__all__ = ["assert_options_declared", "assert_trees_equal", "tensor_bytes"]
 
 
 def assert_options_declared(cls: type) -> None:
@@ -69,23 +69,3 @@ def assert_trees_equal(got: Any, want: Any, where: str = "state_dict") -> None:
         assert got.getvalue() == want.getvalue(), f"{where}: BytesIO contents differ"
     else:
         assert_state_dicts_equal(got, want, where)
-
-
-class NoCloseWriter(io.RawIOBase):
-    """Passes writes to ``raw`` and ignores ``close()``: what the core hands a codec's
-    ``transform_to`` (closing the codec's stream flushes it, the data file stays open)."""
-
-    def __init__(self, raw: io.BytesIO):
-        super().__init__()
-        self._raw = raw
-
-    def writable(self) -> bool:
-        """Always writable."""
-        return True
-
-    def write(self, data) -> int:
-        """Write ``data`` to the wrapped stream."""
-        return self._raw.write(data)
-
-    def close(self) -> None:
-        """Leave the wrapped stream open."""

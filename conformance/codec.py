@@ -21,9 +21,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
 import tierstore
+from tierstore.format.item_io import NoCloseWriter
 from tierstore.plugin import MANIFEST_NAME, Codec, hookimpl
 
-from ._helpers import NoCloseWriter, assert_options_declared
+from ._helpers import assert_options_declared
 from .roundtrip import _empty_like, assert_state_dicts_equal, make_state_dict
 
 __all__ = ["CodecTests"]

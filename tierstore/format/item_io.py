@@ -26,7 +26,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from tierstore.format.checksum import Hasher
 from tierstore.format.manifest import FileEntry
 
-__all__ = ["ItemLocation", "HashingWriter", "write_items", "split_items", "read_items",
+__all__ = ["NoCloseWriter", "ItemLocation", "HashingWriter", "write_items", "split_items", "read_items",
            "FileReadError", "DIRECT_READ_MIN"]
 
 # Tensors smaller than this are decoded with torch.load; reading them in place gains nothing.
@@ -142,22 +142,25 @@ def _probe_crc_free_save() -> Callable[[torch.Tensor, IO[bytes]], None]:
 save_tensor = _probe_crc_free_save()
 
 
-class _NoClose(io.RawIOBase):
+class NoCloseWriter(io.RawIOBase):
     """Hands writes through and ignores close(), so closing a codec's stream (to flush its
-    frame) leaves the data file open, as DCP's own writer does."""
+    frame) leaves the data file open, as DCP's own writer does. What a codec's
+    ``transform_to`` writes into."""
 
     def __init__(self, raw: IO[bytes]):
         super().__init__()
         self._raw = raw
 
     def writable(self) -> bool:
+        """Always writable."""
         return True
 
     def write(self, data) -> int:
+        """Write ``data`` to the wrapped stream."""
         return self._raw.write(data)
 
     def close(self) -> None:
-        pass
+        """Leave the wrapped stream open."""
 
 
 def encode_to(out: IO[bytes], extensions: list) -> tuple[IO[bytes], list[str] | None]:
@@ -165,7 +168,7 @@ def encode_to(out: IO[bytes], extensions: list) -> tuple[IO[bytes], list[str] | 
     DCP) on the way to ``out``, and the descriptors to record; ``(out, None)`` without any."""
     if not extensions:
         return out, None
-    stream: IO[bytes] = _NoClose(out)
+    stream: IO[bytes] = NoCloseWriter(out)
     for ext in reversed(extensions):
         stream = ext.transform_to(stream)
     return stream, [ext.get_descriptor() for ext in extensions]
