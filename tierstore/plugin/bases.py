@@ -96,8 +96,10 @@ class Backend(abc.ABC):
         return DirectoryLock()
 
     def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
-        """Atomically move ``src`` to ``dst``. ``dst`` must not exist unless ``replace`` (files
-        only). Optional: backends with ``supports_rename = False`` leave it out."""
+        """Atomically move ``src`` to ``dst``. Without ``replace``, raise ``FileExistsError`` when
+        ``dst`` exists (even an empty directory: the ``atomic`` protocol relies on it); with
+        ``replace`` (files only) overwrite it. Optional: backends with
+        ``supports_rename = False`` leave it out."""
         raise NotImplementedError(f"{type(self).__name__} does not support rename")
 
     def sync_dir(self, path: str) -> None:
@@ -238,7 +240,9 @@ class Stager(abc.ABC):
     @abc.abstractmethod
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Return a copy of ``state_dict`` whose tensors are on the host and will not change when
-        training updates the originals."""
+        training updates the originals. The copy may live in buffers the next ``stage`` reuses
+        (and overwrites): the core stages again only once the save of the previous copy is
+        over (one save in flight per store)."""
 
     def close(self) -> None:
         """Free staging buffers."""
