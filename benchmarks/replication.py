@@ -326,7 +326,7 @@ class RawPattern:
     def run(self, group: Any) -> None:
         """Round ``k`` posts the ``k``-th piece of every pair (isend and irecv at once);
         ``ROUNDS_IN_FLIGHT`` rounds are posted before the oldest is waited for; as
-        ``tierstore.transfer.run_transfers`` does."""
+        ``tierstore.transport.transfer.run_transfers`` does."""
         plan = [(dst, True, p) for dst, p in self.send.items()]
         plan += [(src, False, p) for src, p in self.recv.items()]
         offsets = {(peer, out): 0 for peer, out, _p in plan}

@@ -55,6 +55,25 @@ def test_plugins_lists_builtins_with_origin():
     assert "atomic" in out.stdout and "cpu" in out.stdout
 
 
+def test_plugins_of_a_config_include_its_store_plugins(tmp_path, monkeypatch):
+    """``tierstore plugins tiers.toml`` lists the plugins that config loads ([store] plugins)
+    beside the built-ins."""
+    (tmp_path / "acme_cli_ext.py").write_text(
+        "import tierstore\n"
+        "from tierstore_plugins.local import LocalBackend\n"
+        "@tierstore.hookimpl\n"
+        "def tierstore_register_backends(register):\n"
+        "    register('acme', LocalBackend)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    config = tmp_path / "tiers.toml"
+    config.write_text('[store]\nplugins = ["acme_cli_ext"]\n\n'
+                      f'[[tier]]\nname = "nvme"\nbackend = "acme"\npath = "{tmp_path}/t"\n')
+    out = run_cli("plugins", str(config))
+    assert out.returncode == 0, out.stderr
+    assert "acme         acme_cli_ext ([store] plugins in" in out.stdout
+    assert "local        tierstore_plugins.local (built-in)" in out.stdout
+
+
 def test_demo_runs_and_every_load_is_bitwise_equal():
     out = subprocess.run([sys.executable, "-m", "tierstore.demo"], capture_output=True, text=True,
                          timeout=300)

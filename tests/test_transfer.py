@@ -1,4 +1,4 @@
-"""Files moved between ranks by tierstore.transfer.run_transfers (peer replicas and restores):
+"""Files moved between ranks by tierstore.transport.transfer.run_transfers (peer replicas and restores):
 3 ranks under torchrun, every pair at once, transfers many rounds long, every kind of end
 (tests/scripts/transfer_worker.py checks the bytes on each rank)."""
 

@@ -16,6 +16,7 @@ import sys
 
 from tierstore.version import __version__
 from tierstore.errors import TierstoreError
+from tierstore.config.validate import load_config
 from tierstore.plugin.host import KINDS, build_plugin_host
 
 __all__ = ["main"]
@@ -63,11 +64,9 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    if args.config:
-        with _open(args.config) as store:
-            host = store.host
-    else:
-        host = build_plugin_host()
+    # The config's plugins too ([store] plugins), without opening the store: nothing is built
+    # or written, so this works for a config whose tiers are not reachable from here.
+    host = load_config(args.config)[1] if args.config else build_plugin_host()
     for kind in KINDS:
         print(f"{kind}:")
         for name in host.names(kind):

@@ -8,8 +8,8 @@ retention to the training process, whose store owns the drain threads, ``wait()`
 handler. :class:`HandOff` is the training process's side: it adopts what the checkpoint process
 committed.
 
-Layer: top, beside ``tierstore.preemption`` and under ``tierstore.store``; it never imports the
-store (the store passes what opens one).
+Layer: process edges, beside ``tierstore.preemption``, under ``tierstore.store`` and above the
+DCP adapters; it never imports the store (the store passes what opens one).
 """
 
 from __future__ import annotations

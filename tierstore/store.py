@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch.distributed as dist
 
 from tierstore.config.spec import StoreSpec
-from tierstore.config.validate import load_source, validate_config, validate_store_table
+from tierstore.config.validate import load_config
 from tierstore.dcp.reader import ReaderServices, TierstoreReader
 from tierstore.dcp.writer import TierstoreWriter, WriterServices
 from tierstore.engine.catalog import Catalog
@@ -31,7 +31,6 @@ from tierstore.engine.saves import SaveLedger
 from tierstore.engine.stats import TierFigures, TierStats
 from tierstore.errors import DrainError
 from tierstore.handoff import HandOff, checkpoint_process_store
-from tierstore.plugin.host import build_plugin_host
 from tierstore.preemption import Preemption
 from tierstore.tiers.build import build_tiers
 from tierstore.tiers.reports import CheckpointInfo, VerifyReport
@@ -47,19 +46,19 @@ class Store:
                  plugins: Iterable[object] = (), hand_off: bool = False):
         plugins = tuple(plugins)
         spec = StoreSpec.of(config, plugins)
-        data, source = load_source(config)
-        store_table = validate_store_table(data.get("store", {}), source)
         self._stats = TierStats()
-        host = build_plugin_host(store_table["plugins"], f"[store] plugins in {source.name}",
-                                 plugins, {"tierstore.engine.stats": self._stats})
-        config = validate_config(data, source, host, store_table)
+        config, host = load_config(config, plugins, {"tierstore.engine.stats": self._stats})
         job = rank_context(process_group)
         stager = host.lookup("staging", config.staging.name).factory(**config.staging.options)
         self._closed = False
         # Two groups: collectives inside a save or load (maybe in a background thread) never
         # interleave with latest() on the main one.
         main, io = make_store_group(process_group), make_store_group(process_group)
-        tiers = build_tiers(config, host, job, main)
+        try:
+            tiers = build_tiers(config, host, job, main)
+        except BaseException:
+            _destroy(main, io)  # a failed open leaves no groups behind
+            raise
         replication = make_store_group(process_group) if tiers.peer is not None else None
         self._ctx = ctx = StoreContext(config, host, job, tiers, Groups(main, io, replication))
         self._ledger = SaveLedger()
@@ -209,10 +208,7 @@ class Store:
             self._stager.close()
             for tier in [*ctx.tiers, *ctx.tiers.replica_tiers.values()]:
                 tier.backend.close()
-            if dist.is_initialized():
-                for group in (ctx.groups.main, ctx.groups.io, ctx.groups.replication):
-                    if group is not None:
-                        dist.destroy_process_group(group)
+            _destroy(ctx.groups.main, ctx.groups.io, ctx.groups.replication)
 
     def __enter__(self) -> "Store":
         return self
@@ -226,6 +222,14 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<tierstore.Store tiers={[t.name for t in self._ctx.tiers]} rank={self._ctx.rank}>"
+
+
+def _destroy(*groups: Any) -> None:
+    """Destroy the store's own process groups (None: no group)."""
+    if dist.is_initialized():
+        for group in groups:
+            if group is not None:
+                dist.destroy_process_group(group)
 
 
 def _exit_handler(store_ref: "weakref.ref[Store]"):

@@ -1,4 +1,4 @@
-"""torchrun worker (3 ranks) for tierstore.transfer.run_transfers (tests/test_transfer.py).
+"""torchrun worker (3 ranks) for tierstore.transport.transfer.run_transfers (tests/test_transfer.py).
 
 Every rank writes files of awkward sizes (empty, one byte, a page, many pieces) under
 ROOT/<rank>/ and sends each to the two other ranks, in pieces of one page so that a transfer

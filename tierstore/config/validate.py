@@ -18,10 +18,10 @@ from typing import Any
 from tierstore.transport.collectives import RankContext
 from tierstore.errors import ConfigError
 from tierstore.plugin.options import ConfigSource, Option, validate_table
-from tierstore.plugin.host import PluginHost
+from tierstore.plugin.host import PluginHost, build_plugin_host
 
 __all__ = ["StoreConfig", "TierConfig", "PluginChoice", "load_source", "validate_config",
-           "expand_placeholders"]
+           "expand_placeholders", "load_config"]
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]*$")
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -308,3 +308,15 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         part_timeout=store_table["part_timeout"],
         tiers=tuple(tiers), source=source,
     )
+
+
+def load_config(config: Any, plugins: tuple[object, ...] = (),
+                store_builtins: dict[str, object] | None = None) -> tuple[StoreConfig, PluginHost]:
+    """Read ``config`` (a TOML path or a dict), build its plugin host (built-ins,
+    ``store_builtins``, entry points, ``[store] plugins``, then ``plugins``) and validate the
+    whole config against it. Writes nothing; raises ConfigError / PluginError."""
+    data, source = load_source(config)
+    store_table = validate_store_table(data.get("store", {}), source)
+    host = build_plugin_host(store_table["plugins"], f"[store] plugins in {source.name}",
+                             tuple(plugins), store_builtins)
+    return validate_config(data, source, host, store_table), host

@@ -3,5 +3,6 @@
 (:mod:`.peer_fetch`).
 
 Layer: dcp, above ``tierstore.engine``. Each adapter gets a narrow bundle of services
-(``tierstore.engine.services``), never the Store. It may import the engine and everything below.
+(``WriterServices``, ``ReaderServices``, defined beside it), never the Store. It may import the
+engine and everything below.
 """

@@ -4,7 +4,8 @@ With node-local tiers (and peer replicas) a rank may need files that only other 
 own shards after its node was replaced, or another rank's file that DCP's plan sends its way.
 Every rank lists the files its plan needs that it has no good copy of here, and the files it can
 serve; all ranks derive the same schedule from that, and the files move over torch.distributed
-(tierstore.transport.transfer). A received file is checked against its manifest checksum; what no peer has
+(tierstore.transport.transfer). A received file is checked against its manifest checksum; what
+no peer has
 is left to the slower (shared) tiers, file by file, as usual.
 """
 
@@ -13,15 +14,14 @@ from __future__ import annotations
 import logging
 import time
 
-from tierstore.format.checksum import checksum_of
-from tierstore.transport.collectives import all_gather_object
+from tierstore.engine.context import StoreContext
 from tierstore.events import Event, EventKind, Phase
+from tierstore.format.checksum import checksum_of
 from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.tiers.tier import Tier
+from tierstore.transport.collectives import all_gather_object
 from tierstore.transport.ends import BufferTarget
 from tierstore.transport.transfer import Transfer, open_to_send, run_transfers
-
-from tierstore.engine.context import StoreContext
-from tierstore.tiers.tier import Tier
 
 __all__ = ["fetch_from_peers"]
 

@@ -22,21 +22,23 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierstore.format.checksum import checksum_of
-from tierstore.transport.collectives import all_gather_object, broadcast_object
-from tierstore.errors import CheckpointNotFound, IntegrityError
-from tierstore.events import Event, EventKind, Phase
-from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
-from tierstore.format.item_io import FileReadError, read_items
-from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.dcp.peer_fetch import fetch_from_peers
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveSlot
+from tierstore.errors import CheckpointNotFound, IntegrityError
+from tierstore.events import Event, EventKind, Phase
+from tierstore.format.checksum import checksum_of
+from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
+from tierstore.format.item_io import FileReadError, read_items
+from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.tiers.tier import Tier
+from tierstore.transport.collectives import all_gather_object, broadcast_object
 
 __all__ = ["TierstoreReader", "ReaderServices"]
+
+log = logging.getLogger("tierstore.dcp.reader")
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,6 @@ class ReaderServices:
     #: a load waits for the store's save in flight
     slot: SaveSlot
     catalog: Catalog
-
-log = logging.getLogger("tierstore.dcp.reader")
 
 
 class TierstoreReader(StorageReader):

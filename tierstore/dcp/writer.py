@@ -276,7 +276,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     def _publish_part(self, save: _SaveState, results: list[WriteResult],
                       failure: BaseException | None) -> None:
         """Node-local first tier: every rank shares what it wrote (a collective on the store's
-        save group); each group's leader then publishes the group's part, except the
+        io group); each group's leader then publishes the group's part, except the
         coordinator's group, which ``finish`` publishes with the global ``.metadata``."""
         services, tier = self._services, save.tier
         layout, rank = tier.layout, services.context.rank
@@ -320,7 +320,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         metadata.storage_data = storage_md
         metadata.storage_meta = StorageMeta(checkpoint_id=save.checkpoint_id, save_id=save.token)
         try:
-            services.context.host.phase(Phase.WRITE_METADATA, save.checkpoint_id, tier.name, self._rank)
+            services.context.host.phase(Phase.WRITE_METADATA, save.checkpoint_id, tier.name,
+                                        self._rank)
             raw = pickle.dumps(metadata)
             tier.backend.write_bytes(f"{save.staging}/{METADATA_NAME}", raw)
             files[METADATA_NAME] = all_files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw),

@@ -3,7 +3,8 @@
 - :mod:`.context` the narrow context every service gets (config, plugin host, where this process
   sits in the job, the tiers, the process groups): plain data, never the Store;
 - :mod:`.saves` saves in flight (one at a time per store; step numbers; tokens gc must spare);
-- :mod:`.publish` building manifests (the one function that does) and publishing a commit;
+- :mod:`.manifests` building manifests (the one function that does);
+- :mod:`.publish` publishing a save's commit;
 - :mod:`.retention` the only code that evicts a committed checkpoint, and its rule;
 - :mod:`.gc` removing what interrupted saves left;
 - :mod:`.jobs` the background-job base under :mod:`.drain` (copies to slower tiers) and

@@ -122,7 +122,8 @@ class Drainer(BackgroundJobs[DrainJob]):
         return [str(c) for c in self.pending()]
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the threads (after ``wait``)."""
+        """Stop the threads (after ``wait``) without waiting for them: a copy still running
+        (``store.close(wait=False)``) ends with the process."""
         self._jobs.put(None)
         self._pool.close()
 

@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar
 
-from tierstore.errors import DrainError
+from tierstore.errors import DrainError, ReplicationError
 from tierstore.tiers.tier import Tier
 
-__all__ = ["BackgroundJob", "BackgroundJobs", "wait_until_empty"]
+__all__ = ["BackgroundJob", "BackgroundJobs"]
 
 log = logging.getLogger("tierstore.jobs")
 
@@ -90,8 +90,9 @@ class BackgroundJobs(Generic[J]):
         first = failures[0]
         if len(failures) > 1:
             others = "; ".join(str(f) for f in failures[1:])
-            raise type(first)(f"{first} (and {len(failures) - 1} more: {others})",
-                              first.checkpoint_id, first.tier) from first
+            kind = ReplicationError if isinstance(first, ReplicationError) else DrainError
+            raise kind(f"{first} (and {len(failures) - 1} more: {others})",
+                       first.checkpoint_id, first.tier) from first
         raise first
 
     def unreported_failures(self) -> list[DrainError]:

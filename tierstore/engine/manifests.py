@@ -4,6 +4,7 @@ save's commit, a drained copy or a peer replica."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from tierstore.format.manifest import FileEntry, Manifest
@@ -12,9 +13,10 @@ from tierstore.version import __version__
 
 __all__ = ["build_manifest"]
 
-# What a copy keeps of the manifest it was made from: the same save, step, times and versions.
-_INHERITED = ("world_size", "codecs", "step", "part", "parts", "ranks", "save_token", "created",
-              "committed", "pinned", "tierstore_version", "torch_version")
+# What a copy keeps of the manifest it was made from: everything but what it lists and how it
+# is stored (the same save, step, times, versions and formats).
+_INHERITED = tuple(f.name for f in dataclasses.fields(Manifest)
+                   if f.name not in ("checkpoint_id", "files", "plugins"))
 
 
 def build_manifest(tier: Tier, checkpoint_id: str, files: dict[str, FileEntry], *,

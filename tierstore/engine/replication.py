@@ -9,7 +9,8 @@ everywhere; if so, headers (file lists) and then files move point to point, and 
 commits what it received as a checkpoint of its replica tier (``.replicas/<rank>-held-by-<me>``
 under the peer tier's directory), whose manifest names the rank it came from. The coordinator's
 replicas carry DCP's global ``.metadata``. Files are sent from their mapped pages and received
-into the pages of replicas ``keep`` dropped (tierstore.transport.transfer), checksummed as they land.
+into the pages of replicas ``keep`` dropped (tierstore.transport.transfer), checksummed as they
+land.
 """
 
 from __future__ import annotations
@@ -73,10 +74,6 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         self._piece_bytes = context.copy_chunk_bytes
         super().__init__("tierstore-replicate")
         retention.spare_with(self.protected)
-
-    def pending(self) -> list[str]:
-        """Checkpoint ids whose replication is not finished."""
-        return [j.checkpoint_id for j in self.pending_jobs()]
 
     # -- the jobs ------------------------------------------------------------------------------
     def run_job(self, job: ReplicationJob) -> None:

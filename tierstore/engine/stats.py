@@ -68,7 +68,8 @@ class TierStats:
         self.figures: dict[str, TierFigures] = {}
         self._lock = threading.Lock()
 
-    @hookimpl
+    # First among observers: store.stats() is already current inside the others.
+    @hookimpl(tryfirst=True)
     def tierstore_event(self, event: Event) -> None:
         if event.tier is None:
             return

@@ -26,7 +26,8 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from tierstore.format.checksum import Hasher
 from tierstore.format.manifest import FileEntry
 
-__all__ = ["NoCloseWriter", "ItemLocation", "HashingWriter", "write_items", "split_items", "read_items",
+__all__ = ["NoCloseWriter",
+           "ItemLocation", "HashingWriter", "write_items", "split_items", "read_items",
            "FileReadError", "DIRECT_READ_MIN"]
 
 # Tensors smaller than this are decoded with torch.load; reading them in place gains nothing.

@@ -21,7 +21,8 @@ from tierstore.errors import PluginError
 from tierstore.events import Event
 from tierstore.plugin.bases import Backend, Codec, CommitProtocol, ReplicationStrategy, Stager
 
-__all__ = ["BUILTIN_PLUGINS", "KINDS", "Registration", "PluginHost", "build_plugin_host", "hookimpl"]
+__all__ = ["BUILTIN_PLUGINS", "KINDS", "Registration", "PluginHost", "build_plugin_host",
+           "hookimpl"]
 
 log = logging.getLogger("tierstore.plugins")
 

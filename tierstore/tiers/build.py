@@ -117,7 +117,8 @@ def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: 
     problem = strategy.check_world_size(ctx.world_size)
     if problem:
         raise ConfigError(f"{where}: tier '{peer.name}': {problem}")
-    held = [src for src in range(ctx.world_size) if ctx.rank in strategy.holders(src, ctx.world_size)]
+    world = ctx.world_size
+    held = [src for src in range(world) if ctx.rank in strategy.holders(src, world)]
     return peer, strategy, {src: _replica_tier(peer, src, ctx.rank) for src in held}
 
 

@@ -76,7 +76,8 @@ class Tier:
         """The manifest of ``checkpoint_id`` if it is committed here and every file has its
         recorded size; None otherwise (a checkpoint without a matching manifest does not exist)."""
         manifest = self.read_manifest(checkpoint_id)
-        if manifest is None or len(self.present_files(checkpoint_id, manifest)) != len(manifest.files):
+        if manifest is None or \
+                len(self.present_files(checkpoint_id, manifest)) != len(manifest.files):
             return None
         return manifest
 

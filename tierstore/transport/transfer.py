@@ -12,7 +12,8 @@ them, or read them from a file) and hand the last finished round's received piec
 Where a source is a local file (:class:`tierstore.transport.ends.MappedFile`, or a backend's kept
 mapping) gloo sends from the file's own pages, and where a target's pages exist (a recycled
 file, ``tierstore_plugins.recycle``) it receives into them: no copy besides the network's. A
-new file (:class:`tierstore.transport.ends.WrittenFile`) is received into reused buffers and written.
+new file (:class:`tierstore.transport.ends.WrittenFile`) is received into reused buffers and
+written.
 """
 
 from __future__ import annotations
