@@ -215,6 +215,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         if rank == layout.leader:
             services.gc.collect(tier)  # what interrupted saves left in this directory
         save.staging = tier.begin_save(save.checkpoint_id, data.token)
+        # Ranks that do not commit this directory let go of it once their save is over.
+        ledger.hold_until_over(lambda staging=save.staging: tier.end_writing(staging))
         buckets = split_items(plan.items, ctx.config.io_threads)
 
         def write_file(n: int) -> list[WriteResult]:

@@ -212,6 +212,8 @@ class Drainer(BackgroundJobs[DrainJob]):
                 self._safely(lambda: target.abort_save(cid, staging),
                              f"removing the partial copy of {cid} on '{target.name}'")
             raise
+        finally:
+            target.end_writing(staging)  # this rank's part is there; rank 0 commits the rest
         seconds = time.perf_counter() - started
         host.event(Event(EventKind.DRAIN_FINISHED, cid, target.name, rank, seconds,
                          manifest.size_bytes, {"source": source.name, "committed": commits}))

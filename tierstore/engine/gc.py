@@ -1,6 +1,7 @@
 """Garbage collection: removing what interrupted saves, drains and deletes left on a tier
-(hidden staging directories, marked prefixes), never a committed checkpoint and never the files
-of a save still in flight in this process."""
+(hidden staging directories, marked prefixes), never a committed checkpoint and never work in
+progress: a save in flight in this process (its token), or a directory any writer still holds
+(``Tier.begin_save`` locks it; the lock dies with its process)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ class GarbageCollector:
     def collect(self, tier: Tier, protect: Collection[str] = ()) -> list[str]:
         """Remove what interrupted saves left on ``tier`` (sparing saves in flight and the
         tokens in ``protect``); returns the entries removed."""
-        removed = tier.leftovers(protect=self._ledger.tokens_in_flight() | set(protect))
+        removed = [name for name in
+                   tier.leftovers(protect=self._ledger.tokens_in_flight() | set(protect))
+                   if tier.remove_leftover(name)]
         for name in removed:
-            tier.remove_leftover(name)
             self._host.event(Event(EventKind.COLLECTED, None, tier.name, self._rank,
                                    detail={"entry": name}))
             log.info("removed leftover %s from tier '%s'", name, tier.name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 from tierstore.format.ids import step_of
 
@@ -94,8 +95,9 @@ class SaveLedger:
         self.slot = SaveSlot()
         self._lock = threading.Lock()
         self._saves = 0
-        # thread ident -> token of the save that thread is running
-        self._in_flight: dict[int, str] = {}
+        # thread ident -> (token of the save that thread is running, what ends its hold on
+        # its staging directory)
+        self._in_flight: dict[int, tuple[str, list[Callable[[], None]]]] = {}
 
     @property
     def save_seq(self) -> int:
@@ -115,15 +117,44 @@ class SaveLedger:
         """Record that this thread now runs the save ``token`` (None: it runs none).
 
         DCP gives a writer no call when a save fails on another rank, so a save counts as over
-        when its thread starts another one or ends; that is what lets gc collect its files."""
+        when its thread starts another one or ends; that is what lets gc collect its files (and
+        what releases the save's hold on its staging directory, :meth:`hold_until_over`)."""
         with self._lock:
-            if token is None:
-                self._in_flight.pop(threading.get_ident(), None)
-            else:
-                self._in_flight[threading.get_ident()] = token
+            ident = threading.get_ident()
+            previous = self._in_flight.get(ident)
+            if previous is not None and previous[0] == token:
+                return
+            self._in_flight.pop(ident, None)
+            if token is not None:
+                self._in_flight[ident] = (token, [])
+        if previous is not None:
+            _release_all(previous[1])
+
+    def hold_until_over(self, release: Callable[[], None]) -> None:
+        """Call ``release`` when the save this thread runs is over (see :meth:`save_running`)."""
+        with self._lock:
+            entry = self._in_flight.get(threading.get_ident())
+            if entry is not None:
+                entry[1].append(release)
+                return
+        release()
 
     def tokens_in_flight(self) -> set[str]:
-        """Tokens of saves still running in live threads of this process."""
+        """Tokens of saves still running in live threads of this process (the saves of threads
+        that ended are over: their holds are released here)."""
         alive = {t.ident for t in threading.enumerate()}
         with self._lock:
-            return {tok for ident, tok in self._in_flight.items() if ident in alive}
+            over = [ident for ident in self._in_flight if ident not in alive]
+            ended = [self._in_flight.pop(ident)[1] for ident in over]
+            tokens = {tok for tok, _ in self._in_flight.values()}
+        for releases in ended:
+            _release_all(releases)
+        return tokens
+
+
+def _release_all(releases: list[Callable[[], None]]) -> None:
+    for release in releases:
+        try:
+            release()
+        except Exception:  # a lock that is gone already; nothing to hold any more
+            log.exception("releasing a save's staging directory failed")

@@ -17,7 +17,7 @@ from typing import Callable
 from tierstore.config.validate import TierConfig
 from tierstore.format.checksum import hash_stream
 from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
-from tierstore.plugin.bases import Backend, CommitProtocol
+from tierstore.plugin.bases import Backend, CommitProtocol, DirectoryLock
 from tierstore.tiers.layout import SINGLE, TierLayout
 from tierstore.tiers.reports import Problem
 
@@ -38,6 +38,9 @@ class Tier:
     layout: TierLayout = SINGLE
     #: codec instances, in the order they are applied on write
     codecs: list = field(default_factory=list)
+    # staging directory -> the lock this process holds on it while it writes there (see
+    # begin_save); gc in any process spares a directory someone holds
+    _writing: dict[str, DirectoryLock] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -129,18 +132,43 @@ class Tier:
     # -- the commit protocol (nothing else calls it) ------------------------------------------
     def begin_save(self, checkpoint_id: str, token: str) -> str:
         """Prepare a save (or a drained copy, or a replica) of ``checkpoint_id``; returns the
-        staging directory its files go into."""
-        return self.commit.begin(self.backend, checkpoint_id, token)
+        staging directory its files go into.
+
+        The directory belongs to its writer until :meth:`commit_save` or :meth:`abort_save`:
+        this process holds a shared lock on it (``Backend.lock_directory``; several ranks may
+        write one directory), and :meth:`collectable` refuses to hand it to gc, in this process
+        or any other, while someone holds it. The lock dies with its process, so what a killed
+        writer left is collected."""
+        staging = self.commit.begin(self.backend, checkpoint_id, token)
+        lock = self.backend.lock_directory(staging, exclusive=False)
+        if lock is not None:
+            self._writing[staging] = lock
+        return staging
 
     def commit_save(self, checkpoint_id: str, staging: str, manifest: Manifest,
                     announce: Callable[[str], None]) -> None:
         """Write ``manifest`` last and make the checkpoint visible (``announce(phase)`` right
         before the step that publishes it)."""
-        self.commit.commit(self.backend, checkpoint_id, staging, manifest.to_json(), announce)
+        try:
+            self.commit.commit(self.backend, checkpoint_id, staging, manifest.to_json(),
+                               announce)
+        finally:
+            self.end_writing(staging)
 
     def abort_save(self, checkpoint_id: str, staging: str) -> None:
         """Throw away what a failed save, drain or replica wrote under ``staging``."""
-        self.commit.abort(self.backend, checkpoint_id, staging)
+        try:
+            self.commit.abort(self.backend, checkpoint_id, staging)
+        finally:
+            self.end_writing(staging)
+
+    def end_writing(self, staging: str) -> None:
+        """This process no longer writes under ``staging`` (a rank that does not commit it,
+        or a save that is over without a commit): let go of it; committing or aborting does
+        this too. Idempotent."""
+        lock = self._writing.pop(staging, None)
+        if lock is not None:
+            lock.release()
 
     # -- changing what is there --------------------------------------------------------------
     def set_pinned(self, checkpoint_id: str, pinned: bool) -> bool:
@@ -184,6 +212,16 @@ class Tier:
         the root, such as a user's own DCP checkpoint without a manifest, is never touched."""
         return self.commit.find_leftovers(self.backend, self.backend.list(""), protect)
 
-    def remove_leftover(self, name: str) -> None:
-        """Delete one entry :meth:`leftovers` named (never a committed checkpoint)."""
-        self.backend.delete(name)
+    def remove_leftover(self, name: str) -> bool:
+        """Delete one entry :meth:`leftovers` named (never a committed checkpoint), unless a
+        writer still holds it (a save, drain or replica in progress in this or another
+        process); returns whether it was removed."""
+        lock = self.backend.lock_directory(name, exclusive=True)
+        if lock is None:
+            log.info("tier '%s': not collecting %s: a writer still holds it", self.name, name)
+            return False
+        try:
+            self.backend.delete(name)
+        finally:
+            lock.release()
+        return True

@@ -1,0 +1,72 @@
+"""Work in progress belongs to its writer: a store's gc never removes a save, a drain or a
+replica that another store (another process, another job) is still writing on the same tier."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import tierstore
+from tierstore import Phase
+
+
+class HoldAt:
+    """Blocks the save that reaches ``phase`` until released."""
+
+    def __init__(self, phase: str):
+        self.phase = phase
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase):
+        if phase == self.phase:
+            self.reached.set()
+            assert self.release.wait(60), "the test never released the held save"
+
+
+def _config(tmp_path):
+    return {"tier": [{"name": "disk", "backend": "local", "path": str(tmp_path / "disk")}]}
+
+
+def test_another_stores_gc_spares_a_save_in_progress(tmp_path):
+    hold = HoldAt(Phase.WRITE_METADATA)
+    sd_a = {"a": torch.arange(10_000, dtype=torch.float32)}
+    sd_b = {"b": torch.arange(10_000, dtype=torch.float64)}
+    errors: list[BaseException] = []
+    with tierstore.open(_config(tmp_path), plugins=[hold]) as first, \
+            tierstore.open(_config(tmp_path)) as second:
+        def save_a():
+            try:
+                dcp.save(sd_a, storage_writer=first.writer(), checkpoint_id="a")
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=save_a)
+        thread.start()
+        assert hold.reached.wait(60)
+        dcp.save(sd_b, storage_writer=second.writer(), checkpoint_id="b")  # gc runs first
+        assert second.gc() == []  # and an explicit gc spares it too
+        hold.release.set()
+        thread.join(60)
+        assert errors == []
+        for store in (first, second):
+            assert {c.id for c in store.list()} == {"a", "b"}
+        out_a, out_b = {"a": torch.zeros(10_000)}, {"b": torch.zeros(10_000, dtype=torch.float64)}
+        dcp.load(out_a, storage_reader=second.reader(), checkpoint_id="a")
+        dcp.load(out_b, storage_reader=first.reader(), checkpoint_id="b")
+    assert torch.equal(out_a["a"], sd_a["a"]) and torch.equal(out_b["b"], sd_b["b"])
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["a", "b"]
+
+
+def test_gc_still_removes_what_a_dead_writer_left(tmp_path):
+    """The lock goes with its writer: a staging directory nobody holds is collected."""
+    with tierstore.open(_config(tmp_path)) as store:
+        dcp.save({"w": torch.ones(4)}, storage_writer=store.writer(), checkpoint_id="step-1")
+        left = tmp_path / "disk" / ".tierstore-tmp.step-2.0123456789abcdef"
+        left.mkdir()
+        (left / "__0_0.distcp").write_bytes(b"partial")
+        assert store.gc() == ["disk:.tierstore-tmp.step-2.0123456789abcdef"]
+        assert not left.exists()
