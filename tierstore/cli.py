@@ -15,7 +15,7 @@ import datetime
 import sys
 
 from tierstore.version import __version__
-from tierstore.errors import TierstoreError
+from tierstore.errors import CheckpointNotFound, TierstoreError
 from tierstore.config.validate import load_config
 from tierstore.plugin.host import KINDS, build_plugin_host
 
@@ -44,7 +44,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     with _open(args.config) as store:
-        report = store.verify(args.id, tier=args.tier)
+        try:
+            report = store.verify(args.id, tier=args.tier)
+        except CheckpointNotFound as exc:  # what it checked is missing: "bad", not a usage error
+            print(f"tierstore: {exc}", file=sys.stderr)
+            return 1
     print(report)
     return 0 if report.ok else 1
 

@@ -53,10 +53,11 @@ class Phase:
     EMERGENCY_SAVE = "emergency_save"  # preemption: before the emergency checkpoint is saved
     REPLICATE = "replicate"            # before this rank's files are sent to its peers
     PEER_FETCH = "peer_fetch"          # a load, before files missing here are fetched from peers
+    VERIFY_FILE = "verify_file"        # store.verify, before one file is re-read (detail: file)
 
     ALL = (STAGE, SAVE_BEGIN, WRITE_FILE, WRITE_METADATA, WRITE_MANIFEST, PUBLISH, RETAIN,
            LOAD_BEGIN, READ_FILE, DRAIN_BEGIN, DRAIN_FILE, DRAIN_COMMIT, EMERGENCY_SAVE,
-           REPLICATE, PEER_FETCH)
+           REPLICATE, PEER_FETCH, VERIFY_FILE)
 
 
 @dataclass(frozen=True)

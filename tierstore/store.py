@@ -67,7 +67,8 @@ class Store:
         self._drainer = Drainer(ctx, self._retention, gc)
         self._replicator = (Replicator(ctx, self._retention, self._ledger)
                             if tiers.peer is not None else None)
-        self._gc, self._stager, self._catalog = gc, stager, Catalog(ctx)
+        self._gc, self._stager = gc, stager
+        self._catalog = Catalog(ctx, self._retention)
         self._hand_off = HandOff(spec, tiers, job.rank, self._drainer, self._retention,
                                  _checkpoint_process_services)
         publisher = Publisher(ctx, self._drainer, self._retention, in_checkpoint_process=hand_off)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierstore.engine.context import StoreContext
+from tierstore.engine.retention import Retention
 from tierstore.errors import CheckpointNotFound
+from tierstore.events import Phase
 from tierstore.format.ids import validate_checkpoint_id
 from tierstore.format.manifest import MANIFEST_NAME, Manifest
 from tierstore.tiers.reports import CheckpointInfo, VerifyReport
@@ -27,8 +29,8 @@ class Coverage:
 class Catalog:
     """Answers the store's queries from the tiers' manifests."""
 
-    def __init__(self, context: StoreContext):
-        self._context = context
+    def __init__(self, context: StoreContext, retention: Retention):
+        self._context, self._retention = context, retention
 
     def latest(self) -> str | None:
         """Newest checkpoint this job can load: every rank's files are on some tier (of some
@@ -84,17 +86,28 @@ class Catalog:
 
     def verify(self, checkpoint_id: str, tier: str | None = None) -> VerifyReport:
         """Re-read ``checkpoint_id`` on one tier (or every tier holding it) and check every
-        file's size and checksum against the manifest."""
+        file's size and checksum against the manifest. Like a load, it keeps ``keep`` from
+        evicting the checkpoint meanwhile. CheckpointNotFound when no tier holds it."""
         cid = validate_checkpoint_id(checkpoint_id)
-        tiers = self._context.tiers
+        ctx = self._context
+        chosen = [ctx.tiers.named(tier)] if tier else list(ctx.tiers)
         checked, problems = [], []
-        for t in ([tiers.named(tier)] if tier else tiers):
-            found = t.verify(cid)
-            if tier is None and found and found[0].file == MANIFEST_NAME \
-                    and found[0].what.startswith("missing"):
-                continue  # not on this tier at all: nothing to report when checking every tier
-            checked.append(t.name)
-            problems.extend(found)
+        self._retention.loading(cid, begins=True)
+        try:
+            for t in chosen:
+                found = t.verify(cid, lambda rel, t=t: ctx.host.phase(
+                    Phase.VERIFY_FILE, cid, t.name, ctx.rank, file=rel))
+                if tier is None and found and found[0].file == MANIFEST_NAME \
+                        and found[0].what.startswith("missing"):
+                    continue  # not on this tier at all: nothing to report of it
+                checked.append(t.name)
+                problems.extend(found)
+        finally:
+            self._retention.loading(cid, begins=False)
+        if not checked:
+            raise CheckpointNotFound(
+                f"cannot verify '{cid}': no tier holds it ({', '.join(t.name for t in chosen)}); "
+                f"store.list() shows what is stored")
         return VerifyReport(cid, checked, problems)
 
     def set_pinned(self, checkpoint_id: str, pinned: bool) -> None:

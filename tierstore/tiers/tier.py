@@ -98,8 +98,10 @@ class Tier:
                 out[name] = manifest
         return out
 
-    def verify(self, checkpoint_id: str) -> list[Problem]:
-        """Re-read every file of ``checkpoint_id`` and compare sizes and checksums."""
+    def verify(self, checkpoint_id: str,
+               announce: Callable[[str], None] = lambda file: None) -> list[Problem]:
+        """Re-read every file of ``checkpoint_id`` and compare sizes and checksums
+        (``announce(file)`` before each file is read)."""
         def problem(file, what):
             return Problem(self.name, checkpoint_id, file, what)
 
@@ -113,6 +115,7 @@ class Tier:
             return [problem(MANIFEST_NAME, str(exc))]
         problems = []
         for rel, entry in sorted(manifest.files.items()):
+            announce(rel)
             try:
                 size, checksum = self.checksum_file(f"{checkpoint_id}/{rel}")
             except FileNotFoundError:
