@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tierstore.errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,
                               IntegrityError, PluginError, ReplicationError, StagingError,
-                              TierstoreError)
+                              TierFullError, TierstoreError)
 from tierstore.events import Event, EventKind, Phase
 from tierstore.plugin.host import hookimpl
 from tierstore.store import Store, open
@@ -38,4 +38,5 @@ __all__ = [
     "DrainError",
     "ReplicationError",
     "StagingError",
+    "TierFullError",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "DrainError",
     "ReplicationError",
     "StagingError",
+    "TierFullError",
 ]
 
 
@@ -59,6 +60,12 @@ class ReplicationError(DrainError):
     """Replicating a committed checkpoint to this rank's peers (the ``peer`` tier) failed;
     ``store.wait()`` raises it. A kind of :class:`DrainError` (both are background copies), so
     ``except DrainError`` catches it too."""
+
+
+class TierFullError(TierstoreError, OSError):
+    """A tier ran out of space (or quota) while a checkpoint was written to it; the message
+    names the tier, the path, the bytes needed and free. Nothing was committed: the previous
+    checkpoints are intact, and the next save or ``gc`` removes what was written."""
 
 
 class StagingError(TierstoreError):

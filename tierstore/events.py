@@ -30,9 +30,12 @@ class EventKind:
     EMERGENCY_SAVED = "emergency_saved"  # a preemption checkpoint is committed on the fastest tier
     REPLICATED = "replicated"    # this rank's files reached its peers (and theirs reached it)
     PEER_FETCHED = "peer_fetched"  # a load got a file from another rank (detail: file, from)
+    UNREACHABLE = "unreachable"  # a tier did not answer; what could do without it went on
+                                 # (detail: during, error); skipped for a while after
 
     ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
-           DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED, REPLICATED, PEER_FETCHED)
+           DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED, REPLICATED, PEER_FETCHED,
+           UNREACHABLE)
 
 
 class Phase:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from tierstore.config.spec import StoreSpec
 from tierstore.engine.drain import Drainer
+from tierstore.engine.health import TierHealth
 from tierstore.engine.recovery import queue_missing_copies
 from tierstore.engine.retention import Retention
 from tierstore.errors import ConfigError
@@ -32,8 +33,8 @@ class HandOff:
     """The training process's side of saves handed to DCP's checkpoint process."""
 
     def __init__(self, spec: StoreSpec, tiers: TierSet, rank: int, drainer: Drainer,
-                 retention: Retention, reopen: Callable[[StoreSpec], Any]):
-        self._spec, self._tiers, self._rank = spec, tiers, rank
+                 retention: Retention, health: TierHealth, reopen: Callable[[StoreSpec], Any]):
+        self._spec, self._tiers, self._rank, self._health = spec, tiers, rank, health
         self._drainer, self._retention, self._reopen = drainer, retention, reopen
         self._handed_off = False  # this store gave saves to DCP's checkpoint process
         self._lock = threading.Lock()
@@ -57,7 +58,7 @@ class HandOff:
         if not self._handed_off or self._rank != 0:
             return
         with self._lock:  # one scan at a time, or both would queue the same copy
-            queue_missing_copies(list(self._tiers), self._drainer)
+            queue_missing_copies(list(self._tiers), self._drainer, self._health)
             for tier in self._tiers:
                 self._retention.apply(tier)
 

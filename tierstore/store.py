@@ -23,6 +23,7 @@ from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import Groups, StoreContext
 from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_unfinished
 from tierstore.engine.gc import GarbageCollector
+from tierstore.engine.health import TierHealth
 from tierstore.engine.publish import Publisher
 from tierstore.engine.recovery import queue_missing_copies
 from tierstore.engine.replication import Replicator
@@ -68,19 +69,20 @@ class Store:
         self._replicator = (Replicator(ctx, self._retention, self._ledger)
                             if tiers.peer is not None else None)
         self._gc, self._stager = gc, stager
-        self._catalog = Catalog(ctx, self._retention)
-        self._hand_off = HandOff(spec, tiers, job.rank, self._drainer, self._retention,
+        self._health = health = TierHealth(host, job.rank)
+        self._catalog = Catalog(ctx, self._retention, health)
+        self._hand_off = HandOff(spec, tiers, job.rank, self._drainer, self._retention, health,
                                  _checkpoint_process_services)
         publisher = Publisher(ctx, self._drainer, self._retention, in_checkpoint_process=hand_off)
         self._writer_services = WriterServices(ctx, self._ledger, stager, publisher, gc,
                                                self._replicator, self._hand_off.reopen_callable,
                                                self._hand_off.adopt_later)
         self._reader_services = ReaderServices(ctx, self._retention, self._ledger.slot,
-                                               self._catalog)
+                                               self._catalog, health)
         self._atexit = _exit_handler(weakref.ref(self))
         atexit.register(self._atexit)
         if job.rank == 0 and not tiers.node_local and not hand_off:
-            queue_missing_copies(list(tiers), self._drainer)
+            queue_missing_copies(list(tiers), self._drainer, health)
         host.store_opened(self)
 
     @property
@@ -146,7 +148,7 @@ class Store:
         """Remove what interrupted saves left on every tier (never a committed checkpoint)."""
         self._check_open()
         return [f"{tier.name}:{name}" for tier in self._ctx.tiers.read_order()
-                for name in self._gc.collect(tier)]
+                for name in self._health.ask(tier, "gc", lambda t=tier: self._gc.collect(t), [])]
 
     def wait(self, timeout: float | None = None, *, all_ranks: bool = False) -> None:
         """Block until every background copy started so far is done (drains, replication);

@@ -62,11 +62,13 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
     local = _local_sources(ctx, sources)
     verify = ctx.config.verify_on_load
     missing = sorted(r for r in needed if _good_copy(cid, r, local, verify) is None)
-    servable: dict[str, int] = {}
+    # What this rank can serve, with the entry of its own manifest: the receiver may have none
+    # (DCP writes a replicated item once, in one rank's file, listed only in that part).
+    servable: dict[str, FileEntry] = {}
     for tier, manifest in local:
         for rel, entry in manifest.files.items():
             if rel not in servable and tier.backend.size(f"{cid}/{rel}") == entry.size:
-                servable[rel] = entry.size
+                servable[rel] = entry
     views = all_gather_object((missing, servable), group)
     if not any(m for m, _ in views):
         return {}
@@ -78,7 +80,7 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
             if holders:
                 # Spread the load over the holders, the same way on every rank.
                 src = holders[(dst + len(schedule)) % len(holders)]
-                schedule.append(Transfer(src, dst, rel, views[src][1][rel]))
+                schedule.append(Transfer(src, dst, rel, views[src][1][rel].size))
     mine = [t for t in schedule if rank in (t.src, t.dst)]
     entries = {rel: m.files[rel] for _, m in sources for rel in m.files}
     buffers: dict[str, BufferTarget] = {}
@@ -102,7 +104,7 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
     for t in mine:
         if t.dst != rank:
             continue
-        entry = entries.get(t.key)
+        entry = entries.get(t.key) or views[t.src][1][t.key]  # ours, else the sender's
         data = buffers[t.key].data if t.key in buffers else bytearray()
         if entry is None or len(data) != entry.size or checksum_of(data) != entry.checksum:
             log.warning("checkpoint %s: the copy of %s from rank %d does not match its "

@@ -25,6 +25,7 @@ from torch.futures import Future
 from tierstore.dcp.peer_fetch import fetch_from_peers
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
+from tierstore.engine.health import TierHealth
 from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveSlot
 from tierstore.errors import CheckpointNotFound, IntegrityError
@@ -51,6 +52,8 @@ class ReaderServices:
     #: a load waits for the store's save in flight
     slot: SaveSlot
     catalog: Catalog
+    #: tiers that fail to answer are left out of a load's sources
+    health: TierHealth
 
 
 class TierstoreReader(StorageReader):
@@ -96,7 +99,8 @@ class TierstoreReader(StorageReader):
         # by one from the fastest tier that has a good copy.
         services.slot.wait_idle()  # never load beside a save of this store in flight
         sources = [(t, m) for t in ctx.tiers.read_order()
-                   if (m := t.read_manifest(cid)) is not None]
+                   if (m := services.health.ask(t, "load", lambda t=t: t.read_manifest(cid),
+                                                None)) is not None]
         raw, codecs, problems = self._local_metadata(cid, sources)
         self._fetched = {}
         if ctx.tiers.node_local and ctx.groups.main is not None:

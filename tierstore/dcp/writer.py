@@ -9,7 +9,9 @@ which DCP lets through unwrapped.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import shutil
 import pickle
 import time
 import uuid
@@ -29,11 +31,12 @@ from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.publish import Publisher
 from tierstore.engine.replication import ReplicationJob, Replicator
 from tierstore.engine.saves import SaveLedger
-from tierstore.errors import CommitError
+from tierstore.errors import CommitError, TierFullError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import checksum_of
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
-from tierstore.format.item_io import HashingWriter, ItemLocation, split_items, write_items
+from tierstore.format.item_io import (HashingWriter, ItemLocation, item_size, split_items,
+                                      write_items)
 from tierstore.format.manifest import METADATA_NAME, FileEntry
 from tierstore.plugin.bases import Stager
 from tierstore.tiers.tier import Tier
@@ -160,7 +163,11 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         tier = ctx.tiers[0] if self._emergency else ctx.tiers.first_for(step)
         ctx.host.phase(Phase.SAVE_BEGIN, cid, tier.name, ctx.rank)
         if not ctx.config.overwrite:
-            for t in ([tier] if self._emergency else ctx.tiers.tiers_for(step)):
+            # The first tier and slower tiers on this machine's filesystems are asked now; a
+            # remote tier (an object store) is asked by the drain before it copies, so a slow or
+            # dead server never stands between training and its fast tier.
+            slower = [] if self._emergency else ctx.tiers.tiers_for(step)[1:]
+            for t in [tier, *(s for s in slower if s.backend.local_path("") is not None)]:
                 if t.read_manifest(cid) is not None:
                     raise CommitError(
                         f"checkpoint '{cid}' already exists on tier '{t.name}' "
@@ -224,10 +231,15 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             ctx.host.phase(Phase.WRITE_FILE, save.checkpoint_id, tier.name, self._rank,
                              file=relative)
             started = time.perf_counter()
-            with tier.backend.open_write(f"{save.staging}/{relative}") as raw:
-                out = HashingWriter(raw)
-                results = write_items(out, buckets[n], planner, relative,
-                                      [c.extension() for c in tier.codecs])
+            try:
+                with tier.backend.open_write(f"{save.staging}/{relative}") as raw:
+                    out = HashingWriter(raw)
+                    results = write_items(out, buckets[n], planner, relative,
+                                          [c.extension() for c in tier.codecs])
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise _tier_full(tier, save, relative, buckets[n]) from exc
             spans = [[r.storage_data.info.offset, *r.storage_data.raw_span] for r in results
                      if r.storage_data.raw_span is not None]
             entry = FileEntry(out.offset, out.hasher.hexdigest(), self._rank, spans or None)
@@ -353,3 +365,21 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 "dcp.save(sd, storage_writer=store.writer(), checkpoint_id='step-100')"
             )
         return self._save
+
+
+def _tier_full(tier: Tier, save: _SaveState, relative: str, items: list) -> TierFullError:
+    """The error of a save that filled its tier: where, how much it needed, how much is free."""
+    local = tier.backend.local_path(save.staging)
+    free = "an unknown number of"
+    if local is not None:
+        try:
+            free = f"{shutil.disk_usage(local).free:,}"
+        except OSError:
+            pass
+    needed = sum(item_size(i) for i in items)
+    return TierFullError(
+        errno.ENOSPC,
+        f"tier '{tier.name}' is full: writing {relative} of checkpoint '{save.checkpoint_id}' "
+        f"at {tier.backend.describe()} needed about {needed:,} bytes and {free} bytes are free. "
+        f"Nothing was committed and the previous checkpoints are intact; free space there, "
+        f"lower the tier's keep, or point it at a larger filesystem")

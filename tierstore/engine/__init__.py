@@ -7,6 +7,7 @@
 - :mod:`.publish` publishing a save's commit;
 - :mod:`.retention` the only code that evicts a committed checkpoint, and its rule;
 - :mod:`.gc` removing what interrupted saves left;
+- :mod:`.health` fault containment: a tier that does not answer is skipped, never fatal;
 - :mod:`.jobs` the background-job base under :mod:`.drain` (copies to slower tiers) and
   :mod:`.replication` (peer replicas);
 - :mod:`.recovery` queueing the copies an earlier process did not make;

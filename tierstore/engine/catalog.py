@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierstore.engine.context import StoreContext
+from tierstore.engine.health import TierHealth
 from tierstore.engine.retention import Retention
 from tierstore.errors import CheckpointNotFound
 from tierstore.events import Phase
@@ -29,8 +30,8 @@ class Coverage:
 class Catalog:
     """Answers the store's queries from the tiers' manifests."""
 
-    def __init__(self, context: StoreContext, retention: Retention):
-        self._context, self._retention = context, retention
+    def __init__(self, context: StoreContext, retention: Retention, health: TierHealth):
+        self._context, self._retention, self._health = context, retention, health
 
     def latest(self) -> str | None:
         """Newest checkpoint this job can load: every rank's files are on some tier (of some
@@ -54,12 +55,10 @@ class Catalog:
         when it was committed."""
         parts: dict[tuple[str, tuple[int, ...]], tuple[Manifest, set[str]]] = {}
         for tier in self._context.tiers.read_order():
-            for cid in tier.checkpoint_names():
-                manifest = tier.read_manifest(cid)
-                if manifest is None:
-                    continue
+            held = self._health.ask(tier, "latest()", lambda tier=tier: _holdings(tier), [])
+            for cid, manifest, files in held:
                 _, present = parts.setdefault((cid, tuple(manifest.ranks)), (manifest, set()))
-                present |= tier.present_files(cid, manifest)
+                present |= files
         out: dict[str, Coverage] = {}
         for (cid, ranks), (manifest, present) in parts.items():
             if len(present) != len(manifest.files):
@@ -74,7 +73,7 @@ class Catalog:
         """Every checkpoint complete on some tier of this process, newest first."""
         found: dict[str, tuple[list[str], Manifest]] = {}
         for tier in self._context.tiers:
-            for cid, manifest in tier.complete().items():
+            for cid, manifest in self._health.ask(tier, "list()", tier.complete, {}).items():
                 names, _ = found.setdefault(cid, ([], manifest))
                 names.append(tier.name)
         infos = [
@@ -95,8 +94,15 @@ class Catalog:
         self._retention.loading(cid, begins=True)
         try:
             for t in chosen:
-                found = t.verify(cid, lambda rel, t=t: ctx.host.phase(
-                    Phase.VERIFY_FILE, cid, t.name, ctx.rank, file=rel))
+                def check(t=t):
+                    return t.verify(cid, lambda rel: ctx.host.phase(
+                        Phase.VERIFY_FILE, cid, t.name, ctx.rank, file=rel))
+                if tier is None:  # every tier: one that does not answer is left out
+                    found = self._health.ask(t, "verify()", check, None)
+                    if found is None:
+                        continue
+                else:
+                    found = check()
                 if tier is None and found and found[0].file == MANIFEST_NAME \
                         and found[0].what.startswith("missing"):
                     continue  # not on this tier at all: nothing to report of it
@@ -120,3 +126,13 @@ class Catalog:
                 f"cannot {'pin' if pinned else 'unpin'} '{cid}': it is not complete on any tier; "
                 f"store.list() shows what is stored"
             )
+
+
+def _holdings(tier) -> list[tuple[str, Manifest, set[str]]]:
+    """Each checkpoint with a manifest on ``tier``: its id, manifest and the files present."""
+    out = []
+    for cid in tier.checkpoint_names():
+        manifest = tier.read_manifest(cid)
+        if manifest is not None:
+            out.append((cid, manifest, tier.present_files(cid, manifest)))
+    return out

@@ -178,6 +178,14 @@ class Drainer(BackgroundJobs[DrainJob]):
         started = time.perf_counter()
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
                          nbytes=manifest.size_bytes, detail={"source": source.name}))
+        if not self._context.config.overwrite and not gathering and \
+                target.read_manifest(cid) is not None:
+            # The save asked only this machine's tiers up front (see TierstoreWriter.reset).
+            raise DrainError(
+                f"checkpoint '{cid}' already exists on tier '{target.name}' "
+                f"({target.backend.describe()}), so it was not replaced there; it is complete "
+                f"on tier '{source.name}'. Save under a new id, or set [store] overwrite = true",
+                cid, target.name)
         if rank == target.layout.leader:
             self._gc.collect(target, protect={job.token})
         token = job.token if gathering else uuid.uuid4().hex[:16]

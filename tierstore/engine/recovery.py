@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from tierstore.engine.drain import DrainJob, Drainer, PendingCopy
+from tierstore.engine.health import TierHealth
 from tierstore.tiers.tier import Tier
 
 __all__ = ["queue_missing_copies"]
@@ -13,13 +14,16 @@ __all__ = ["queue_missing_copies"]
 log = logging.getLogger("tierstore.recovery")
 
 
-def queue_missing_copies(tiers: list[Tier], drainer: Drainer) -> None:
+def queue_missing_copies(tiers: list[Tier], drainer: Drainer, health: TierHealth) -> None:
     """Queue the copies nobody has made. A copy is missing when a checkpoint is complete on a
     faster tier, absent from a slower tier that takes its step, newer than everything there
     (older ones were evicted by keep), and not queued already."""
     queued = set(drainer.pending())
     jobs: dict[str, tuple[Tier, list[Tier], float]] = {}
-    complete = [tier.complete() for tier in tiers]
+    answered = [health.ask(tier, "resuming drains", tier.complete, None) for tier in tiers]
+    # A tier that did not answer is neither a source nor a target of this scan.
+    tiers = [t for t, c in zip(tiers, answered) if c is not None]
+    complete = [c for c in answered if c is not None]
     for j, target in enumerate(tiers):
         on_target = complete[j]
         newest = max((m.committed for m in on_target.values()), default=float("-inf"))

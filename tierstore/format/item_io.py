@@ -140,7 +140,44 @@ def _probe_crc_free_save() -> Callable[[torch.Tensor, IO[bytes]], None]:
     return torch.save
 
 
-save_tensor = _probe_crc_free_save()
+_save_tensor = _probe_crc_free_save()
+
+
+class _HeldFailure(io.RawIOBase):
+    """Passes writes to ``raw``; after the first one that fails (a full disk) it swallows the
+    rest and keeps the error. torch's zip writer must always reach its end: its destructor
+    aborts the whole process (``terminate called ... unexpected pos``) when its file failed
+    under it half-way."""
+
+    def __init__(self, raw: IO[bytes]):
+        super().__init__()
+        self._raw = raw
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        """Always writable."""
+        return True
+
+    def write(self, data) -> int:
+        """Write ``data`` through, or count it once a write has failed."""
+        if self.error is None:
+            try:
+                return self._raw.write(data)
+            except OSError as exc:
+                self.error = exc
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        """Nothing is buffered here."""
+
+
+def save_tensor(tensor: torch.Tensor, out: IO[bytes]) -> None:
+    """Write ``tensor`` as ``torch.save`` would (CRC-free where torch allows) into ``out``; an
+    ``OSError`` of ``out`` is raised once torch's writer has finished, never inside it."""
+    guarded = _HeldFailure(out)
+    _save_tensor(tensor, guarded)
+    if guarded.error is not None:
+        raise guarded.error
 
 
 class NoCloseWriter(io.RawIOBase):

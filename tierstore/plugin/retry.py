@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+from tierstore.errors import TierstoreError
+
 __all__ = ["RetryPolicy", "is_transient", "with_retries", "GaveUp"]
 
 log = logging.getLogger("tierstore.plugin.retry")
@@ -30,8 +32,9 @@ _TRANSIENT_WORDS = ("slowdown", "slow down", "throttl", "too many requests", "50
                     "connection reset", "connection refused", "temporarily")
 
 
-class GaveUp(OSError):
-    """A transient failure that outlasted the retry policy."""
+class GaveUp(TierstoreError, OSError):
+    """A transient failure that outlasted the retry policy (an OSError too, so code that
+    falls back on I/O errors treats it as one)."""
 
 
 @dataclass(frozen=True)
