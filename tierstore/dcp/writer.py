@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import shutil
 import pickle
+import shutil
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
