@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -40,7 +41,7 @@ from tierstore.format.item_io import (HashingWriter, ItemLocation, item_size, sp
 from tierstore.format.manifest import METADATA_NAME, FileEntry
 from tierstore.plugin.bases import Stager
 from tierstore.tiers.tier import Tier
-from tierstore.transport.collectives import all_gather_object
+from tierstore.transport.collectives import all_gather_object, broadcast_object
 
 __all__ = ["TierstoreWriter", "WriterServices"]
 
@@ -180,11 +181,21 @@ class TierstoreWriter(StorageWriter, AsyncStager):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember this rank's role; refuse a save that did not come with a checkpoint id
-        (DCP calls ``reset`` only when one is given)."""
+        (DCP calls ``reset`` only when one is given), and a multi-rank save without collectives
+        (``use_collectives=False``) before anything is written."""
         save = self._require_save()
         if save.set_up:
             self._save = None
             self._require_save()
+        if kwargs.get("use_collectives", True) is False and _world_size() > 1:
+            self._save = None
+            self._services.ledger.save_running(None)
+            raise CommitError(
+                f"checkpoint '{save.checkpoint_id}': dcp.save(..., use_collectives=False) makes "
+                f"every rank commit on its own, which would keep one rank's data under the id "
+                f"and lose the others'; tierstore commits a checkpoint once, for all ranks. "
+                f"Save with collectives (the default), or, to save one process's state alone, "
+                f"use no_dist=True with a checkpoint id of its own. Nothing was written")
         save.set_up = True
         self._is_coordinator = is_coordinator
         self._rank = kwargs.get("rank") or 0
@@ -205,7 +216,14 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         save = self._require_save()
         wrote = False
         try:
-            fut = self._write_data(save, plan, planner)
+            data: _PlanData = plan.storage_data
+            if getattr(planner, "_enable_plan_caching", False):
+                # With DCP's plan caching, a rank whose plan did not change gets the first
+                # save's plan back, token included: every save's token comes from the first
+                # rank of the store's group instead (one small broadcast per save).
+                token = broadcast_object(uuid.uuid4().hex[:16], self._services.context.groups.main)
+                data = dataclasses.replace(data, token=token)
+            fut = self._write_data(save, dataclasses.replace(plan, storage_data=data), planner)
             wrote = True
             return fut
         finally:
@@ -365,6 +383,10 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 "dcp.save(sd, storage_writer=store.writer(), checkpoint_id='step-100')"
             )
         return self._save
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _tier_full(tier: Tier, save: _SaveState, relative: str, items: list) -> TierFullError:
