@@ -246,7 +246,9 @@ class TierstoreReader(StorageReader):
         else:
             with ThreadPoolExecutor(workers, thread_name_prefix="tierstore-read") as pool:
                 total = sum(pool.map(read_file, list(per_file)))
-        ctx.host.event(Event(EventKind.LOADED, self._checkpoint_id, self._sources[0][0].name,
+        # A rank of a replaced node may have no source of its own: peers sent it everything.
+        first = self._sources[0][0].name if self._sources else None
+        ctx.host.event(Event(EventKind.LOADED, self._checkpoint_id, first,
                                self._rank, time.perf_counter() - started, total))
         fut: Future[None] = Future()
         fut.set_result(None)
