@@ -89,6 +89,11 @@ class FsspecBackend(Backend):
             config.setdefault("connect_timeout", 10)
             config.setdefault("read_timeout", 60)
             options["config_kwargs"] = config
+        if protocol not in ("file", "local", "memory"):
+            # A listing cached by the client may predate objects other processes (or this
+            # one, from another thread) wrote since: sizes, existence and commit confirmation
+            # must come from the store itself.
+            options.setdefault("use_listings_cache", False)
         try:
             self.fs, path = fsspec.core.url_to_fs(self.url, **options)
         except ImportError as exc:
