@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 from tierstore.errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,
-                              IntegrityError, PluginError, ReplicationError, StagingError,
+                              IntegrityError, PluginError, RanksLostError, ReplicationError,
+                              StagingError,
                               TierFullError, TierstoreError)
 from tierstore.events import Event, EventKind, Phase
 from tierstore.plugin.host import hookimpl
@@ -37,6 +38,7 @@ __all__ = [
     "CommitError",
     "DrainError",
     "ReplicationError",
+    "RanksLostError",
     "StagingError",
     "TierFullError",
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "ReplicationError",
     "StagingError",
     "TierFullError",
+    "RanksLostError",
 ]
 
 
@@ -71,3 +72,10 @@ class TierFullError(TierstoreError, OSError):
 class StagingError(TierstoreError):
     """A state dict could not be staged for ``dcp.async_save`` (e.g. it exceeds
     ``[store.staging] max_staging_bytes``); nothing was written."""
+
+
+class RanksLostError(TierstoreError, RuntimeError):
+    """A collective of the store's process group failed: a rank died or did not take part
+    within ``[store] collective_timeout`` seconds. The message names the ranks that did not
+    answer; the job's process groups are unusable after it: restart the job (the last
+    committed checkpoint is intact)."""

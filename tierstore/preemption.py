@@ -26,13 +26,12 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-import torch
 import torch.distributed as dist
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.saves import SaveSlot
 from tierstore.events import Event, EventKind, Phase
-from tierstore.transport.collectives import make_store_group
+from tierstore.transport.collectives import all_reduce_max, make_store_group
 
 __all__ = ["Preemption"]
 
@@ -57,7 +56,7 @@ class Preemption:
         self._previous = {s: signal.signal(s, self._on_signal) for s in self._signals}
         # A group of its own: the per-step agreement must not interleave with the collectives
         # of an async save running on store.process_group in DCP's thread.
-        self._group = make_store_group(context.groups.main)
+        self._group = make_store_group(context.groups.main, context.config.collective_timeout)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only record: the step in progress finishes, then the loop asks requested_by_any().
@@ -71,11 +70,7 @@ class Preemption:
     def requested_by_any(self) -> bool:
         """Whether any rank received the signal. Collective: every rank calls it at every step,
         and all get the same answer."""
-        if self._group is None:
-            return self.requested
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        return bool(all_reduce_max(1 if self.requested else 0, self._group))
 
     def save(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
         """Wait for the save in flight, then save ``state_dict`` to the fastest tier and commit

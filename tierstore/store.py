@@ -30,6 +30,7 @@ from tierstore.engine.replication import Replicator
 from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveLedger
 from tierstore.engine.stats import TierFigures, TierStats
+from tierstore.engine.watchdog import Watchdog
 from tierstore.errors import DrainError
 from tierstore.handoff import HandOff, checkpoint_process_store
 from tierstore.preemption import Preemption
@@ -48,19 +49,24 @@ class Store:
         plugins = tuple(plugins)
         spec = StoreSpec.of(config, plugins)
         self._stats = TierStats()
-        config, host = load_config(config, plugins, {"tierstore.engine.stats": self._stats})
+        self._watchdog = watchdog = Watchdog()
+        config, host = load_config(config, plugins, {"tierstore.engine.stats": self._stats,
+                                                     "tierstore.engine.watchdog": watchdog})
         job = rank_context(process_group)
         stager = host.lookup("staging", config.staging.name).factory(**config.staging.options)
         self._closed = False
         # Two groups: collectives inside a save or load (maybe in a background thread) never
         # interleave with latest() on the main one.
-        main, io = make_store_group(process_group), make_store_group(process_group)
+        timeout = config.collective_timeout
+        main = make_store_group(process_group, timeout)
+        io = make_store_group(process_group, timeout)
         try:
             tiers = build_tiers(config, host, job, main)
         except BaseException:
             _destroy(main, io)  # a failed open leaves no groups behind
             raise
-        replication = make_store_group(process_group) if tiers.peer is not None else None
+        replication = (make_store_group(process_group, timeout) if tiers.peer is not None
+                       else None)
         self._ctx = ctx = StoreContext(config, host, job, tiers, Groups(main, io, replication))
         self._ledger = SaveLedger()
         self._retention = Retention(host, job.rank)
@@ -76,9 +82,10 @@ class Store:
         publisher = Publisher(ctx, self._drainer, self._retention, in_checkpoint_process=hand_off)
         self._writer_services = WriterServices(ctx, self._ledger, stager, publisher, gc,
                                                self._replicator, self._hand_off.reopen_callable,
-                                               self._hand_off.adopt_later)
+                                               self._hand_off.adopt_later, watchdog)
         self._reader_services = ReaderServices(ctx, self._retention, self._ledger.slot,
-                                               self._catalog, health)
+                                               self._catalog, health, watchdog)
+        watchdog.start(config.watchdog, host, job.rank)
         self._atexit = _exit_handler(weakref.ref(self))
         atexit.register(self._atexit)
         if job.rank == 0 and not tiers.node_local and not hand_off:
@@ -205,6 +212,7 @@ class Store:
         finally:
             self._closed = True
             atexit.unregister(self._atexit)
+            self._watchdog.stop()
             self._drainer.close()
             if self._replicator is not None:
                 self._replicator.close(timeout=None if wait else 0)

@@ -31,6 +31,14 @@ def _positive(value: Any) -> str | None:
     return None if value >= 1 else f"must be at least 1, got {value}"
 
 
+def _positive_seconds(value: Any) -> str | None:
+    return None if value > 0 else f"must be a positive number of seconds, got {value}"
+
+
+def _not_negative(value: Any) -> str | None:
+    return None if value >= 0 else f"must be 0 (off) or a number of seconds, got {value}"
+
+
 def _codec_list(value: Any) -> str | None:
     for v in value:
         if not (isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("name"), str))):
@@ -69,6 +77,13 @@ STORE_OPTIONS: tuple[Option, ...] = (
     Option("part_timeout", (int, float), default=600,
            description="seconds rank 0 waits for other nodes' files when draining a node-local "
                        "checkpoint to a shared tier"),
+    Option("collective_timeout", (int, float), default=600, check=_positive_seconds,
+           description="seconds a collective of the store's process groups (latest(), a save's "
+                       "or load's agreement, DCP's own on store.process_group, replication) "
+                       "waits for every rank before failing with the ranks that did not answer"),
+    Option("watchdog", (int, float), default=0, check=_not_negative,
+           description="log every thread's stack when a save or load made no progress for this "
+                       "many seconds (0: off)"),
 )
 
 TIER_OPTIONS: tuple[Option, ...] = (
@@ -137,6 +152,8 @@ class StoreConfig:
     part_timeout: float
     tiers: tuple[TierConfig, ...]
     source: ConfigSource
+    collective_timeout: float = 600
+    watchdog: float = 0
 
 
 def load_source(config: Any) -> tuple[dict[str, Any], ConfigSource]:
@@ -306,6 +323,7 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         verify_on_load=store_table["verify_on_load"], drain_threads=store_table["drain_threads"],
         copy_chunk_mib=store_table["copy_chunk_mib"], exit_timeout=store_table["exit_timeout"],
         part_timeout=store_table["part_timeout"],
+        collective_timeout=store_table["collective_timeout"], watchdog=store_table["watchdog"],
         tiers=tuple(tiers), source=source,
     )
 

@@ -27,6 +27,7 @@ from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
 from tierstore.engine.retention import Retention
+from tierstore.engine.watchdog import Watchdog
 from tierstore.engine.saves import SaveSlot
 from tierstore.errors import CheckpointNotFound, IntegrityError
 from tierstore.events import Event, EventKind, Phase
@@ -54,6 +55,8 @@ class ReaderServices:
     catalog: Catalog
     #: tiers that fail to answer are left out of a load's sources
     health: TierHealth
+    #: told when a load starts and ends (``[store] watchdog``)
+    watchdog: Watchdog | None = None
 
 
 class TierstoreReader(StorageReader):
@@ -71,8 +74,13 @@ class TierstoreReader(StorageReader):
         # Releases the id kept from eviction while this loads: at the end of read_data, at
         # the next reset, or when DCP fails in between and drops the reader.
         self._protection: weakref.finalize | None = None
+        self._watch: int | None = None  # the watchdog's token of the load in flight
 
     def _stop_protecting(self) -> None:
+        watchdog = self._services.watchdog
+        if watchdog is not None:
+            watchdog.end(self._watch)
+            self._watch = None
         if self._protection is not None:
             self._protection()  # runs once, however often called
             self._protection = None
@@ -85,6 +93,8 @@ class TierstoreReader(StorageReader):
         retention = self._services.retention
         retention.loading(cid, begins=True)
         self._protection = weakref.finalize(self, retention.load_released_later, cid)
+        if self._services.watchdog is not None:
+            self._watch = self._services.watchdog.begin(f"load of '{cid}'")
         try:
             self._reset(cid)
         except BaseException:

@@ -32,6 +32,7 @@ from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.publish import Publisher
 from tierstore.engine.replication import ReplicationJob, Replicator
 from tierstore.engine.saves import SaveLedger
+from tierstore.engine.watchdog import Watchdog
 from tierstore.errors import CommitError, TierFullError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import checksum_of
@@ -63,6 +64,8 @@ class WriterServices:
     hand_off: Callable[[], Callable[[], "WriterServices"]]
     #: queue, in the background, what saves handed to DCP's checkpoint process left to do
     adopt_later: Callable[[], None]
+    #: told when a save starts and ends (``[store] watchdog``); None in DCP's checkpoint process
+    watchdog: Watchdog | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class _SaveState:
     set_up: bool = False
     drain: bool = True  # queue copies to slower tiers after the commit (not for emergency saves)
     seq: int = 0  # the store's save counter at reset
+    watch: int | None = None  # the watchdog's token of this save
 
 
 class TierstoreWriter(StorageWriter, AsyncStager):
@@ -176,8 +180,11 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                         f"overwrite = true to replace it"
                     )
         ledger.save_running(None)  # a new save on this thread: any earlier one is over
+        self._over()
         self._save = _SaveState(cid, step, tier, time.perf_counter(), drain=not self._emergency,
                                 seq=ledger.save_seq)
+        if services.watchdog is not None:
+            self._save.watch = services.watchdog.begin(f"save of '{cid}'")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember this rank's role; refuse a save that did not come with a checkpoint id
@@ -188,6 +195,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             self._save = None
             self._require_save()
         if kwargs.get("use_collectives", True) is False and _world_size() > 1:
+            self._over()
             self._save = None
             self._services.ledger.save_running(None)
             raise CommitError(
@@ -289,6 +297,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         finally:
             if failure is not None or not self._is_coordinator:
                 ledger.save_running(None)  # only the coordinator has more to do (finish)
+                self._over()
 
         if failure is not None:
             raise failure
@@ -366,6 +375,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             raise
         finally:
             services.ledger.save_running(None)
+            self._over()
             self._save = None
 
     def storage_meta(self) -> StorageMeta | None:
@@ -375,6 +385,13 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return is_valid_checkpoint_id(checkpoint_id)
+
+    def _over(self) -> None:
+        """This rank's part of the current save is over (for the watchdog)."""
+        save, services = self._save, self._services
+        if save is not None and services is not None and services.watchdog is not None:
+            services.watchdog.end(save.watch)
+            save.watch = None
 
     def _require_save(self) -> _SaveState:
         if self._save is None:

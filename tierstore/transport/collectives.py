@@ -5,14 +5,28 @@ Everything here works without torch.distributed: a single process is rank 0 of 1
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, Callable, TypeVar
 
+import torch
 import torch.distributed as dist
 
+from tierstore.errors import RanksLostError
+
 __all__ = ["RankContext", "rank_context", "make_store_group", "all_gather_object",
-           "broadcast_object"]
+           "broadcast_object", "barrier", "all_reduce_max", "peers_lost"]
+
+log = logging.getLogger("tierstore.collectives")
+T = TypeVar("T")
+
+#: how long a rank whose collective failed waits for the others to say they are still there
+_ROLL_CALL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -49,8 +63,10 @@ def rank_context(process_group: Any = None) -> RankContext:
                        node=_env_int("GROUP_RANK", 0), world_size=world)
 
 
-def make_store_group(process_group: Any = None) -> Any:
-    """A gloo group for the store's own collectives (None without torch.distributed).
+def make_store_group(process_group: Any = None, timeout: float | None = None) -> Any:
+    """A gloo group for the store's own collectives (None without torch.distributed); its
+    collectives fail after ``timeout`` seconds (``[store] collective_timeout``) instead of
+    waiting for a dead or hung rank for ever.
 
     Collective: every rank must call it (``tierstore.open`` is called on every rank). A group of
     its own keeps checkpoint collectives, which may run in background threads, from interleaving
@@ -59,7 +75,77 @@ def make_store_group(process_group: Any = None) -> Any:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-    return dist.new_group(ranks=ranks, backend="gloo")
+    group = dist.new_group(ranks=ranks, backend="gloo",
+                           timeout=None if timeout is None else timedelta(seconds=timeout))
+    if timeout is not None and group is not None:
+        _timeouts[getattr(group, "group_name", "")] = timeout
+    return group
+
+
+# Every rank calls a group's collectives in the same order, so the n-th collective of a group
+# is the same call on every rank: a failed one is named by (group, n) in the roll call.
+_counters: dict[str, itertools.count] = {}
+_timeouts: dict[str, float] = {}
+_counters_lock = threading.Lock()
+
+
+def _next_call(group: Any) -> int:
+    name = getattr(group, "group_name", str(id(group)))
+    with _counters_lock:
+        counter = _counters.setdefault(name, itertools.count())
+        return next(counter)
+
+
+def _collective(group: Any, what: str, run: Callable[[], T]) -> T:
+    """Run one collective of ``group``; turn its failure (a rank died, or did not come within
+    the group's timeout) into a :class:`RanksLostError` naming the ranks that did not answer."""
+    call = _next_call(group)
+    try:
+        return run()
+    except Exception as exc:  # gloo reports a lost peer or a timeout as a RuntimeError
+        missing = _roll_call(group, call)
+        who = (f"rank(s) {missing} did not answer" if missing
+               else "no rank is known to be missing (the collective itself failed)")
+        # Logged too: when DCP's own collectives fail next, its error replaces this one.
+        log.error("rank %d: %s failed: %s (%s)", dist.get_rank(), what, who, exc)
+        raise RanksLostError(
+            f"{what} failed: {who} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). "
+            f"A rank died or hung (see [store] collective_timeout); the last committed "
+            f"checkpoint is intact: restart the job") from exc
+
+
+def peers_lost(group: Any, peers: list[int], what: str, exc: BaseException) -> RanksLostError:
+    """The error of a point-to-point exchange with ``peers`` (ranks of ``group``) that failed:
+    one of them died or did not take part within the group's timeout."""
+    names = sorted({dist.get_global_rank(group, p) for p in peers}) if group is not None else peers
+    return RanksLostError(
+        f"{what} failed: one of rank(s) {names} did not answer ({type(exc).__name__}: "
+        f"{str(exc).splitlines()[0][:300] if str(exc) else ''}). A rank died or hung (see "
+        f"[store] collective_timeout); the last committed checkpoint is intact: restart the job")
+
+
+def _roll_call(group: Any, call: int) -> list[int] | None:
+    """Global ranks of ``group`` that did not report the failure of its ``call``-th collective
+    within ``_ROLL_CALL_S`` (or the group's timeout, if shorter), through the job's key-value
+    store (torchrun's, or the one init_process_group made). None when that store is out of
+    reach."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        name = getattr(group, "group_name", "group")
+        key = f"tierstore/collective-failed/{name}/{call}"
+        store.set(f"{key}/{me}", "1")
+        deadline = time.monotonic() + min(_ROLL_CALL_S, _timeouts.get(name, _ROLL_CALL_S))
+        while True:
+            present = [r for r in range(world) if store.check([f"{key}/{r}"])]
+            if len(present) == world or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        return [dist.get_global_rank(group, r) for r in range(world) if r not in present]
+    except Exception as exc:  # noqa: BLE001 - naming is best effort; the failure stands
+        log.debug("could not tell which ranks are missing: %s", exc)
+        return None
 
 
 def all_gather_object(obj: Any, group: Any) -> list[Any]:
@@ -67,7 +153,8 @@ def all_gather_object(obj: Any, group: Any) -> list[Any]:
     if group is None:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    _collective(group, "gathering from every rank",
+                lambda: dist.all_gather_object(out, obj, group=group))
     return out
 
 
@@ -76,5 +163,22 @@ def broadcast_object(obj: Any, group: Any, src_group_rank: int = 0) -> Any:
     if group is None:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, group=group, group_src=src_group_rank)
+    _collective(group, f"receiving from rank {src_group_rank} of the group",
+                lambda: dist.broadcast_object_list(box, group=group, group_src=src_group_rank))
     return box[0]
+
+
+def all_reduce_max(value: int, group: Any) -> int:
+    """The largest ``value`` of every rank of ``group`` (``value`` itself without a group)."""
+    if group is None:
+        return value
+    flag = torch.tensor([value], dtype=torch.int64)
+    _collective(group, "agreeing with every rank",
+                lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group))
+    return int(flag.item())
+
+
+def barrier(group: Any) -> None:
+    """Wait for every rank of ``group`` (nothing without a group)."""
+    if group is not None:
+        _collective(group, "waiting for every rank", lambda: dist.barrier(group=group))

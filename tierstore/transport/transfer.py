@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from tierstore.errors import TierstoreError
+from tierstore.transport.collectives import peers_lost
 from tierstore.transport.ends import FileSource, MappedFile, TransferEnd
 
 __all__ = ["ROUNDS_IN_FLIGHT", "Transfer", "run_transfers", "open_to_send",
@@ -175,6 +177,7 @@ def run_transfers(group: Any, rank: int, transfers: list[Transfer],
         # and must not hold up the next round's posts.
         pending_sink = helper.submit(_deliver, sink, ends, incoming, (works, outgoing))
 
+    peers = sorted({t.src if t.dst == rank else t.dst for t in transfers} - {rank})
     try:
         prepared: Future | None = helper.submit(ends.prepare, 0, rounds[0]) if rounds else None
         for k in range(len(rounds)):
@@ -194,6 +197,10 @@ def run_transfers(group: Any, rank: int, transfers: list[Transfer],
             finish_oldest_round()
         if pending_sink is not None:
             pending_sink.result()
+    except RuntimeError as exc:  # gloo: a peer died, or did not post within the timeout
+        if isinstance(exc, TierstoreError):
+            raise
+        raise peers_lost(group, peers, "transferring files between ranks", exc) from exc
     finally:
         helper.shutdown(wait=True)
         ends.close()
@@ -222,11 +229,15 @@ def exchange_objects(group: Any, send_to: dict[int, Any], recv_from: list[int]) 
     works = [dist.isend(torch.tensor([len(raw)], dtype=torch.int64), group_dst=dst, group=group)
              for dst, raw in raws.items()]
     works += [dist.irecv(sizes[src], group_src=src, group=group) for src in recv_from]
-    for w in works:
-        w.wait()
-    bufs = {src: torch.empty(int(sizes[src].item()), dtype=torch.uint8) for src in recv_from}
-    works = [dist.isend(raw, group_dst=dst, group=group) for dst, raw in raws.items()]
-    works += [dist.irecv(bufs[src], group_src=src, group=group) for src in recv_from]
-    for w in works:
-        w.wait()
+    peers = sorted(set(send_to) | set(recv_from))
+    try:
+        for w in works:
+            w.wait()
+        bufs = {src: torch.empty(int(sizes[src].item()), dtype=torch.uint8) for src in recv_from}
+        works = [dist.isend(raw, group_dst=dst, group=group) for dst, raw in raws.items()]
+        works += [dist.irecv(bufs[src], group_src=src, group=group) for src in recv_from]
+        for w in works:
+            w.wait()
+    except RuntimeError as exc:  # gloo: a peer died, or did not post within the timeout
+        raise peers_lost(group, peers, "exchanging with other ranks", exc) from exc
     return {src: pickle.loads(bufs[src].numpy().tobytes()) for src in recv_from}
