@@ -14,11 +14,14 @@ import io
 import logging
 import os
 import re
+import time
 from typing import IO, Any
 
 import fsspec
 
-from tierstore.plugin import Backend, hookimpl, Option, RetryPolicy, with_retries
+from tierstore.plugin import (Backend, DirectoryLock, hookimpl, Option, RetryPolicy,
+                              with_retries)
+from tierstore_plugins.leases import LEASE_PREFIX, LeaseKeeper, lease_is_current
 
 log = logging.getLogger("tierstore.fsspec")
 
@@ -63,6 +66,9 @@ class FsspecBackend(Backend):
                description="tries per operation on transient failures"),
         Option("retry_seconds", (int, float), default=120, check=_positive,
                description="longest time spent retrying one operation"),
+        Option("lease_seconds", (int, float), default=120, check=_positive,
+               description="how long a writer's lease on a prefix lasts unrenewed: what a "
+                           "killed writer left is collected this long (+60 s) after it died"),
     )
     default_commit = "manifest-last"
     supports_rename = False
@@ -71,7 +77,7 @@ class FsspecBackend(Backend):
 
     def __init__(self, root: str, url: str | None = None, options: dict | None = None,
                  concurrency: int = 16, part_mib: int = 16, max_attempts: int = 6,
-                 retry_seconds: float = 120):
+                 retry_seconds: float = 120, lease_seconds: float = 120):
         self.url = url or root
         options = dict(options or {})
         # Longest first, so that a secret containing another option value is replaced whole.
@@ -79,6 +85,7 @@ class FsspecBackend(Backend):
         self.concurrency = concurrency
         self.part_size = part_mib << 20
         self.policy = RetryPolicy(max_attempts=max_attempts, max_seconds=float(retry_seconds))
+        self.leases = LeaseKeeper(float(lease_seconds), self.write_bytes, self.delete)
         protocol = fsspec.core.split_protocol(self.url)[0] or "file"
         if protocol in ("s3", "s3a"):
             # aiobotocore keeps 10 connections per client by default; let transfers use ours.
@@ -269,6 +276,27 @@ class FsspecBackend(Backend):
 
     def local_path(self, path: str) -> str | None:
         return self._full(path) if self.is_local else None
+
+    # -- ownership of work in progress (no file locks here: leases) -------------------------
+    def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:
+        """Shared: a lease on prefix ``path``, renewed while held (plugins/leases.py).
+        Exclusive (gc, keep): granted unless some writer's lease on ``path`` is current."""
+        if not exclusive:
+            return self.leases.take(path)
+        now = time.time()
+        for name in self.list(path):
+            if not name.startswith(LEASE_PREFIX) or self.leases.released_here(f"{path}/{name}"):
+                continue
+            try:
+                raw = self.read_bytes(f"{path}/{name}")
+            except FileNotFoundError:
+                continue  # released meanwhile
+            if lease_is_current(raw, now):
+                return None
+        return DirectoryLock()
+
+    def close(self) -> None:
+        self.leases.close()
 
 
 class ObjectReader(io.RawIOBase):

@@ -3,7 +3,9 @@ replica that another store (another process, another job) is still writing on th
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,12 +34,30 @@ def _config(tmp_path):
 
 
 def test_another_stores_gc_spares_a_save_in_progress(tmp_path):
+    _another_stores_gc_spares_a_save_in_progress(_config(tmp_path))
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["a", "b"]
+
+
+def test_another_stores_gc_spares_a_save_in_progress_on_an_object_store(seaweed, s3_bucket):
+    """No file locks there: the writer holds a lease, renewed while it writes."""
+    config = {"tier": [{"name": "s3", "backend": "fsspec", "url": s3_bucket,
+                        "options": seaweed.storage_options(), "lease_seconds": 2}]}
+    _another_stores_gc_spares_a_save_in_progress(config, slow=3)
+    fs = seaweed.filesystem()
+    bucket = s3_bucket.split("://", 1)[1]
+    assert sorted(fs.ls(bucket, detail=False)) == [f"{bucket}/a", f"{bucket}/b"]
+    assert not [k for k in fs.find(bucket) if ".tierstore-" in k]  # markers and leases gone
+
+
+def _another_stores_gc_spares_a_save_in_progress(config, slow: float = 0):
+    """Two stores on one tier: save "a" is held just before its metadata while the other store
+    saves "b" (its gc runs first) and runs gc; then "a" goes on and commits. ``slow``: seconds
+    "a" stays held (longer than a lease, so that only renewal keeps it)."""
     hold = HoldAt(Phase.WRITE_METADATA)
     sd_a = {"a": torch.arange(10_000, dtype=torch.float32)}
     sd_b = {"b": torch.arange(10_000, dtype=torch.float64)}
     errors: list[BaseException] = []
-    with tierstore.open(_config(tmp_path), plugins=[hold]) as first, \
-            tierstore.open(_config(tmp_path)) as second:
+    with tierstore.open(config, plugins=[hold]) as first, tierstore.open(config) as second:
         def save_a():
             try:
                 dcp.save(sd_a, storage_writer=first.writer(), checkpoint_id="a")
@@ -47,6 +67,7 @@ def test_another_stores_gc_spares_a_save_in_progress(tmp_path):
         thread = threading.Thread(target=save_a)
         thread.start()
         assert hold.reached.wait(60)
+        time.sleep(slow)
         dcp.save(sd_b, storage_writer=second.writer(), checkpoint_id="b")  # gc runs first
         assert second.gc() == []  # and an explicit gc spares it too
         hold.release.set()
@@ -58,7 +79,6 @@ def test_another_stores_gc_spares_a_save_in_progress(tmp_path):
         dcp.load(out_a, storage_reader=second.reader(), checkpoint_id="a")
         dcp.load(out_b, storage_reader=first.reader(), checkpoint_id="b")
     assert torch.equal(out_a["a"], sd_a["a"]) and torch.equal(out_b["b"], sd_b["b"])
-    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["a", "b"]
 
 
 def test_gc_still_removes_what_a_dead_writer_left(tmp_path):
@@ -70,3 +90,22 @@ def test_gc_still_removes_what_a_dead_writer_left(tmp_path):
         (left / "__0_0.distcp").write_bytes(b"partial")
         assert store.gc() == ["disk:.tierstore-tmp.step-2.0123456789abcdef"]
         assert not left.exists()
+
+
+def test_gc_on_an_object_store_waits_for_a_lease_to_expire(seaweed, s3_bucket):
+    """A prefix an interrupted save left (marker, no manifest) is collected once its writer's
+    lease expired (the writer was killed: nobody renews it), never while it is current."""
+    config = {"tier": [{"name": "s3", "backend": "fsspec", "url": s3_bucket,
+                        "options": seaweed.storage_options()}]}
+    fs = seaweed.filesystem()
+    bucket = s3_bucket.split("://", 1)[1]
+    now = time.time()
+    for cid, expires in (("step-1", now - 3600), ("step-2", now + 3600)):
+        fs.pipe_file(f"{bucket}/{cid}/.tierstore-pending", b"0123456789abcdef")
+        fs.pipe_file(f"{bucket}/{cid}/__0_0.distcp", b"partial")
+        fs.pipe_file(f"{bucket}/{cid}/.tierstore-lease.0123", json.dumps(
+            {"expires": expires, "host": "elsewhere", "pid": 1}).encode())
+    with tierstore.open(config) as store:
+        assert store.gc() == ["s3:step-1"]
+    assert not fs.exists(f"{bucket}/step-1/__0_0.distcp")
+    assert fs.exists(f"{bucket}/step-2/__0_0.distcp")

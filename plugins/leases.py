@@ -1,0 +1,121 @@
+"""Leases: who owns work in progress on a tier without file locks (an object store).
+
+A writer (a save, a drain) holds a *lease* on the prefix it writes: an object
+``<prefix>/.tierstore-lease.<id>`` that says until when (wall clock, seconds since the epoch),
+renewed by a background thread every third of the lease's length while the writer holds it,
+and deleted when it lets go. Garbage collection in any process removes a prefix only when no
+lease on it is current; a killed writer's lease stops being renewed and expires, so what it left
+is collected after ``lease_seconds`` (plus the clock skew allowed between hosts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable
+
+from tierstore.plugin import DirectoryLock
+
+__all__ = ["LEASE_PREFIX", "Lease", "LeaseKeeper", "lease_is_current"]
+
+log = logging.getLogger("tierstore.leases")
+
+LEASE_PREFIX = ".tierstore-lease."
+#: how far two hosts' clocks may disagree: a lease counts this much longer for others
+CLOCK_SKEW_S = 60.0
+
+
+def lease_is_current(raw: bytes, now: float) -> bool:
+    """Whether the lease object ``raw`` still holds at ``now``; an unreadable one does (never
+    delete work on a guess)."""
+    try:
+        expires = float(json.loads(raw)["expires"])
+    except (ValueError, KeyError, TypeError):
+        return True
+    return now < expires + CLOCK_SKEW_S
+
+
+class Lease(DirectoryLock):
+    """A writer's lease on one prefix; ``release()`` stops renewing it and deletes it."""
+
+    def __init__(self, keeper: "LeaseKeeper", path: str):
+        self.keeper, self.path = keeper, path
+
+    def release(self) -> None:
+        """End the lease (idempotent)."""
+        self.keeper.drop(self)
+
+
+class LeaseKeeper:
+    """Writes, renews and deletes the leases of one backend, renewing from one daemon thread.
+
+    ``write(path, data)`` and ``delete(path)`` are the backend's own primitives."""
+
+    def __init__(self, seconds: float, write: Callable[[str, bytes], None],
+                 delete: Callable[[str], None]):
+        self.seconds = seconds
+        self._write, self._delete = write, delete
+        self._held: set[Lease] = set()
+        # Leases let go of here whose object could not be deleted (the store was down): gc in
+        # this process knows they are over, whatever they say.
+        self._released: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def take(self, prefix: str) -> Lease:
+        """A new lease on ``prefix``, written before this returns."""
+        lease = Lease(self, f"{prefix}/{LEASE_PREFIX}{uuid.uuid4().hex[:16]}")
+        self._renew(lease)
+        with self._lock:
+            self._held.add(lease)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tierstore-leases",
+                                                daemon=True)
+                self._thread.start()
+        return lease
+
+    def drop(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` and delete it (a failed delete only leaves it to expire)."""
+        with self._lock:
+            if lease not in self._held:
+                return
+            self._held.discard(lease)
+        try:
+            self._delete(lease.path)
+        except Exception as exc:  # noqa: BLE001 - it expires on its own
+            with self._lock:
+                self._released.add(lease.path)
+            log.warning("could not delete lease %s (%s); it expires in %.0f s", lease.path, exc,
+                        self.seconds)
+
+    def released_here(self, path: str) -> bool:
+        """Whether the lease object ``path`` is one this process held and let go of."""
+        with self._lock:
+            return path in self._released
+
+    def close(self) -> None:
+        """Stop the renewing thread (the store closes; its writers are done)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _renew(self, lease: Lease) -> None:
+        body = {"expires": time.time() + self.seconds, "host": socket.gethostname(),
+                "pid": os.getpid()}
+        self._write(lease.path, json.dumps(body).encode())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            with self._lock:
+                held = list(self._held)
+            for lease in held:
+                try:
+                    self._renew(lease)
+                except Exception as exc:  # noqa: BLE001 - a failing store fails the writer too
+                    log.warning("could not renew lease %s: %s", lease.path, exc)
