@@ -213,6 +213,7 @@ class Store:
             self._closed = True
             atexit.unregister(self._atexit)
             self._watchdog.stop()
+            self._health.close()
             self._drainer.close()
             if self._replicator is not None:
                 self._replicator.close(timeout=None if wait else 0)

@@ -3,16 +3,17 @@ and the tiers that do.
 
 Whatever can do without a tier (``latest()``, ``list()``, ``verify()`` of every tier, finding the
 copies a load may read, the resumed drains' scan, gc) asks it through :meth:`TierHealth.ask`: a
-failure there becomes a logged warning and an ``unreachable`` event, and the tier is skipped for
-``cooldown_s`` seconds, so a dead server costs its retries once, not at every call. What needs a
-tier (a save into it, a drain to it) still fails, with an error naming the tier.
+failure there becomes a logged warning and an ``unreachable`` event, and the tier is skipped
+until a probe in the background (``Backend.check_reachable``, every ``cooldown_s`` seconds) finds
+it answering again: a dead server costs its retries once per outage, in the caller that first
+meets it, and never again in the callers. What needs a tier (a save into it, a drain to it)
+still fails, with an error naming the tier.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Callable, TypeVar
 
 from tierstore.events import Event, EventKind
@@ -25,44 +26,62 @@ log = logging.getLogger("tierstore.health")
 
 T = TypeVar("T")
 
-#: seconds a tier that failed to answer is skipped by what can do without it
+#: seconds between the background probes of a tier that failed to answer
 COOLDOWN_S = 30.0
 
 
 class TierHealth:
     """Which tiers of one store answered lately (see the module docstring)."""
 
-    def __init__(self, host: PluginHost, rank: int, cooldown_s: float = COOLDOWN_S):
-        self._host, self._rank, self._cooldown = host, rank, cooldown_s
+    def __init__(self, host: PluginHost, rank: int, cooldown_s: float | None = None):
+        self._host, self._rank = host, rank
+        self._cooldown = COOLDOWN_S if cooldown_s is None else cooldown_s
         self._lock = threading.Lock()
-        # tier name -> (monotonic time until which it is skipped, why)
-        self._down: dict[str, tuple[float, str]] = {}
+        # tier name -> why it is skipped (until its probe finds it answering)
+        self._down: dict[str, str] = {}
+        self._closed = threading.Event()
 
     def ask(self, tier: Tier, what: str, fn: Callable[[], T], default: T) -> T:
         """``fn()`` (which reads ``tier``), or ``default`` when the tier is skipped or fails;
         ``what`` names the operation for the warning and the event."""
         with self._lock:
-            down = self._down.get(tier.name)
-            if down is not None and time.monotonic() < down[0]:
+            if tier.name in self._down:
                 return default
         try:
-            result = fn()
+            return fn()
         except Exception as exc:  # any failure of this tier: the others go on
             reason = f"{type(exc).__name__}: {exc}"
             with self._lock:
-                self._down[tier.name] = (time.monotonic() + self._cooldown, reason)
-            log.warning("tier '%s' (%s) did not answer during %s; going on without it for "
-                        "%.0f s: %s", tier.name, tier.backend.describe(), what, self._cooldown,
-                        reason)
-            self._host.event(Event(EventKind.UNREACHABLE, None, tier.name, self._rank,
-                                   detail={"during": what, "error": reason}))
+                first = tier.name not in self._down
+                self._down[tier.name] = reason
+            if first:
+                log.warning("tier '%s' (%s) did not answer during %s; going on without it "
+                            "until it answers again (probed every %.0f s): %s", tier.name,
+                            tier.backend.describe(), what, self._cooldown, reason)
+                self._host.event(Event(EventKind.UNREACHABLE, None, tier.name, self._rank,
+                                       detail={"during": what, "error": reason}))
+                threading.Thread(target=self._probe, args=(tier,), daemon=True,
+                                 name=f"tierstore-probe-{tier.name}").start()
             return default
-        with self._lock:
-            self._down.pop(tier.name, None)
-        return result
+
+    def _probe(self, tier: Tier) -> None:
+        """Until ``tier`` answers again (or the store closes): ask it every cooldown."""
+        while not self._closed.wait(self._cooldown):
+            try:
+                problem = tier.backend.check_reachable()
+            except Exception as exc:  # noqa: BLE001 - still down
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                with self._lock:
+                    self._down.pop(tier.name, None)
+                log.info("tier '%s' (%s) answers again", tier.name, tier.backend.describe())
+                return
 
     def unreachable(self) -> dict[str, str]:
         """Tiers skipped now, with why (for reports)."""
-        now = time.monotonic()
         with self._lock:
-            return {name: why for name, (until, why) in self._down.items() if now < until}
+            return dict(self._down)
+
+    def close(self) -> None:
+        """Stop probing (the store closes)."""
+        self._closed.set()
