@@ -19,9 +19,10 @@ from typing import IO, Any
 
 import fsspec
 
-from tierstore.plugin import (Backend, DirectoryLock, hookimpl, Option, RetryPolicy,
+from tierstore.plugin import (Backend, confined, DirectoryLock, hookimpl, Option, RetryPolicy,
                               with_retries)
 from tierstore_plugins.leases import LEASE_PREFIX, LeaseKeeper, lease_is_current
+from tierstore_plugins.local import local_path_problem
 
 log = logging.getLogger("tierstore.fsspec")
 
@@ -50,11 +51,17 @@ def _positive(v: Any) -> str | None:
     return None if v > 0 else f"must be positive, got {v}"
 
 
+def _url_problem(url: str) -> str | None:
+    """A local path (``file://`` or no protocol) must fit the local limits on names and paths."""
+    protocol, path = fsspec.core.split_protocol(url)
+    return local_path_problem(path) if protocol in (None, "file", "local") else None
+
+
 class FsspecBackend(Backend):
     """A tier on any fsspec filesystem; for object stores, with manifest-last commits."""
 
     options = (
-        Option("url", str, required=True, expand=True,
+        Option("url", str, required=True, expand=True, check=_url_problem,
                description="where the tier lives, e.g. s3://bucket/run-7 (may use {node})"),
         Option("options", dict, default={},
                description="filesystem options (endpoint, credentials: use {env = \"NAME\"})"),
@@ -126,7 +133,8 @@ class FsspecBackend(Backend):
         return self.redact(re.sub(r"//[^/@]*@", "//***@", self.url))
 
     def _full(self, path: str) -> str:
-        return f"{self.root_path}/{path}" if path else self.root_path
+        # Untrusted (from a manifest or a listing): keys never climb out of the tier's prefix.
+        return f"{self.root_path}/{confined(path, self.describe())}" if path else self.root_path
 
     def _retry(self, fn, what: str):
         return with_retries(fn, self.policy, f"{what} at {self.describe()}", self.redact)

@@ -15,8 +15,8 @@ import shutil
 import sys
 from typing import IO
 
-from tierstore.plugin import (Backend, DirectoryLock, hookimpl, MappedFile, Option,
-                              TransferEnd, WrittenFile)
+from tierstore.plugin import (Backend, confined, DirectoryLock, hookimpl, IntegrityError,
+                              MappedFile, Option, TransferEnd, WrittenFile)
 
 from .recycle import RECYCLE_DIR, PageRecycler
 
@@ -39,6 +39,34 @@ def _load_sync_file_range():
 
 
 _sync_file_range = _load_sync_file_range()
+
+# Linux's limits on a name (one path component) and on a whole path, in bytes; PATH_MAX counts
+# the terminating NUL. Beyond them every call fails with ENAMETOOLONG, so a tier's path is
+# checked against them at open rather than at the first save.
+_NAME_MAX = 255
+_PATH_MAX = 4096
+
+
+def local_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot name a local directory (a name longer than NAME_MAX, the whole longer
+    than PATH_MAX), or None. Placeholders are counted as written, which is at least as long as
+    what they become for all but huge jobs. Said without quoting the path."""
+    try:
+        expanded = os.path.expanduser(path)
+        names = os.fsencode(expanded).split(b"/")
+        whole = os.fsencode(os.path.abspath(expanded))
+    except UnicodeEncodeError:
+        return "holds characters that cannot be encoded as a file name; use UTF-8 text"
+    for i, name in enumerate(names):
+        if len(name) > _NAME_MAX:
+            return (f"its component {i + 1} of {len(names)} is {len(name)} bytes long, but a "
+                    f"file or directory name may be at most {_NAME_MAX} bytes (NAME_MAX); "
+                    f"use shorter directory names")
+    if len(whole) >= _PATH_MAX:
+        return (f"it is {len(whole)} bytes long as an absolute path, but a path may be at most "
+                f"{_PATH_MAX - 1} bytes (PATH_MAX) and the checkpoints' own directories and "
+                f"files still go below it; choose a much shorter directory")
+    return None
 
 
 class LocalWriteFile(io.RawIOBase):
@@ -111,7 +139,7 @@ class LocalBackend(Backend):
     """A directory on a local (or network) POSIX filesystem; files are fsynced, renames atomic."""
 
     options = (
-        Option("path", str, required=True, expand=True,
+        Option("path", str, required=True, expand=True, check=local_path_problem,
                description="directory of the tier; may use {rank}, {local_rank}, {node}"),
         Option("fsync", bool, default=True,
                description="fsync files and directories so a commit survives power loss"),
@@ -127,7 +155,20 @@ class LocalBackend(Backend):
         self.recycler = PageRecycler(self.root) if recycle else None
 
     def _abs(self, path: str) -> str:
-        return os.path.join(self.root, path) if path else self.root
+        """The OS path of ``path`` (relative to the root, untrusted: it may come from a
+        manifest or a listing), refused when it, or a symbolic link on its way, leads out of
+        the root."""
+        if not path:
+            return self.root
+        target = os.path.join(self.root, confined(path.rstrip("/"), f"tier root {self.root}"))
+        real = os.path.realpath(target)
+        root = os.path.realpath(self.root)
+        if real != root and not real.startswith(root + os.sep):
+            raise IntegrityError(
+                f"refusing {target}: a symbolic link leads it out of the tier's root {self.root} "
+                f"(to {real}); tierstore never follows links out of a tier. Remove the link, "
+                f"or restore the checkpoint from another tier")
+        return target
 
     def check_reachable(self) -> str | None:
         probe = self.root
@@ -268,6 +309,7 @@ class MemoryBackend(LocalBackend):
 
     options = (
         Option("path", str, default="/dev/shm/tierstore/{node}", expand=True,
+               check=local_path_problem,
                description="tmpfs directory of the tier; may use {rank}, {local_rank}, {node}"),
     )
     durable = False

@@ -32,12 +32,14 @@ class EventKind:
     PEER_FETCHED = "peer_fetched"  # a load got a file from another rank (detail: file, from)
     UNREACHABLE = "unreachable"  # a tier did not answer; what could do without it went on
                                  # (detail: during, error); skipped for a while after
+    REJECTED = "rejected"        # a copy read from a tier failed its checks and was skipped
+                                 # (detail: file, error); readers went on to the next copy
     STALLED = "stalled"          # the watchdog saw a save or load make no progress
                                  # (detail: operations); every thread's stack is logged
 
     ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
            DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED, REPLICATED, PEER_FETCHED,
-           UNREACHABLE, STALLED)
+           UNREACHABLE, REJECTED, STALLED)
 
 
 class Phase:

@@ -8,6 +8,7 @@ names the file, line, table and key, and lists what would have been valid.
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import tomllib
 import warnings
@@ -17,11 +18,11 @@ from typing import Any
 
 from tierstore.transport.collectives import RankContext
 from tierstore.errors import ConfigError
-from tierstore.plugin.options import ConfigSource, Option, validate_table
+from tierstore.plugin.options import ConfigSource, Option, resolve_env, validate_table
 from tierstore.plugin.host import PluginHost, build_plugin_host
 
 __all__ = ["StoreConfig", "TierConfig", "PluginChoice", "load_source", "validate_config",
-           "expand_placeholders", "load_config"]
+           "expand_placeholders", "load_config", "check_tier_locations"]
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]*$")
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -37,6 +38,10 @@ def _positive_seconds(value: Any) -> str | None:
 
 def _not_negative(value: Any) -> str | None:
     return None if value >= 0 else f"must be 0 (off) or a number of seconds, got {value}"
+
+
+def _wait_seconds(value: Any) -> str | None:
+    return None if value >= 0 else f"must be 0 (do not wait) or a number of seconds, got {value}"
 
 
 def _codec_list(value: Any) -> str | None:
@@ -72,9 +77,9 @@ STORE_OPTIONS: tuple[Option, ...] = (
            description="piece size of every background copy: the buffer per drain thread "
                        "(memory = drain_threads x this), and the pieces of peer replication "
                        "and of peer fetches on load"),
-    Option("exit_timeout", (int, float), default=600,
+    Option("exit_timeout", (int, float), default=600, check=_wait_seconds,
            description="seconds a process exiting without close() waits for pending drains"),
-    Option("part_timeout", (int, float), default=600,
+    Option("part_timeout", (int, float), default=600, check=_wait_seconds,
            description="seconds rank 0 waits for other nodes' files when draining a node-local "
                        "checkpoint to a shared tier"),
     Option("collective_timeout", (int, float), default=600, check=_positive_seconds,
@@ -101,8 +106,8 @@ TIER_OPTIONS: tuple[Option, ...] = (
 )
 
 TOP_LEVEL_OPTIONS: tuple[Option, ...] = (
-    Option("store", dict, default={}, description="store-wide settings"),
-    Option("tier", list, required=True, description="the tiers, fastest first"),
+    Option("store", dict, default={}, description="store-wide settings", read_env=False),
+    Option("tier", list, required=True, description="the tiers, fastest first", read_env=False),
 )
 
 
@@ -156,14 +161,22 @@ class StoreConfig:
     watchdog: float = 0
 
 
+_TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
+
+
 def load_source(config: Any) -> tuple[dict[str, Any], ConfigSource]:
     """Read ``config`` (a path to a TOML file or a dict) into a dict and its source."""
     if isinstance(config, dict):
         return config, ConfigSource("<dict>")
     if isinstance(config, (str, os.PathLike)):
+        if not str(config).strip() or "\0" in str(config):
+            raise ConfigError(
+                f"config file name {str(config)!r} is empty or holds a NUL character; pass the "
+                f"path of a TOML file (see README 'Configuration') or a dict of the same shape"
+            )
         path = Path(config)
         try:
-            text = path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
         except FileNotFoundError:
             raise ConfigError(
                 f"config file {str(path)!r} does not exist; pass the path of a TOML file "
@@ -172,13 +185,37 @@ def load_source(config: Any) -> tuple[dict[str, Any], ConfigSource]:
         except OSError as exc:
             raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
         try:
+            # utf-8-sig: a byte order mark (some Windows editors write one) is not a mistake.
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            line = raw.count(b"\n", 0, exc.start) + 1
+            column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+            raise ConfigError(
+                f"{path}:{line}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, "
+                f"column {column} is not valid UTF-8, and TOML files must be UTF-8; save the "
+                f"file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+            ) from None
+        try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}; fix the syntax there") from None
+            raise ConfigError(f"{path}: not valid TOML: {exc}{_offending_line(text, exc)}; "
+                              f"fix the syntax there") from None
         return data, ConfigSource(str(path), text)
     raise ConfigError(
         f"tierstore.open() takes a path to a TOML file or a dict, got {type(config).__name__}"
     )
+
+
+def _offending_line(text: str, exc: tomllib.TOMLDecodeError) -> str:
+    """``; the line reads '...'`` for the line a TOML error points at (shortened, with control
+    characters escaped), or ``""``."""
+    match = _TOML_POSITION.search(str(exc))
+    lines = text.split("\n")  # TOML counts lines by "\n" only; splitlines() knows more breaks
+    if match is None or not 1 <= int(match.group(1)) <= len(lines):
+        return ""
+    line = lines[int(match.group(1)) - 1]
+    shown = repr(line if len(line) <= 120 else line[:120] + "...")
+    return f"; the line reads {shown}"
 
 
 def expand_placeholders(value: str, ctx: RankContext) -> str:
@@ -187,20 +224,25 @@ def expand_placeholders(value: str, ctx: RankContext) -> str:
     return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), value)
 
 
-def _check_placeholders(value: str, where: str, owner: str, key: str) -> None:
+def _check_placeholders(value: str, where: str, owner: str, key: str,
+                        source: ConfigSource) -> None:
     for name in _PLACEHOLDER.findall(value):
         if name not in RankContext().placeholders():
+            # A part of a value read from the environment is as secret as the whole.
+            which = (f"'{{{name}}}'" if not source.from_env(value)
+                     else f"(in {source.quote(value)})")
             raise ConfigError(
-                f"{where}: {owner}: key '{key}' uses unknown placeholder '{{{name}}}'; valid "
+                f"{where}: {owner}: key '{key}' uses unknown placeholder {which}; valid "
                 f"placeholders: {{rank}}, {{local_rank}}, {{node}}"
             )
 
 
 def _unknown_name(kind: str, name: Any, host: PluginHost, where: str, owner: str,
-                  key: str) -> ConfigError:
+                  key: str, source: ConfigSource) -> ConfigError:
     valid = ", ".join(host.names(kind)) or "(none registered)"
     return ConfigError(
-        f"{where}: {owner}: unknown {kind} {name!r} in key '{key}'; valid {kind}s: {valid}. "
+        f"{where}: {owner}: unknown {kind} {source.quote(name)} in key '{key}'; valid {kind}s: "
+        f"{valid}. "
         f"A plugin providing it can be added with [store] plugins = [\"module\"] or an entry point "
         f"in the 'tierstore' group"
     )
@@ -220,7 +262,7 @@ def _plugin_choice(kind: str, value: Any, host: PluginHost, source: ConfigSource
         name, opts = value, {}
     reg = host.lookup(kind, name) if isinstance(name, str) else None
     if reg is None:
-        raise _unknown_name(kind, name, host, where, "[store]", key)
+        raise _unknown_name(kind, name, host, where, "[store]", key, source)
     checked = validate_table(opts, reg.options, owner=f"[store.{key}] ({kind} '{name}')",
                              source=source, table_name=f"store.{key}", index=None)
     return PluginChoice(name, checked)
@@ -233,7 +275,8 @@ RENAMED_STORE_KEYS = {"drain_chunk_mib": "copy_chunk_mib"}
 def validate_store_table(raw: dict[str, Any], source: ConfigSource) -> dict[str, Any]:
     """The ``[store]`` table checked against the core's keys (plugins not resolved yet)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source.name}: 'store' must be a table ([store]), got {raw!r}")
+        raise ConfigError(f"{source.name}: 'store' must be a table ([store]), got "
+                          f"{source.quote(raw)}; write [store] and its keys below it")
     raw = dict(raw)
     for old, new in RENAMED_STORE_KEYS.items():
         if old not in raw:
@@ -262,13 +305,17 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
     seen: dict[str, int] = {}
     for index, raw in enumerate(tiers_raw):
         if not isinstance(raw, dict):
-            raise ConfigError(f"{source.name}: tier[{index}] must be a table ([[tier]]), got {raw!r}")
-        label = f"tier '{raw.get('name', index)}' (tier[{index}])"
-        backend_name = raw.get("backend")
+            raise ConfigError(f"{source.name}: tier[{index}] must be a table ([[tier]]), got "
+                              f"{source.quote(raw)}; write each tier as a [[tier]] table")
+        raw_name = raw.get("name")
+        label = (f"tier '{raw_name}' (tier[{index}])" if isinstance(raw_name, str)
+                 else f"tier[{index}]")
+        backend_where = source.where("tier", index, "backend")
+        backend_name = resolve_env(raw.get("backend"), backend_where, "backend", source)
         reg = host.lookup("backend", backend_name) if isinstance(backend_name, str) else None
         if reg is None and "backend" in raw:
-            raise _unknown_name("backend", backend_name, host,
-                                source.where("tier", index, "backend"), label, "backend")
+            raise _unknown_name("backend", backend_name, host, backend_where, label, "backend",
+                                source)
         backend_opts = reg.options if reg else ()
         core_names = {o.name for o in TIER_OPTIONS}
         clash = [o.name for o in backend_opts if o.name in core_names]
@@ -279,13 +326,13 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         name = checked["name"]
         if not _SEGMENT.match(name):
             raise ConfigError(
-                f"{source.where('tier', index, 'name')}: {label}: name {name!r} must be one path "
-                f"segment of letters, digits, '.', '_', '-'"
+                f"{source.where('tier', index, 'name')}: {label}: name {source.quote(name)} must "
+                f"be one path segment of letters, digits, '.', '_', '-'"
             )
         if name in seen:
             raise ConfigError(
-                f"{source.where('tier', index, 'name')}: duplicate tier name '{name}' (tier[{seen[name]}] "
-                f"and tier[{index}]); tier names must be unique"
+                f"{source.where('tier', index, 'name')}: duplicate tier name {source.quote(name)} "
+                f"(tier[{seen[name]}] and tier[{index}]); tier names must be unique"
             )
         seen[name] = index
         codecs = []
@@ -294,7 +341,8 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
             reg = host.lookup("codec", codec_name)
             if reg is None:
                 raise _unknown_name("codec", codec_name, host,
-                                    source.where("tier", index, "codecs"), label, "codecs")
+                                    source.where("tier", index, "codecs"), label, "codecs",
+                                    source)
             opts = {} if isinstance(codec, str) else {k: v for k, v in codec.items() if k != "name"}
             codecs.append(PluginChoice(codec_name, validate_table(
                 opts, reg.options, owner=f"{label}: codec '{codec_name}'", source=source,
@@ -302,7 +350,7 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         for opt in backend_opts:
             if opt.expand and isinstance(checked.get(opt.name), str):
                 _check_placeholders(checked[opt.name], source.where("tier", index, opt.name),
-                                    label, opt.name)
+                                    label, opt.name, source)
         tiers.append(TierConfig(
             index=index, name=name, backend=checked["backend"], every=checked["every"],
             keep=checked["keep"], codecs=tuple(codecs),
@@ -338,3 +386,77 @@ def load_config(config: Any, plugins: tuple[object, ...] = (),
     host = build_plugin_host(store_table["plugins"], f"[store] plugins in {source.name}",
                              tuple(plugins), store_builtins)
     return validate_config(data, source, host, store_table), host
+
+
+# A location is a URL when it starts with a protocol (possibly chained, ``simplecache::s3://``);
+# anything else is a local path.
+_URL = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.\-]*::)*[A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", re.S)
+_LOCAL_PROTOCOLS = ("file", "local")
+_PROTOCOL_ALIASES = {"s3a": "s3", "gcs": "gs"}
+
+
+def _place(location: str) -> tuple[str, tuple[str, ...]]:
+    """The place ``location`` names, as (protocol, path components): a local path (or a
+    ``file://`` URL) as the OS resolves it (``~``, ``..``, symlinks), a URL by its protocol and
+    normalized path."""
+    match = _URL.match(location)
+    protocol = match.group(1).split("::")[-1].lower() if match else "file"
+    if protocol in _LOCAL_PROTOCOLS:
+        path = match.group(2) if match else location
+        real = os.path.realpath(os.path.expanduser(path))
+        return "file", tuple(p for p in real.split(os.sep) if p)
+    protocol = _PROTOCOL_ALIASES.get(protocol, protocol)
+    path = posixpath.normpath("/" + match.group(2))
+    return protocol, tuple(p for p in path.split("/") if p)
+
+
+def _shown(place: tuple[str, tuple[str, ...]]) -> str:
+    protocol, parts = place
+    return "/" + "/".join(parts) if protocol == "file" else f"{protocol}://{'/'.join(parts)}"
+
+
+def _relation(a: tuple[str, tuple[str, ...]], b: tuple[str, tuple[str, ...]]) -> str | None:
+    """How place ``a`` lies to place ``b``: the same, inside, containing, or None (apart)."""
+    if a[0] != b[0]:
+        return None
+    n = min(len(a[1]), len(b[1]))
+    if a[1][:n] != b[1][:n]:
+        return None
+    if len(a[1]) == len(b[1]):
+        return "is the same place as"
+    return "is inside" if len(a[1]) > len(b[1]) else "contains"
+
+
+def check_tier_locations(config: StoreConfig, host: PluginHost, ctx: RankContext) -> None:
+    """Refuse two tiers whose locations, as this process expands them, are the same place or one
+    inside the other. Each tier lists, keeps and deletes the checkpoints under its own root, so
+    two such tiers would count and delete each other's checkpoints. Writes nothing."""
+    source = config.source
+
+    def described(tc: TierConfig, key: str, place: tuple[str, tuple[str, ...]]) -> str:
+        value = tc.backend_options[key]
+        # The resolved form is left out where it could show a value read from the environment.
+        resolved = "" if source.from_env(value) else f" (here {_shown(place)})"
+        return f"{key} {source.quote(value)}{resolved} of tier '{tc.name}' (tier[{tc.index}])"
+
+    seen: list[tuple[TierConfig, str, tuple[str, tuple[str, ...]]]] = []
+    for tc in config.tiers:
+        reg = host.lookup("backend", tc.backend)
+        key = next((o.name for o in (reg.options if reg else ())
+                    if o.expand and isinstance(tc.backend_options.get(o.name), str)), None)
+        if key is None:
+            continue
+        place = _place(expand_placeholders(tc.backend_options[key], ctx))
+        for other, other_key, other_place in seen:
+            relation = _relation(place, other_place)
+            if relation is None:
+                continue
+            raise ConfigError(
+                f"{source.where('tier', tc.index, key)}: tiers '{other.name}' and '{tc.name}' "
+                f"overlap: {described(tc, key, place)} {relation} "
+                f"{described(other, other_key, other_place)}. Each tier keeps and deletes the "
+                f"checkpoints under its own directory, so they would count and delete each "
+                f"other's; give each tier a directory of its own, side by side (e.g. .../ram "
+                f"and .../nvme), neither inside the other"
+            )
+        seen.append((tc, key, place))

@@ -42,7 +42,7 @@ def _good_copy(cid: str, rel: str, local: list[tuple[Tier, Manifest]],
                verify: bool) -> tuple[Tier, FileEntry] | None:
     for tier, manifest in local:
         entry = manifest.files.get(rel)
-        if entry is None or tier.backend.size(f"{cid}/{rel}") != entry.size:
+        if entry is None or tier.stored_size(f"{cid}/{rel}") != entry.size:
             continue
         if verify:
             _, digest = tier.checksum_file(f"{cid}/{rel}")
@@ -67,7 +67,7 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
     servable: dict[str, FileEntry] = {}
     for tier, manifest in local:
         for rel, entry in manifest.files.items():
-            if rel not in servable and tier.backend.size(f"{cid}/{rel}") == entry.size:
+            if rel not in servable and tier.stored_size(f"{cid}/{rel}") == entry.size:
                 servable[rel] = entry
     views = all_gather_object((missing, servable), group)
     if not any(m for m, _ in views):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import logging
-import pickle
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,8 @@ from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import checksum_of
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
 from tierstore.format.item_io import FileReadError, read_items
-from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
+from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
+from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object, broadcast_object
 
@@ -108,9 +108,16 @@ class TierstoreReader(StorageReader):
         # Every tier with a manifest is a source, even one missing a file: files are read one
         # by one from the fastest tier that has a good copy.
         services.slot.wait_idle()  # never load beside a save of this store in flight
-        sources = [(t, m) for t in ctx.tiers.read_order()
-                   if (m := services.health.ask(t, "load", lambda t=t: t.read_manifest(cid),
-                                                None)) is not None]
+        sources, rejected = [], []
+        for tier in ctx.tiers.read_order():
+            manifest, why = services.health.ask(tier, "load",
+                                                lambda t=tier: t.checked_manifest(cid),
+                                                (None, None))
+            if manifest is not None:
+                sources.append((tier, manifest))
+            elif why is not None:
+                self._reject(cid, tier, why)
+                rejected.append(f"tier '{tier.name}': {why}")
         raw, codecs, problems = self._local_metadata(cid, sources)
         self._fetched = {}
         if ctx.tiers.node_local and ctx.groups.main is not None:
@@ -118,6 +125,11 @@ class TierstoreReader(StorageReader):
             # rank may find nothing while others do: decide together, so that no rank goes on
             # into DCP's collectives while another has raised.
             raw, codecs = self._share_metadata(cid, raw, codecs, sources)
+        elif not sources and rejected:
+            raise IntegrityError(
+                f"checkpoint '{cid}' has no copy to trust: " + "; ".join(rejected)
+                + f". Restore it from another copy, or load another checkpoint "
+                  f"(store.latest() gives the newest loadable one)")
         elif not sources:
             available = [c.id for c in services.catalog.list()[:5]]
             hint = (f"newest available: {', '.join(available)}" if available
@@ -140,8 +152,18 @@ class TierstoreReader(StorageReader):
                        else m.codecs == codecs)]
         self._checkpoint_id = cid
         self._sources = sources
-        self._metadata = pickle.loads(raw)
+        # Every copy left in sources has these very bytes: name them all.
+        self._metadata = load_metadata(raw, (
+            ", ".join(f"tier '{t.name}'" for t, m in sources if m.has_metadata)
+            or "a peer rank's tier") + f": {cid}/{METADATA_NAME}")
         self._fresh = True
+
+    def _reject(self, cid: str, tier: Tier, why: str, file: str = MANIFEST_NAME) -> None:
+        """A copy on ``tier`` failed its checks: say so (warning and ``rejected`` event)."""
+        ctx = self._services.context
+        log.warning("checkpoint %s: not trusting tier '%s': %s", cid, tier.name, why)
+        ctx.host.event(Event(EventKind.REJECTED, cid, tier.name, ctx.rank,
+                             detail={"file": file, "error": why}))
 
     def _local_metadata(self, cid: str, sources: list[tuple[Tier, Manifest]]
                         ) -> tuple[bytes | None, list[str], list[str]]:
@@ -154,7 +176,7 @@ class TierstoreReader(StorageReader):
                 continue  # a node-local part without the coordinator's metadata
             try:
                 raw = tier.backend.read_bytes(f"{cid}/{METADATA_NAME}")
-            except OSError as exc:
+            except (OSError, IntegrityError) as exc:
                 problems.append(f"tier '{tier.name}': {exc}")
                 continue
             if checksum_of(raw) != entry.checksum:
@@ -282,10 +304,13 @@ class TierstoreReader(StorageReader):
                 with tier.backend.open_read(f"{cid}/{relative}") as f:
                     nbytes = read_items(f, entry, reqs, self._metadata.storage_data,
                                         self._metadata, planner, ctx.config.verify_on_load)
-            except (FileReadError, OSError) as exc:
+            except (FileReadError, OSError, IntegrityError) as exc:
                 problems.append(f"tier '{tier.name}': {exc}")
+                # The message, not the exception: a log handler that keeps records (pytest's,
+                # logging.handlers.MemoryHandler) would keep its traceback's frames alive, and
+                # with them this load's destination tensors.
                 log.warning("checkpoint %s: %s on tier '%s' is bad (%s)", cid, relative,
-                            tier.name, exc)
+                            tier.name, str(exc))
                 continue
             if n > 0:
                 ctx.host.event(Event(EventKind.FELL_BACK, cid, tier.name, self._rank,

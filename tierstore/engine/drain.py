@@ -32,6 +32,7 @@ from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import Hasher, checksum_of, hash_stream
 from tierstore.format.item_io import HashingWriter, decode_item, encode_to
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
+from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
 
 __all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished", "finish_at_exit"]
@@ -282,7 +283,7 @@ class Drainer(BackgroundJobs[DrainJob]):
             raise DrainError(f"checkpoint '{cid}': {METADATA_NAME} on tier '{source.name}' does "
                              f"not match its manifest; it was not copied to '{target.name}'",
                              cid, target.name)
-        metadata = pickle.loads(raw)
+        metadata = load_metadata(raw, f"tier '{source.name}': {cid}/{METADATA_NAME}")
         by_file: dict[str, list] = {}
         for index, info in metadata.storage_data.items():
             by_file.setdefault(info.relative_path, []).append((index, info))

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from tierstore.format.checksum import ALGORITHM
+from tierstore.format.manifest_check import (SEAL_KEY, ManifestError, check_fields, check_seal,
+                                             seal_of)
 
 __all__ = ["MANIFEST_NAME", "METADATA_NAME", "FORMAT_VERSION", "FileEntry", "Manifest",
            "ManifestError"]
@@ -22,10 +24,6 @@ __all__ = ["MANIFEST_NAME", "METADATA_NAME", "FORMAT_VERSION", "FileEntry", "Man
 MANIFEST_NAME = "tierstore.json"
 METADATA_NAME = ".metadata"
 FORMAT_VERSION = 1
-
-
-class ManifestError(ValueError):
-    """A manifest that cannot be parsed or has the wrong shape."""
 
 
 @dataclass(frozen=True)
@@ -77,20 +75,28 @@ class Manifest:
         return sum(f.size for f in self.files.values())
 
     def to_json(self) -> bytes:
-        """Serialized form, stable key order so identical manifests are identical bytes."""
+        """Serialized form, stable key order so identical manifests are identical bytes, with
+        the seal over every other field (tierstore.format.manifest_check)."""
         data = asdict(self)
+        data[SEAL_KEY] = seal_of(data)
         return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Manifest":
-        """Parse a manifest; ManifestError when it is not one this version understands."""
+        """Parse a manifest read from a tier: its seal and every field are checked first.
+        ManifestError (an IntegrityError naming the field) when it is not one to trust."""
         try:
             data: dict[str, Any] = json.loads(raw)
-            if data.get("format") != FORMAT_VERSION:
-                raise ManifestError(f"unknown manifest format {data.get('format')!r}")
+        except (ValueError, RecursionError) as exc:  # not UTF-8 / not JSON
+            raise ManifestError(f"not a valid manifest: {type(exc).__name__}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ManifestError("not a valid manifest: not a JSON object")
+        if data.get("format") != FORMAT_VERSION:
+            raise ManifestError(f"unknown manifest format {data.get('format')!r}")
+        check_seal(data)
+        check_fields(data)
+        try:
             data["files"] = {k: FileEntry(**v) for k, v in data["files"].items()}
             return cls(**data)
-        except ManifestError:
-            raise
-        except Exception as exc:
-            raise ManifestError(f"not a valid manifest: {type(exc).__name__}: {exc}") from None
+        except TypeError as exc:  # a missing or unknown field
+            raise ManifestError(f"not a valid manifest: {exc}") from None

@@ -29,9 +29,10 @@ entry point in the plugin package's ``pyproject.toml``::
 Check it with the conformance kit, ``tierstore_conformance`` (one test class per kind).
 """
 
-from tierstore.errors import CommitError, ConfigError, PluginError, StagingError
+from tierstore.errors import CommitError, ConfigError, IntegrityError, PluginError, StagingError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import Hasher, checksum_of
+from tierstore.format.paths import confined
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from tierstore.plugin.bases import (Backend, Codec, CommitProtocol, DirectoryLock,
                                     ReplicationStrategy, Stager)
@@ -48,5 +49,6 @@ __all__ = [
     "Event", "EventKind", "Phase",
     "MANIFEST_NAME", "METADATA_NAME", "Manifest", "FileEntry", "Hasher", "checksum_of",
     "RetryPolicy", "with_retries", "GaveUp",
-    "CommitError", "ConfigError", "PluginError", "StagingError",
+    "CommitError", "ConfigError", "IntegrityError", "PluginError", "StagingError",
+    "confined",
 ]

@@ -13,6 +13,7 @@ that every plugin gets the same error messages (key, line, valid choices) for fr
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -23,13 +24,21 @@ __all__ = ["Option", "ConfigSource", "resolve_env"]
 
 _MISSING = object()
 
+#: what stands in a message for a value read from the environment
+_MASK = "***"
+
 
 @dataclass(frozen=True)
 class Option:
     """One config key: its name, accepted type(s), default and a description for error messages.
 
     ``type`` is a type or a tuple of types (``int`` does not accept ``bool``). ``choices`` restricts
-    the value to a fixed set; ``check`` is a callable returning an error text or None.
+    the value to a fixed set; ``check`` is a callable returning an error text or None. A value
+    read from the environment is replaced by ``***`` wherever it appears whole in that text, so a
+    check should describe the problem without quoting parts of the value.
+
+    ``expand`` marks a location (a path or URL): besides the placeholders, the core refuses an
+    empty or blank location and a NUL character in it before ``check`` runs.
     """
 
     name: str
@@ -41,6 +50,9 @@ class Option:
     check: Callable[[Any], str | None] | None = field(default=None, compare=False)
     #: a path or URL in which {rank}, {local_rank} and {node} are replaced per process
     expand: bool = False
+    #: whether {env = "NAME"} tables in the value are read from the environment (off for the
+    #: top-level 'store' and 'tier', whose own keys read theirs, each at its own line)
+    read_env: bool = True
 
     def type_name(self) -> str:
         types = self.type if isinstance(self.type, tuple) else (self.type,)
@@ -58,12 +70,15 @@ class ConfigSource:
 
     name: str = "<dict>"
     text: str | None = None
+    #: every value read from the environment ({env = "NAME"}) -> the variable's name, so that
+    #: messages can mask it; kept out of repr so that printing a config shows none of them
+    env_values: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def line_of(self, table: str | None, index: int | None, key: str | None) -> int | None:
         """Line (1-based) of ``key`` inside ``[table]`` or the ``index``-th ``[[table]]``."""
         if self.text is None:
             return None
-        lines = self.text.splitlines()
+        lines = self.text.split("\n")  # as TOML counts lines: "\u2028" in a string is no break
         start = 0
         if table is not None:
             header = f"[[{table}]]" if index is not None else f"[{table}]"
@@ -92,22 +107,101 @@ class ConfigSource:
         line = self.line_of(table, index, key)
         return f"{self.name}:{line}" if line else self.name
 
+    def env_name(self, value: Any) -> str | None:
+        """The environment variable ``value`` was read from, or None."""
+        return self.env_values.get(value) if isinstance(value, str) else None
 
-def resolve_env(value: Any, where: str, key: str) -> Any:
-    """Replace ``{env = "NAME"}`` tables (at any depth) with the environment variable's value."""
+    def from_env(self, value: Any) -> bool:
+        """Whether ``value`` is, or holds at any depth, a value read from the environment."""
+        if isinstance(value, str):
+            return value in self.env_values
+        if isinstance(value, dict):
+            return any(self.from_env(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(self.from_env(v) for v in value)
+        return False
+
+    def quote(self, value: Any) -> str:
+        """``repr(value)`` for a message, every value read from the environment masked as
+        ``***`` and named by its variable. Every message that shows a config value goes
+        through here (or :meth:`redact` for text a plugin wrote), never through ``repr``."""
+        name = self.env_name(value)
+        if name is not None:
+            return f"{_MASK} (the value of ${name}, not shown)"
+        names: list[str] = []
+        text = repr(_masked(value, self.env_values, names))
+        if names:
+            variables = ", ".join("$" + n for n in dict.fromkeys(names))
+            text += f" ({_MASK}: the value of {variables}, not shown)"
+        return text
+
+    def redact(self, text: str) -> str:
+        """``text`` with every value read from the environment replaced by ``***``."""
+        # Longest first, so that a value containing another one is replaced whole.
+        for value in sorted(self.env_values, key=len, reverse=True):
+            if value:
+                text = text.replace(repr(value), _MASK).replace(value, _MASK)
+        return text
+
+
+class _Masked:
+    """Stands in for a value read from the environment inside a quoted container."""
+
+    def __repr__(self) -> str:
+        return _MASK
+
+
+def _masked(value: Any, env_values: dict[str, str], names: list[str]) -> Any:
+    if isinstance(value, str) and value in env_values:
+        names.append(env_values[value])
+        return _Masked()
+    if isinstance(value, dict):
+        return {k: _masked(v, env_values, names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_masked(v, env_values, names) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_masked(v, env_values, names) for v in value)
+    return value
+
+
+def resolve_env(value: Any, where: str, key: str, source: ConfigSource | None = None) -> Any:
+    """Replace ``{env = "NAME"}`` tables (at any depth) with the environment variable's value.
+
+    With ``source``, each value read is recorded there, so that messages mask it."""
     if isinstance(value, dict):
         if set(value) == {"env"}:
             name = value["env"]
-            if not isinstance(name, str) or name not in os.environ:
+            if not isinstance(name, str) or not name:
+                raise ConfigError(
+                    f"{where}: key '{key}': {{ env = ... }} takes the name of an environment "
+                    f"variable as a string, got {type(name).__name__} {name!r}; write "
+                    f"{{ env = \"NAME\" }}"
+                )
+            if name not in os.environ:
                 raise ConfigError(
                     f"{where}: key '{key}' reads environment variable {name!r}, which is not set; "
                     f"export {name}=... before starting the job, or write the value in the config"
                 )
+            if source is not None:
+                source.env_values[os.environ[name]] = name
             return os.environ[name]
-        return {k: resolve_env(v, where, f"{key}.{k}") for k, v in value.items()}
+        return {k: resolve_env(v, where, f"{key}.{k}", source) for k, v in value.items()}
     if isinstance(value, list):
-        return [resolve_env(v, where, key) for v in value]
+        return [resolve_env(v, where, key, source) for v in value]
     return value
+
+
+def _location_problem(value: str) -> str | None:
+    """What makes ``value`` unusable as any tier's path or URL (empty, blank, a NUL
+    character), or None. Said without quoting the value."""
+    if not value:
+        return "is empty, which would put checkpoints in the current directory"
+    if not value.strip():
+        return "is only whitespace, which would name a directory of blanks nobody meant"
+    if "\0" in value:
+        return (f"contains a NUL character (at position {value.index(chr(0))}), which no path "
+                f"or URL may hold (a \\u0000 escape in TOML, or a stray byte in the variable)")
+    return None
 
 
 def _type_ok(value: Any, expected: type | tuple[type, ...]) -> bool:
@@ -117,6 +211,35 @@ def _type_ok(value: Any, expected: type | tuple[type, ...]) -> bool:
     if isinstance(value, int) and float in types:
         return True
     return isinstance(value, types)
+
+
+def _type_hint(opt: Option, value: Any, source: ConfigSource) -> str:
+    """What to write instead of a value of the wrong type."""
+    types = opt.type if isinstance(opt.type, tuple) else (opt.type,)
+    example = f"<{opt.type_name()}>"
+    env = source.env_name(value)
+    if env is not None:
+        if dict in types:
+            return (f"An environment variable holds a string, not a table: read single "
+                    f"entries from the environment instead, e.g. "
+                    f"{opt.name} = {{ some_key = {{ env = \"{env}\" }} }}.")
+        return (f"An environment variable holds a string: write {opt.name} = {example} in the "
+                f"config instead of reading ${env}.")
+    if isinstance(value, bool) and (int in types or float in types):
+        return f"true and false are booleans, not numbers: write {opt.name} = {example}."
+    if isinstance(value, str) and str not in types:
+        unquoted = value.strip()
+        if unquoted in ("true", "false") and bool in types:
+            return f"Write it without quotes: {opt.name} = {unquoted}."
+        for t in (int, float):
+            if t in types or (t is int and float in types):
+                try:
+                    t(unquoted)
+                except ValueError:
+                    continue
+                if unquoted and unquoted.lower().lstrip("+-") not in ("nan", "inf", "infinity"):
+                    return f"Write the number without quotes: {opt.name} = {unquoted}."
+    return f"Write {opt.name} = {example}."
 
 
 def validate_table(
@@ -154,20 +277,37 @@ def validate_table(
                 )
             out[opt.name] = opt.default
             continue
-        value = resolve_env(table[opt.name], where, opt.name)
+        value = (resolve_env(table[opt.name], where, opt.name, source) if opt.read_env
+                 else table[opt.name])
         if not _type_ok(value, opt.type):
             raise ConfigError(
                 f"{where}: {owner}: key '{opt.name}' must be a {opt.type_name()}, "
-                f"got {type(value).__name__} {value!r}."
+                f"got {type(value).__name__} {source.quote(value)}. "
+                f"{_type_hint(opt, value, source)}"
+            )
+        if isinstance(value, float) and math.isnan(value):
+            raise ConfigError(
+                f"{where}: {owner}: key '{opt.name}' is nan, which is no number; write a "
+                f"{opt.type_name()} ({opt.description or 'see README Configuration'})."
             )
         if opt.choices is not None and value not in opt.choices:
             raise ConfigError(
-                f"{where}: {owner}: key '{opt.name}' is {value!r}; valid values: "
+                f"{where}: {owner}: key '{opt.name}' is {source.quote(value)}; valid values: "
                 f"{', '.join(map(repr, opt.choices))}."
             )
+        if opt.expand and isinstance(value, str):
+            problem = _location_problem(value)
+            if problem:
+                desc = f": {opt.description}" if opt.description else ""
+                raise ConfigError(
+                    f"{where}: {owner}: key '{opt.name}' = {source.quote(value)} {problem}; "
+                    f"give '{opt.name}' the tier's own location{desc}."
+                )
         if opt.check is not None:
             problem = opt.check(value)
             if problem:
+                if source.from_env(value):
+                    problem = source.redact(problem)
                 raise ConfigError(f"{where}: {owner}: key '{opt.name}': {problem}.")
         out[opt.name] = value
     return out

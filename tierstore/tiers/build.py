@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tierstore.config.validate import StoreConfig, TierConfig
+from tierstore.config.validate import StoreConfig, TierConfig, check_tier_locations
 from tierstore.errors import ConfigError, PluginError
 from tierstore.format.item_io import register_extension
 from tierstore.plugin.host import PluginHost
@@ -23,6 +23,7 @@ __all__ = ["build_tiers"]
 def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: Any) -> TierSet:
     """Every tier of ``config`` for this process. Collective under torch.distributed (the
     layouts are agreed on ``group``). Raises ConfigError / PluginError naming the tier."""
+    check_tier_locations(config, host, ctx)
     tiers = [_build_tier(tc, config, host, ctx) for tc in config.tiers]
     for tier, layout in zip(tiers, compute_layouts(tiers, ctx, group, config.source)):
         tier.layout = layout

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tierstore.config.validate import TierConfig
+from tierstore.errors import IntegrityError
 from tierstore.format.checksum import hash_stream
 from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from tierstore.plugin.bases import Backend, CommitProtocol, DirectoryLock
@@ -53,27 +54,43 @@ class Tier:
     # -- reading what is there ---------------------------------------------------------------
     def read_manifest(self, checkpoint_id: str) -> Manifest | None:
         """The manifest stored for ``checkpoint_id`` here, or None when there is none or it is
-        unreadable. Says nothing about the files beside it (see ``present_files``)."""
+        rejected (logged). Says nothing about the files beside it (see ``present_files``)."""
+        manifest, problem = self.checked_manifest(checkpoint_id)
+        if problem is not None:
+            log.warning("tier '%s': ignoring %s: %s", self.name, checkpoint_id, problem)
+        return manifest
+
+    def checked_manifest(self, checkpoint_id: str) -> tuple[Manifest | None, str | None]:
+        """``(manifest, None)``; ``(None, None)`` when there is none; ``(None, why)`` when the
+        one stored is rejected: unreadable, unsealed against its contents, a field out of
+        shape, a path out of the tier, or the manifest of another id."""
         try:
             raw = self.backend.read_bytes(f"{checkpoint_id}/{MANIFEST_NAME}")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
+            return None, None
+        except IntegrityError as exc:  # a link out of the tier, a hostile name
+            return None, f"{MANIFEST_NAME}: {exc}"
         try:
             manifest = Manifest.from_json(raw)
         except ManifestError as exc:
-            log.warning("tier '%s': ignoring %s: %s", self.name, checkpoint_id, exc)
-            return None
+            return None, f"{MANIFEST_NAME} rejected: {exc}"
         if manifest.checkpoint_id != checkpoint_id:
-            log.warning("tier '%s': ignoring %s: its manifest names %r", self.name,
-                        checkpoint_id, manifest.checkpoint_id)
-            return None
-        return manifest
+            return None, (f"{MANIFEST_NAME} is the manifest of checkpoint "
+                          f"{manifest.checkpoint_id!r}, not of {checkpoint_id!r}")
+        return manifest, None
 
     def present_files(self, checkpoint_id: str, manifest: Manifest) -> set[str]:
         """Files of ``manifest`` stored here with their recorded size (checksums are checked
         when they are read)."""
         return {rel for rel, entry in manifest.files.items()
-                if self.backend.size(f"{checkpoint_id}/{rel}") == entry.size}
+                if self.stored_size(f"{checkpoint_id}/{rel}") == entry.size}
+
+    def stored_size(self, path: str) -> int | None:
+        """Size of file ``path`` here; None when missing, or a link out of the tier."""
+        try:
+            return self.backend.size(path)
+        except IntegrityError:  # a link out of the tier is no copy of the file
+            return None
 
     def complete_manifest(self, checkpoint_id: str) -> Manifest | None:
         """The manifest of ``checkpoint_id`` if it is committed here and every file has its
@@ -105,14 +122,10 @@ class Tier:
         def problem(file, what):
             return Problem(self.name, checkpoint_id, file, what)
 
-        try:
-            raw = self.backend.read_bytes(f"{checkpoint_id}/{MANIFEST_NAME}")
-        except FileNotFoundError:
-            return [problem(MANIFEST_NAME, "missing (the checkpoint is not committed here)")]
-        try:
-            manifest = Manifest.from_json(raw)
-        except ManifestError as exc:
-            return [problem(MANIFEST_NAME, str(exc))]
+        manifest, why = self.checked_manifest(checkpoint_id)
+        if manifest is None:
+            return [problem(MANIFEST_NAME, why or "missing (the checkpoint is not committed "
+                                                  "here)")]
         problems = []
         for rel, entry in sorted(manifest.files.items()):
             announce(rel)
@@ -120,6 +133,9 @@ class Tier:
                 size, checksum = self.checksum_file(f"{checkpoint_id}/{rel}")
             except FileNotFoundError:
                 problems.append(problem(rel, "missing"))
+                continue
+            except IntegrityError as exc:  # a link out of the tier
+                problems.append(problem(rel, str(exc)))
                 continue
             if size != entry.size:
                 problems.append(problem(rel, f"size {size} bytes, manifest says {entry.size}"))

@@ -1,0 +1,156 @@
+"""Checking a manifest read from a tier before anything trusts it.
+
+A manifest is untrusted input (another job, a person or a bit flip may have changed it). Two
+checks, in this order:
+
+- its *seal*: a checksum over everything else in it (file names, sizes, checksums, spans,
+  codecs, the id, part and rank fields, ...), so that no single changed field goes unnoticed.
+  It guards against corruption and careless edits, not against someone who recomputes it; the
+  data files are checked against the checksums it lists either way;
+- the shape and range of every field, so that nothing malformed reaches a reader, a drain or a
+  tensor: each problem is named by its field.
+
+Both raise :class:`ManifestError` (an ``IntegrityError``): the copy is treated as corrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from tierstore.format.checksum import ALGORITHM, checksum_of
+from tierstore.format.ids import is_valid_checkpoint_id
+from tierstore.format.paths import is_plain_file_name
+from tierstore.errors import IntegrityError
+
+__all__ = ["ManifestError", "SEAL_KEY", "seal_of", "check_seal", "check_fields"]
+
+log = logging.getLogger("tierstore.format")
+
+SEAL_KEY = "seal"
+_CHECKSUM = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{8,128}$")
+_warned_unsealed = False
+
+
+class ManifestError(IntegrityError, ValueError):
+    """A manifest that cannot be parsed, fails its seal, or has a field of the wrong shape;
+    the message names the field."""
+
+
+def seal_of(fields: dict[str, Any]) -> str:
+    """The seal of a manifest's fields (everything but the seal itself), over a canonical
+    JSON form so that any writer gets the same bytes for the same fields."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return checksum_of(canonical.encode())
+
+
+def check_seal(data: dict[str, Any]) -> None:
+    """Remove the seal from ``data`` and check it against the rest. A manifest written before
+    seals existed has none: it is accepted, with a warning (once per process)."""
+    global _warned_unsealed
+    seal = data.pop(SEAL_KEY, None)
+    if seal is None:
+        if not _warned_unsealed:
+            _warned_unsealed = True
+            log.warning("a manifest without a seal (written by an older tierstore) was read; "
+                        "its fields are checked but not covered by a checksum")
+        return
+    if seal != seal_of(data):
+        raise ManifestError("its seal does not match its contents: the manifest was changed "
+                            "after it was written")
+
+
+def _fail(field: str, what: str, value: Any) -> ManifestError:
+    return ManifestError(f"field '{field}' {what} (got {_short(value)})")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(data: dict, field: str, low: int = 0, *, optional: bool = False) -> None:
+    value = data.get(field)
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise _fail(field, f"must be an integer >= {low}", value)
+
+
+def _str(data: dict, field: str) -> None:
+    if not isinstance(data.get(field), str):
+        raise _fail(field, "must be a string", data.get(field))
+
+
+def _check_entry(name: str, entry: Any) -> None:
+    where = f"files.{name}"
+    if not isinstance(entry, dict):
+        raise _fail(where, "must be a table", entry)
+    size = entry.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise _fail(f"{where}.size", "must be an integer >= 0", size)
+    checksum = entry.get("checksum")
+    if not isinstance(checksum, str) or not _CHECKSUM.match(checksum):
+        raise _fail(f"{where}.checksum", "must be '<algorithm>:<hex digest>'", checksum)
+    rank = entry.get("rank")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise _fail(f"{where}.rank", "must be a rank (integer >= 0) or null", rank)
+    spans = entry.get("spans")
+    if spans is None:
+        return
+    if not isinstance(spans, list):
+        raise _fail(f"{where}.spans", "must be a list of [item offset, offset, length]", spans)
+    for span in spans:
+        if (not isinstance(span, list) or len(span) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in span)):
+            raise _fail(f"{where}.spans", "must hold [item offset, offset, length] triples of "
+                        "integers >= 0", span)
+        if span[1] + span[2] > entry["size"] or span[0] > entry["size"]:
+            raise _fail(f"{where}.spans", f"reach past the file's {entry['size']} bytes", span)
+
+
+def check_fields(data: dict[str, Any]) -> None:
+    """Check the shape and range of every field a reader, drain or load uses."""
+    cid = data.get("checkpoint_id")
+    if not is_valid_checkpoint_id(cid):
+        raise _fail("checkpoint_id", "is not a valid checkpoint id", cid)
+    files = data.get("files")
+    if not isinstance(files, dict):
+        raise _fail("files", "must be a table of file name -> entry", files)
+    for name, entry in files.items():
+        if not is_plain_file_name(name):
+            raise _fail("files", "names a file outside the checkpoint directory (only plain "
+                        "file names are allowed)", name)
+        _check_entry(name, entry)
+    _int(data, "world_size", 1)
+    _int(data, "part", 0)
+    _int(data, "parts", 1)
+    if data["part"] >= data["parts"]:
+        raise _fail("part", f"must be below parts ({data['parts']})", data["part"])
+    ranks = data.get("ranks")
+    if (not isinstance(ranks, list) or not ranks
+            or not all(isinstance(r, int) and not isinstance(r, bool)
+                       and 0 <= r < data["world_size"] for r in ranks)):
+        raise _fail("ranks", f"must list ranks below world_size ({data['world_size']})", ranks)
+    codecs = data.get("codecs")
+    if not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs):
+        raise _fail("codecs", "must be a list of codec names", codecs)
+    plugins = data.get("plugins")
+    if not isinstance(plugins, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in plugins.items()):
+        raise _fail("plugins", "must be a table of names -> versions", plugins)
+    if not isinstance(data.get("pinned"), bool):
+        raise _fail("pinned", "must be true or false", data.get("pinned"))
+    for name in ("save_token", "tierstore_version", "torch_version"):
+        _str(data, name)
+    for name in ("created", "committed"):
+        value = data.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _fail(name, "must be a time in seconds", value)
+    _int(data, "step", 0, optional=True)
+    if data.get("checksum_algorithm") != ALGORITHM:
+        raise _fail("checksum_algorithm", f"must be {ALGORITHM!r} (the only one this version "
+                    f"reads)", data.get("checksum_algorithm"))

@@ -1,0 +1,333 @@
+"""Reading DCP's ``.metadata`` from a tier without trusting it.
+
+``.metadata`` is a pickled :class:`~torch.distributed.checkpoint.metadata.Metadata`, and it comes
+from tiers other people can write (shared filesystems, buckets). A plain ``pickle.loads`` runs
+whatever the pickle asks for (``os.system`` through ``__reduce__``), so :func:`load_metadata`
+unpickles with an allow-list of the globals that DCP's metadata is made of, then checks the shape
+of what came out before anything (a planner, a read at an offset, a path) relies on it.
+
+The allow-list was taken from the pickles of real saves (plain tensors of every dtype, nested
+dicts, non-tensor values, DTensor shards, ShardedTensor, zstd-encoded items, stock DCP's own
+``FileSystemWriter``); every entry is a (module, name) pair, never a whole module:
+
+- ``torch.distributed.checkpoint.metadata``: ``Metadata``, ``TensorStorageMetadata``,
+  ``BytesStorageMetadata``, ``ChunkStorageMetadata``, ``TensorProperties``, ``MetadataIndex``,
+  ``StorageMeta`` (the dataclasses the file is made of) and ``_MEM_FORMAT_ENCODING`` (how
+  ``TensorProperties`` pickles its memory format);
+- ``torch.distributed.checkpoint.filesystem._StorageInfo``: where each item sits in which data
+  file (``storage_data``, written by tierstore's writer and by stock DCP alike);
+- ``torch.Size``: tensor sizes and chunk offsets;
+- ``torch.<dtype>`` for each ``torch.dtype`` (``float32``, ``bfloat16``, ...): a dtype pickles as
+  a reference to its module-level name, not through ``getattr``; only names that are dtypes are
+  allowed, so ``torch.load`` or ``torch.ops`` are not;
+- ``torch.serialization._get_layout``: how a ``torch.layout`` pickles. It is answered with a
+  lookup of this module's own (layout names only), so the pickle never gets hold of torch's
+  function or the cache stored on it;
+- ``pathlib.PosixPath``: stock DCP records ``StorageMeta.checkpoint_id`` as a path.
+
+No ``builtins`` are needed (protocol 2+ pickles lists, dicts, tuples, sets, bytes and numbers with
+opcodes of their own), and persistent ids are refused.
+
+Even allowed globals can be abused: pickle's BUILD opcode sets attributes on whatever object is
+on its stack, and a class, an enum member or a function taken from the allow-list is shared by
+the whole process. A pickle could thus rewrite ``Metadata`` or an enum member for every later
+save and load. Each load therefore snapshots the attributes of those shared objects and, if the
+pickle changed any, restores them and refuses the file.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import operator
+import pathlib
+import pickle
+import threading
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata,
+                                                   _MEM_FORMAT_ENCODING)
+
+from tierstore.errors import IntegrityError
+from tierstore.format.paths import is_plain_file_name
+
+__all__ = ["load_metadata", "ALLOWED_GLOBALS"]
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+_LAYOUTS: dict[str, torch.layout] = {str(v): v for v in vars(torch).values()
+                                     if isinstance(v, torch.layout)}
+
+
+def _layout(name: object) -> torch.layout:
+    """Stands in for ``torch.serialization._get_layout``: a layout by its name, nothing else."""
+    layout = _LAYOUTS.get(name) if isinstance(name, str) else None
+    if layout is None:
+        raise pickle.UnpicklingError(f"{_short(name)} is not a torch layout")
+    return layout
+
+
+#: (module, name) -> the object a pickle gets for it; anything else is refused.
+ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
+    **{(_DCP_METADATA, cls.__name__): cls
+       for cls in (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+                   TensorProperties, MetadataIndex, StorageMeta, _MEM_FORMAT_ENCODING)},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    **{("torch", name): value for name, value in vars(torch).items()
+       if isinstance(value, torch.dtype)},
+    ("torch.serialization", "_get_layout"): _layout,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+}
+
+# Objects a pickle can reach (globals above and what calling them returns) that outlive the load
+# and carry attributes a BUILD opcode could change: the Python classes, the enum's members and
+# the layout function. dtypes, layouts and torch.Size refuse new attributes by themselves.
+_SHARED: list[object] = [v for v in ALLOWED_GLOBALS.values() if hasattr(v, "__dict__")
+                         and not isinstance(v, torch.dtype)] + list(_MEM_FORMAT_ENCODING)
+# copyreg caches ``__slotnames__`` in a class the first time one of its instances is pickled, by
+# any thread: fill that cache now, so that during a load a new attribute can only be the pickle's.
+for _cls in _SHARED:
+    if isinstance(_cls, type):
+        copyreg._slotnames(_cls)
+del _cls
+# One load at a time, so that one load's restore never undoes what another is checking.
+_guard_lock = threading.Lock()
+
+_REMEDY = ("the file was not written by DCP/tierstore; restore it from another tier or delete "
+           "the checkpoint")
+
+
+class _Refused(pickle.UnpicklingError):
+    """The pickle asked for something the allow-list does not hold."""
+
+
+class _Invalid(ValueError):
+    """What came out of the pickle does not have the shape of DCP metadata."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`ALLOWED_GLOBALS` and no persistent ids."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return ALLOWED_GLOBALS[(module, name)]
+        except (KeyError, TypeError):  # TypeError: names that are not hashable strings
+            raise _Refused(f"its pickle refers to the global {_global_name(module, name)}, "
+                           f"which DCP metadata never contains (refused before anything ran)"
+                           ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused(f"its pickle holds a persistent id ({_short(pid)}), which DCP metadata "
+                       f"never contains")
+
+
+def load_metadata(raw: bytes, where: str) -> Metadata:
+    """Unpickle DCP's ``.metadata`` from ``raw`` with the allow-list of this module, then check
+    that it is well-formed DCP metadata (see :func:`_check`).
+
+    ``where`` says which copy it is, for the message (``"tier 'nvme': step-100/.metadata"``).
+    Raises :class:`~tierstore.errors.IntegrityError` naming ``where`` and the refused global or
+    the bad field when the bytes are not a pickle, are truncated, refer to anything outside the
+    allow-list, change shared objects, or do not hold valid DCP metadata.
+    """
+    head = bytes(raw[:8])
+    if head[:1] != pickle.PROTO or head[1:2] < b"\x02":
+        # Every DCP version pickles with protocol 2 or newer, which starts with these bytes.
+        raise IntegrityError(f"{where}: not a pickle of DCP metadata (it starts with "
+                             f"{_short(head)}); {_REMEDY}")
+    with _guard_lock:
+        before = _snapshot()
+        try:
+            metadata = _RestrictedUnpickler(io.BytesIO(raw)).load()
+        except _Refused as exc:
+            raise IntegrityError(f"{where}: {exc}; {_REMEDY}") from None
+        except Exception as exc:  # anything a malformed pickle makes the unpickler raise
+            raise IntegrityError(
+                f"{where}: not readable as DCP metadata ({type(exc).__name__}: "
+                f"{_short(str(exc), 200)}); {_REMEDY}") from None
+        finally:
+            changed = _restore(before)
+        if changed:
+            raise IntegrityError(f"{where}: its pickle tried to change {', '.join(changed)} "
+                                 f"(undone; refused); {_REMEDY}")
+    try:
+        _check(metadata)
+    except _Invalid as exc:
+        raise IntegrityError(f"{where}: {exc}; {_REMEDY}") from None
+    return metadata
+
+
+# -- shared objects ------------------------------------------------------------------------------
+
+def _snapshot() -> list[tuple[object, dict[str, Any]]]:
+    return [(obj, dict(vars(obj))) for obj in _SHARED]
+
+
+def _restore(snapshot: list[tuple[object, dict[str, Any]]]) -> list[str]:
+    """Put back every attribute the load changed on a shared object; the names changed."""
+    changed = []
+    for obj, saved in snapshot:
+        now = vars(obj)
+        added = [k for k in now if k not in saved]
+        altered = [k for k, v in saved.items() if k not in now or now[k] is not v]
+        if not added and not altered:
+            continue
+        names = sorted(_short(k, 40) for k in added + altered)  # keys may be anything
+        changed.append(f"{_label(obj)} ({', '.join(names[:5])}{', ...' if names[5:] else ''})")
+        if isinstance(obj, type):
+            # type's own setattr: EnumType's would refuse to touch member names
+            for k in added:
+                type.__delattr__(obj, k)
+            for k in altered:
+                type.__setattr__(obj, k, saved[k])
+        else:
+            for k in added:
+                del now[k]
+            now.update({k: saved[k] for k in altered})
+    return changed
+
+
+def _label(obj: object) -> str:
+    if isinstance(obj, type):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    if isinstance(obj, _MEM_FORMAT_ENCODING):
+        return f"{_DCP_METADATA}.{obj}"
+    return getattr(obj, "__qualname__", type(obj).__name__)
+
+
+# -- checks on what was unpickled ----------------------------------------------------------------
+
+def _check(metadata: Any) -> None:
+    """Raise :class:`_Invalid` naming the field unless ``metadata`` has DCP metadata's shape:
+    the fields readers, planners and the drain use, with the types and ranges they assume."""
+    if type(metadata) is not Metadata:
+        raise _Invalid(f"it holds {_type(metadata)}, not DCP's Metadata")
+    sdm = metadata.state_dict_metadata
+    if not isinstance(sdm, dict):
+        raise _Invalid(f"field 'state_dict_metadata' must be a dict, not {_type(sdm)}")
+    for fqn, md in sdm.items():
+        if not isinstance(fqn, str):
+            raise _Invalid(f"field 'state_dict_metadata' has a key that is {_type(fqn)}, "
+                           f"not a str ({_short(fqn)})")
+        field = f"state_dict_metadata[{_short(fqn)}]"
+        if type(md) is TensorStorageMetadata:
+            _check_tensor(md, field)
+        elif type(md) is not BytesStorageMetadata:
+            raise _Invalid(f"field '{field}' must be TensorStorageMetadata or "
+                           f"BytesStorageMetadata, not {_type(md)}")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise _Invalid(f"field 'storage_data' must be a dict, not {_type(storage)}")
+    names: set[str] = set()  # file names already checked: a few files hold many items
+    for index, info in storage.items():
+        _check_index(index)
+        _check_storage_info(info, index, names)
+    meta = metadata.storage_meta
+    if meta is not None and type(meta) is not StorageMeta:
+        raise _Invalid(f"field 'storage_meta' must be a StorageMeta or None, not {_type(meta)}")
+    if metadata.version is not None and not isinstance(metadata.version, str):
+        raise _Invalid(f"field 'version' must be a str or None, not {_type(metadata.version)}")
+
+
+def _check_tensor(md: TensorStorageMetadata, field: str) -> None:
+    props = md.properties
+    if type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype):
+        raise _Invalid(f"field '{field}.properties' must be TensorProperties with a torch dtype")
+    size = md.size
+    if not _is_dims(size):
+        raise _not_dims(f"{field}.size", size)
+    if not isinstance(md.chunks, list):
+        raise _Invalid(f"field '{field}.chunks' must be a list, not {_type(md.chunks)}")
+    # Runs for every chunk of every tensor (hundreds of thousands on a large job): messages are
+    # built only on failure.
+    for n, chunk in enumerate(md.chunks):
+        if type(chunk) is not ChunkStorageMetadata:
+            raise _Invalid(f"field '{field}.chunks[{n}]' must be ChunkStorageMetadata, not "
+                           f"{_type(chunk)}")
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if not _is_dims(offsets):
+            raise _not_dims(f"{field}.chunks[{n}].offsets", offsets)
+        if not _is_dims(sizes):
+            raise _not_dims(f"{field}.chunks[{n}].sizes", sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise _Invalid(f"field '{field}.chunks[{n}]' has {len(offsets)}-d offsets and "
+                           f"{len(sizes)}-d sizes for a {len(size)}-d tensor")
+        if not all(map(operator.le, map(operator.add, offsets, sizes), size)):
+            raise _Invalid(f"field '{field}.chunks[{n}]' (offsets {tuple(offsets)}, sizes "
+                           f"{tuple(sizes)}) reaches past the tensor's size {tuple(size)}")
+
+
+def _check_index(index: Any) -> None:
+    if type(index) is not MetadataIndex or not isinstance(index.fqn, str):
+        raise _Invalid(f"field 'storage_data' has a key that is {_type(index)}, not a "
+                       f"MetadataIndex ({_short(index)})")
+    if index.offset is not None and not _is_dims(index.offset):
+        raise _not_dims(f"storage_data[{_short(index)}] (its key's offset)", index.offset)
+    if index.index is not None and not _natural(index.index):
+        raise _Invalid(f"field 'storage_data[{_short(index)}]' (its key's index) must be an "
+                       f"int >= 0")
+
+
+def _check_storage_info(info: Any, index: MetadataIndex, names: set[str]) -> None:
+    if type(info) is not _StorageInfo:
+        raise _Invalid(f"field 'storage_data[{_short(index)}]' must be a _StorageInfo, not "
+                       f"{_type(info)}")
+    # getattr: a pickle may leave any attribute out (_StorageInfo.__getstate__ itself drops
+    # those that are None; the class supplies transform_descriptors' default).
+    path = getattr(info, "relative_path", None)
+    if not isinstance(path, str) or (path not in names and not is_plain_file_name(path)):
+        raise _Invalid(f"field 'storage_data[{_short(index)}].relative_path' is {_short(path)}: "
+                       f"it must be the plain name of a file in the checkpoint directory (no "
+                       f"'/', '\\', '..', NUL, nothing absolute), like DCP's '__0_0.distcp'")
+    names.add(path)
+    for name in ("offset", "length"):
+        value = getattr(info, name, None)
+        if not _natural(value):
+            raise _Invalid(f"field 'storage_data[{_short(index)}].{name}' must be an int >= 0 "
+                           f"(got {_short(value)})")
+    descriptors = getattr(info, "transform_descriptors", None)
+    if descriptors is not None and (not isinstance(descriptors, (list, tuple))
+                                    or not all(isinstance(d, str) for d in descriptors)):
+        raise _Invalid(f"field 'storage_data[{_short(index)}].transform_descriptors' must be a "
+                       f"list of str or None (got {_short(descriptors)})")
+
+
+def _is_dims(value: Any) -> bool:
+    """Whether ``value`` is a tuple (torch.Size is one) of ints >= 0."""
+    if type(value) is torch.Size:  # holds only ints (its constructor refuses others): the sign
+        return not value or min(value) >= 0
+    return isinstance(value, tuple) and all(_natural(v) for v in value)
+
+
+def _not_dims(field: str, value: Any) -> _Invalid:
+    return _Invalid(f"field '{field}' must be a tuple of ints >= 0 (got {_short(value)})")
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _global_name(module: Any, name: Any) -> str:
+    """``module.name`` as the pickle spells it, quoted when it is not plain identifiers."""
+    text = f"{module}.{name}"
+    plain = all(isinstance(p, str) and p.replace(".", "_").isidentifier() and p.isascii()
+                for p in (module, name))
+    return text if plain and len(text) <= 120 else _short(text, 120)
+
+
+def _type(value: Any) -> str:
+    """``a dict``, ``an int``: the type of a value from the file, for a message."""
+    name = type(value).__qualname__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr`` of a value from the file, cut short: it may be huge or full of control bytes."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
