@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test faults bench clean
 
 # torch first, pinned: a bare `torch` requirement would pull several GB of CUDA wheels.
 $(VENV)/.torch:
@@ -29,6 +29,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
+
+# The fault matrix: every phase x every fault kind, invariants checked from a fresh process;
+# prints the table (tests/faults/). Add TABLE=path.md to write it as Markdown too.
+faults: $(VENV)/.installed-test
+	$(PY) -m tests.faults $(if $(TABLE),--table $(TABLE))
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/save_load.py

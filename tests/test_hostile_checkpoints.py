@@ -224,3 +224,24 @@ def test_every_bit_of_a_manifest_and_a_data_file_flipped_is_loaded_right_or_refu
             path.write_bytes(original)
     assert refused + right == len(flips[manifest]) + 2000
     assert refused > 0.9 * (refused + right)
+
+
+class FailReadsOn:
+    """An I/O error at every read of a data file from one tier (tierstore_phase hook)."""
+
+    def __init__(self, tier: str):
+        self.tier = tier
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase, tier, detail):
+        if phase == tierstore.Phase.READ_FILE and tier == self.tier:
+            raise OSError(5, "Input/output error (injected)")
+
+
+def test_a_read_error_on_one_tier_falls_back_to_the_next(tmp_path):
+    save(tmp_path, tiers=2)
+    events = Events()
+    with tierstore.open(config(tmp_path, 2), plugins=[FailReadsOn("fast"), events]) as store:
+        store.wait()
+        assert_loaded_right(load(store))
+    assert any(e.kind == EventKind.FELL_BACK and e.tier == "slow" for e in events.events)

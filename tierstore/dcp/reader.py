@@ -299,8 +299,9 @@ class TierstoreReader(StorageReader):
             if entry is None:
                 problems.append(f"tier '{tier.name}': not in its manifest")
                 continue
-            ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative)
             try:
+                # Inside the try: a fault announced here falls back like a real read error.
+                ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative)
                 with tier.backend.open_read(f"{cid}/{relative}") as f:
                     nbytes = read_items(f, entry, reqs, self._metadata.storage_data,
                                         self._metadata, planner, ctx.config.verify_on_load)

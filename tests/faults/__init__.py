@@ -1,0 +1,20 @@
+"""The fault matrix: tierstore under injected faults, checked from a fresh process.
+
+Each *trial* runs a small checkpointing job (a few saves through a two-tier store, the drains
+behind them, loads, ``verify`` and ``gc``) in a forked child and injects one fault at one named
+point of it: an exception, SIGKILL, ENOSPC (raised, or a real tmpfs filled to the brim), EIO, a
+slow backend, or the S3 server killed under a drain. Another forked child then opens a fresh
+store on the same tiers and checks what a user relies on:
+
+1. ``store.latest()`` is never torn nor older than the last save that returned;
+2. every checkpoint ``store.list()`` reports loads bitwise equal to what was saved under its id
+   (or the load fails with a ``tierstore.TierstoreError``);
+3. the next save, ``store.wait()`` and ``store.gc()`` recover and leave nothing hidden behind.
+
+Run it with ``make faults`` (the whole matrix, with a table) or ``python -m tests.faults --help``;
+``tests/test_fault_matrix.py`` runs a sample in CI. Modules: ``state`` (state dicts),
+``scenario`` (a job from a seed), ``inject`` (where and how faults strike), ``workload`` (the
+job a trial runs), ``checks`` (the invariants), ``procs`` (forked children and workers),
+``places`` (directories, tmpfs, server), ``plan`` (trials and which to run), ``table`` (the
+result), ``matrix`` (running it all; the command).
+"""

@@ -1,0 +1,284 @@
+"""The invariants, checked in a fresh process on the tiers a trial's job left behind.
+
+1. ``latest()`` is never torn (it loads, bitwise) nor older than the last save that returned,
+   and agrees with ``list()``;
+2. every checkpoint ``list()`` shows, through the store and on each tier holding it, loads
+   bitwise equal to what was saved under its id, or fails with a ``TierstoreError``;
+3. the next save, ``wait()`` (resumed drains included) and ``gc()`` succeed, and afterwards no
+   tier holds anything but complete checkpoints: no ``.tierstore-*`` entry, no visible
+   directory or prefix without a manifest, no file a manifest does not name. On an object
+   store, a prefix whose writer's lease (``.tierstore-lease.*``) has not expired is work in
+   progress by design (a killed writer's lease runs out after ``lease_seconds`` + 60 s): there,
+   gc runs once more as it would a day later, and only what is left then counts.
+
+``check`` returns violations (a broken promise) and notes (what a user may see but the
+contract allows, e.g. a load refused with a ``TierstoreError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from typing import Any, Iterator
+from unittest import mock
+
+import tierstore
+
+from .inject import BALLAST
+from .scenario import Place, Scenario
+from .state import blank_like, differences, state_for, step_of
+from .workload import FAILURES, Journal, describe
+
+__all__ = ["check", "tier_entries"]
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+MANIFEST = "tierstore.json"
+HIDDEN_PREFIX = ".tierstore-"
+LEASE_PREFIX = ".tierstore-lease."
+
+
+class Findings:
+    """What a check found: violations and notes, each a line."""
+
+    def __init__(self):
+        self.violations: list[str] = []
+        self.notes: list[str] = []
+
+    def as_dict(self) -> dict[str, list[str]]:
+        """JSON-ready."""
+        return {"violations": self.violations, "notes": self.notes}
+
+
+def check(scenario: Scenario, place: Place) -> dict[str, list[str]]:
+    """Check the three invariants on ``place`` (see the module docstring)."""
+    found = Findings()
+    journal = Journal.read(place.journal)
+    begun = [rest.split()[0] for kind, rest in journal if kind == "begin"]
+    saved = [rest.split()[0] for kind, rest in journal if kind == "saved"]
+    for tier in scenario.tiers(place, faulty=False):
+        _check_tier_copies(scenario, tier, found)
+    if place.mount is not None:
+        # The operator frees the space before the job restarts: the store resumes drains as
+        # soon as it opens, and on a full disk they would fail again (and rightly say so).
+        try:
+            os.remove(os.path.join(place.mount, BALLAST))
+        except FileNotFoundError:
+            pass
+    with tierstore.open(scenario.config(place, faulty=False)) as store:
+        _check_latest(scenario, store, begun, saved, found)
+        _check_loads(scenario, store, found)
+        _check_recovery(scenario, store, found)
+        complete = {}  # tier -> what is complete there, once nothing runs any more
+        for info in store.list():
+            for name in info.tiers:
+                complete.setdefault(name, set()).add(info.id)
+    for tier in scenario.tiers(place, faulty=False):
+        _check_leftovers(tier, complete.get(tier["name"], set()), found)
+    return found.as_dict()
+
+
+def _single_tier(tier: dict) -> dict:
+    """A config holding only ``tier``, with nothing that could change it (every = 1, no keep)."""
+    return {"tier": [{k: v for k, v in tier.items() if k not in ("every", "keep")}]}
+
+
+def _load(scenario: Scenario, store: tierstore.Store, cid: str, where: str,
+          found: Findings, *, must_load: bool = False) -> None:
+    """Load ``cid``: equal bitwise, or a TierstoreError (a violation when ``must_load``)."""
+    import torch.distributed.checkpoint as dcp
+
+    want = state_for(cid, scenario.seed)
+    got = blank_like(want)
+    try:
+        dcp.load(got, storage_reader=store.reader(), checkpoint_id=cid)
+    except FAILURES as exc:  # classified below
+        causes = [f[0] for f in getattr(exc, "failures", {}).values()
+                  if isinstance(f, tuple)] or [exc]
+        clear = all(isinstance(c, tierstore.TierstoreError) for c in causes)
+        if must_load:
+            found.violations.append(f"{cid} ({where}) does not load: {describe(exc)}")
+        elif clear:
+            found.notes.append(f"{cid} ({where}) refused: {describe(exc)}")
+        else:
+            found.violations.append(f"{cid} ({where}) failed to load without a TierstoreError: "
+                                    f"{describe(exc)}")
+        return
+    wrong = differences(got, want)
+    if wrong:
+        found.violations.append(f"{cid} ({where}) loads other data: {'; '.join(wrong)}")
+
+
+def _check_tier_copies(scenario: Scenario, tier: dict, found: Findings) -> None:
+    """Invariant 2 on each tier alone: every copy it lists loads bitwise."""
+    with tierstore.open(_single_tier(tier)) as store:
+        for info in store.list():
+            _load(scenario, store, info.id, f"its copy on tier '{tier['name']}'", found)
+
+
+def _check_latest(scenario: Scenario, store: tierstore.Store, begun: list[str],
+                  saved: list[str], found: Findings) -> None:
+    """Invariant 1."""
+    latest = store.latest()
+    ids = [info.id for info in store.list()]
+    for cid in ids:
+        if cid not in begun:
+            found.violations.append(f"list() shows {cid}, which the job never saved")
+    if saved:
+        last = saved[-1]
+        if latest is None:
+            found.violations.append(f"latest() is None although the save of {last} returned")
+        elif step_of(latest) < step_of(last):
+            found.violations.append(f"latest() is {latest}, older than {last}, whose save "
+                                    f"returned")
+        if last not in ids and (latest is None or step_of(latest) <= step_of(last)):
+            # (a newer checkpoint may have committed in a save that then failed, and keep
+            # made room for it)
+            found.violations.append(f"{last} (its save returned) is not in list(): {ids}")
+    if latest is not None:
+        if latest not in begun:
+            found.violations.append(f"latest() is {latest}, which the job never saved")
+        if ids and latest != ids[0]:
+            found.violations.append(f"latest() is {latest} but list() starts with {ids[0]}")
+        _load(scenario, store, latest, "latest()", found, must_load=True)
+
+
+def _check_loads(scenario: Scenario, store: tierstore.Store, found: Findings) -> None:
+    """Invariant 2 through the store (the reader picks the copies, falling back)."""
+    for info in store.list():
+        _load(scenario, store, info.id, "through the store", found)
+
+
+def _check_recovery(scenario: Scenario, store: tierstore.Store, found: Findings) -> None:
+    """Invariant 3, first part: the next save, wait() and gc() succeed."""
+    import torch.distributed.checkpoint as dcp
+
+    cid = scenario.recovery_id()
+    try:
+        dcp.save(state_for(cid, scenario.seed), storage_writer=store.writer(), checkpoint_id=cid)
+    except FAILURES as exc:
+        found.violations.append(f"the next save ({cid}) failed: {describe(exc)}")
+        return
+    for what, call in (("wait()", store.wait), ("gc()", store.gc)):
+        try:
+            call()
+        except FAILURES as exc:
+            found.violations.append(f"{what} after the next save failed: {describe(exc)}")
+    latest = store.latest()
+    if latest != cid:
+        found.violations.append(f"after the next save ({cid}) latest() is {latest}")
+    info = next((i for i in store.list() if i.id == cid), None)
+    if info is None or sorted(info.tiers) != ["fast", "slow"]:
+        found.violations.append(f"after wait(), {cid} is on tiers "
+                                f"{info.tiers if info else []}, not on both")
+    _load(scenario, store, cid, "the next save", found, must_load=True)
+
+
+# -- what is on a tier -------------------------------------------------------------------------
+
+_filesystems: dict[str, Any] = {}
+
+
+def _s3(tier: dict) -> tuple[Any, str]:
+    """An s3fs filesystem for ``tier`` (one per process: making one costs a few hundred ms)
+    and the tier's root path in it."""
+    import s3fs
+
+    key = json.dumps(tier["options"], sort_keys=True)
+    if key not in _filesystems:
+        _filesystems[key] = s3fs.S3FileSystem(skip_instance_cache=True,
+                                              use_listings_cache=False, **tier["options"])
+    return _filesystems[key], tier["url"].split("://", 1)[1].rstrip("/")
+
+
+def tier_entries(tier: dict) -> dict[str, list[str]]:
+    """Every file on ``tier`` grouped by its top-level entry (checkpoint directory, or hidden
+    entry): {entry: [paths relative to the entry]}; an empty directory maps to []."""
+    out: dict[str, list[str]] = {}
+    if "url" in tier:
+        fs, root = _s3(tier)
+        for key in fs.find(root):
+            top, _, rest = key[len(root) + 1:].partition("/")
+            out.setdefault(top, []).append(rest)
+        return out
+    root = tier["path"]
+    for top in os.listdir(root) if os.path.isdir(root) else []:
+        path = os.path.join(root, top)
+        files = []
+        if os.path.isdir(path):
+            for d, _, names in os.walk(path):
+                files += [os.path.relpath(os.path.join(d, n), path) for n in names]
+        else:
+            files.append("")
+        out[top] = files
+    return out
+
+
+def _read_manifest(tier: dict, cid: str) -> dict[str, Any]:
+    if "url" in tier:
+        fs, root = _s3(tier)
+        raw = fs.cat(f"{root}/{cid}/{MANIFEST}")
+    else:
+        with open(os.path.join(tier["path"], cid, MANIFEST), "rb") as f:
+            raw = f.read()
+    return json.loads(raw)
+
+
+def _leftovers(tier: dict, complete: set[str]) -> list[str]:
+    """What a tier holds besides the ``complete`` checkpoints (see the module docstring), one
+    line each; a line starting with ``LEASED`` is a prefix holding a writer's lease."""
+    name = tier["name"]
+    out = []
+    for top, files in sorted(tier_entries(tier).items()):
+        hidden = [f for f in files if any(p.startswith(HIDDEN_PREFIX) for p in f.split("/"))]
+        leased = "LEASED " if any(f.startswith(LEASE_PREFIX) for f in files) else ""
+        if top.startswith("."):
+            out.append(f"{leased}tier '{name}' still holds {top} after gc()")
+        elif top not in complete:
+            out.append(f"{leased}tier '{name}' shows {top}/ ({len(files)} files: "
+                       f"{sorted(files)[:6]}), which is no complete checkpoint")
+        elif hidden:
+            out.append(f"{leased}tier '{name}': {top}/ still holds {hidden} after gc()")
+        else:
+            named = set(_read_manifest(tier, top)["files"]) | {MANIFEST}
+            stray = sorted(set(files) - named)
+            if stray:
+                out.append(f"tier '{name}': {top}/ holds files its manifest does not name: "
+                           f"{stray}")
+    return out
+
+
+@contextlib.contextmanager
+def _a_day_later() -> Iterator[None]:
+    """The fsspec backend's clock, a day ahead: every lease has expired (this process is a
+    fresh checker; no writer of its own holds one)."""
+    from tierstore_plugins import fsspec_backend
+
+    class Later:
+        def __getattr__(self, attr):
+            return getattr(time, attr)
+
+        @staticmethod
+        def time() -> float:
+            return time.time() + 86_400
+
+    with mock.patch.object(fsspec_backend, "time", Later()):
+        yield
+
+
+def _check_leftovers(tier: dict, complete: set[str], found: Findings) -> None:
+    """Invariant 3, second part: after gc, only complete checkpoints on the tier (on an object
+    store, once the leases of writers that are gone have expired)."""
+    left = _leftovers(tier, complete)
+    found.violations += [line for line in left if not line.startswith("LEASED ")]
+    leased = [line[len("LEASED "):] for line in left if line.startswith("LEASED ")]
+    if leased:
+        found.notes += [f"kept by a writer's lease until it expires: {line}" for line in leased]
+        with _a_day_later(), tierstore.open(_single_tier(tier)) as store:
+            store.gc()
+            complete = {info.id for info in store.list()}
+        found.violations += [f"a day later, {line.removeprefix('LEASED ')}"
+                             for line in _leftovers(tier, complete)]

@@ -1,0 +1,421 @@
+"""The fault matrix: plan trials, run them on forked workers, print the table.
+
+A trial is ``ROW:FAULT:NTH:SEED[:s3]`` (see ``plan``): the job of ``SEED`` with ``FAULT``
+striking at the ``NTH`` announcement of ``ROW``, its slow tier on S3 with ``:s3``. Planning
+first runs each candidate job once without a fault and counts what every row announces, so
+each trial names a point the job really reaches; the job is deterministic (the order of files
+within one checkpoint aside, which its threads decide). A failing trial prints the command
+that runs it again alone.
+
+    python -m tests.faults                      # the whole matrix (make faults)
+    python -m tests.faults --sample             # the CI sample
+    python -m tests.faults --trial save/write_file:sigkill:6:100037
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tierstore
+
+from .checks import check
+from .inject import FAULTS, Injector
+from .places import Env, mount_tmpfs, server_module, unmount
+from .plan import Trial, plan_cells, row_key
+from .procs import ChildResult, run_child, run_pool
+from .scenario import Place, Scenario
+from .table import table
+from .workload import Journal, run_job
+
+__all__ = ["Matrix", "main", "run_trial"]
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+#: Faults that strike every row on local tiers; tmpfs-full needs root (mount).
+LOCAL_FAULTS = ("raise", "sigkill", "enospc", "tmpfs-full", "eio", "slow")
+#: Faults tried on the S3 tier's drains; server-death only there.
+S3_FAULTS = ("raise", "sigkill", "eio", "slow")
+#: Seconds one forked step of a trial may take before it counts as hung.
+CHILD_TIMEOUT = 120.0
+
+
+# -- one trial ---------------------------------------------------------------------------------
+
+def _prepare(scenario: Scenario, place: Place) -> ChildResult:
+    """The first process of a restarted job: saves up to ``restart_after``, killed in it."""
+    def job():
+        injector = Injector(scenario.prepare_kill, 1, "sigkill",
+                            checkpoint_id=f"step-{scenario.restart_after}")
+        run_job(scenario, place, injector, prepare=True)
+        return None
+
+    return run_child(job, log_path=place.log, timeout=CHILD_TIMEOUT)
+
+
+def dry_run(seed: int, s3: bool, env: Env) -> dict[str, int]:
+    """How many times each row is announced in the job of ``seed`` without a fault."""
+    scenario = Scenario.from_seed(seed, s3)
+    trial = Trial("dry", "raise", 0, seed, s3)
+    place = env.place_for(trial, f"dry-{seed}{'-s3' if s3 else ''}-{uuid.uuid4().hex[:6]}")
+    try:
+        if scenario.restart_after:
+            _prepare(scenario, place)
+
+        def job():
+            injector = Injector()
+            run_job(scenario, place, injector, prepare=False)
+            return injector.counts
+
+        result = run_child(job, log_path=place.log, timeout=CHILD_TIMEOUT)
+        if result.value is None:
+            raise RuntimeError(f"the job of seed {seed} without a fault {result.describe()}; "
+                               f"see {place.log}")
+        return result.value
+    finally:
+        env.clean()
+
+
+def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
+    """Run ``trial``: the job with the fault (after its first process, if restarted), then the
+    checks in a fresh process. Returns its outcome (JSON-ready)."""
+    started = time.monotonic()
+    scenario = Scenario.from_seed(trial.seed, trial.s3)
+    place = env.place_for(trial, name)
+    violations: list[str] = []
+    if env.server is not None and trial.s3 and not env.server.running():
+        env.server.restart()
+    if scenario.restart_after:
+        first = _prepare(scenario, place)
+        if not (first.killed or first.code == 0):
+            violations.append(f"the job's first process {first.describe()}")
+
+    def job():
+        injector = Injector(trial.row, trial.nth, trial.fault, delay=trial.delay,
+                            mount=place.mount, server_pid=place.server_pid)
+        run_job(scenario, place, injector, prepare=False)
+        return injector.fired
+
+    timings = {"first_s": time.monotonic() - started}
+    faulty = run_child(job, log_path=place.log, timeout=CHILD_TIMEOUT)
+    timings["job_s"] = time.monotonic() - started - sum(timings.values())
+    journal = Journal.read(place.journal)
+    fired = any(kind == "fired" for kind, _ in journal)
+    if trial.fault == "server-death":
+        env.server.restart()  # the operator brings it back before anyone looks
+        timings["restart_s"] = time.monotonic() - started - sum(timings.values())
+    if not fired:
+        violations.append(f"the fault point was never reached (the job {faulty.describe()})")
+    elif trial.fault == "sigkill":
+        if not faulty.killed:
+            violations.append(f"the job was to die of SIGKILL but {faulty.describe()}")
+    elif faulty.code != 0:
+        violations.append(f"the job {faulty.describe()} after the fault (see {place.log})")
+    violations += [f"a load in the job returned other data: {rest}"
+                   for kind, rest in journal if kind == "wrong"]
+    if trial.fault == "slow":
+        violations += [f"a slow backend failed a step: {rest}"
+                       for kind, rest in journal if kind == "error"]
+    checked = run_child(lambda: check(scenario, place), log_path=place.log,
+                        timeout=CHILD_TIMEOUT)
+    timings["check_s"] = time.monotonic() - started - sum(timings.values())
+    notes: list[str] = []
+    if checked.value is None:
+        violations.append(f"the check {checked.describe()} (see {place.log})")
+    else:
+        violations += checked.value["violations"]
+        notes = checked.value["notes"]
+    passed = not violations
+    outcome = {"spec": trial.spec, "row": trial.row, "fault": trial.fault, "s3": trial.s3,
+               "passed": passed, "violations": violations, "notes": notes,
+               "scenario": scenario.describe(), "seconds": round(time.monotonic() - started, 3),
+               "timings": {k: round(v, 3) for k, v in timings.items()},
+               "dir": os.path.dirname(place.journal)}
+    if passed:
+        env.clean()
+    else:
+        env.keep_failed(place)
+    return outcome
+
+
+def failure(trial: Trial, error: str) -> dict[str, Any]:
+    """The outcome of a trial the harness itself failed to run (``error``: a traceback)."""
+    return {"spec": trial.spec, "row": trial.row, "fault": trial.fault, "s3": trial.s3,
+            "passed": False, "violations": [f"the harness failed: {error}"], "notes": [],
+            "scenario": Scenario.from_seed(trial.seed, trial.s3).describe(), "seconds": 0,
+            "timings": {}, "dir": None}
+
+
+# -- running -----------------------------------------------------------------------------------
+
+class Matrix:
+    """Runs a planned matrix: local trials on forked workers, S3 trials one by one."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.workdir = tempfile.mkdtemp(prefix="tierstore-faults-")
+        self.shm = tempfile.mkdtemp(prefix="tierstore-faults-", dir="/dev/shm")
+        self.skipped: list[str] = []
+        self.server = None
+        self.bucket = None
+
+    def env(self, worker: int | str, *, tmpfs: bool) -> Env:
+        """A fresh Env (with its own tmpfs when asked and possible)."""
+        mount = mount_tmpfs(os.path.join(self.workdir, f"tmpfs-{worker}")) if tmpfs else None
+        return Env(os.path.join(self.workdir, str(worker)), os.path.join(self.shm, str(worker)),
+                   mount, self.server, self.bucket, self.args.keep)
+
+    def say(self, text: str) -> None:
+        """Progress, on stderr."""
+        print(text, file=sys.stderr, flush=True)
+
+    def pool(self, count: int, fn, *, tmpfs: bool, label: str) -> list[Any]:
+        """``fn(i, env)`` for i in range(count) on the workers."""
+        done = [0]
+        started = time.monotonic()
+
+        def report(index, result):
+            done[0] += 1
+            if isinstance(result, dict) and result.get("passed") is False:
+                self.say(f"FAILED {result['spec']}: {result['violations'][0]}")
+            if done[0] % 100 == 0 or done[0] == count:
+                self.say(f"{label}: {done[0]}/{count} ({time.monotonic() - started:.0f} s)")
+
+        def setup(worker):
+            env = self.env(worker, tmpfs=tmpfs)
+            os.makedirs(env.workdir, exist_ok=True)
+            os.makedirs(env.shm, exist_ok=True)
+            return env
+
+        return run_pool(count, fn, jobs=self.args.jobs, setup=setup,
+                        teardown=lambda env: env and unmount(env.mount), on_result=report)
+
+    def local_trials(self) -> list[Trial]:
+        """Plan the trials on memory/local tiers."""
+        seeds = [self.args.seed * 100_000 + i for i in range(self.args.seeds)]
+        counts = self.pool(len(seeds), lambda i, env: dry_run(seeds[i], False, env),
+                           tmpfs=False, label="counting fault points")
+        broken = [f"seed {seed}: {c['error']}" for seed, c in zip(seeds, counts)
+                  if "error" in c]
+        if broken:  # a job without any fault failed: nothing else can be trusted
+            raise SystemExit("the job failed without a fault:\n" + "\n".join(broken))
+        faults = [f for f in LOCAL_FAULTS if f in self.args.faults]
+        if "tmpfs-full" in faults:
+            probe = mount_tmpfs(os.path.join(self.workdir, "tmpfs-probe"))
+            unmount(probe)
+            if probe is None:
+                faults.remove("tmpfs-full")
+                self.skipped.append("tmpfs-full (mounting a tmpfs needs root)")
+        rng = random.Random(self.args.seed)
+        return plan_cells(dict(zip(seeds, counts)), tuple(faults), self.args.per_cell, rng,
+                          s3=False)
+
+    def start_server(self) -> None:
+        """Start SeaweedFS and make the bucket (in a child: the parent never talks S3)."""
+        self.server = server_module().SeaweedS3().start()
+        self.bucket = f"faults-{uuid.uuid4().hex[:8]}"
+        server, bucket = self.server, self.bucket
+        made = run_child(lambda: server.make_bucket(bucket),
+                         log_path=os.path.join(self.workdir, "bucket.log"), timeout=60)
+        if made.value is None:
+            raise RuntimeError(f"could not create the bucket: {made.describe()}")
+
+    def s3_trials(self) -> list[Trial]:
+        """Plan the trials with an S3 tier: drains only, a few server deaths."""
+        env = self.env("s3", tmpfs=False)
+        seeds = [self.args.seed * 100_000 + 50_000 + i for i in range(self.args.s3_seeds)]
+        counts = {s: dry_run(s, True, env) for s in seeds}
+        drain_rows = sorted({r for c in counts.values() for r in c if r.startswith("drain/")},
+                            key=row_key)
+        rng = random.Random(self.args.seed + 1)
+        faults = tuple(f for f in S3_FAULTS if f in self.args.faults)
+        trials = plan_cells(counts, faults, self.args.s3_per_cell, rng, s3=True, rows=drain_rows)
+        if self.args.s3_trials is not None:
+            trials = rng.sample(trials, min(len(trials), self.args.s3_trials))
+        if "server-death" in self.args.faults:
+            deaths = plan_cells(counts, ("server-death",), 1, rng, s3=True, rows=drain_rows)
+            trials += deaths[:self.args.server_deaths]
+        return trials
+
+    def run_local(self) -> list[dict[str, Any]]:
+        """Plan and run the trials on memory/local tiers, on the workers."""
+        trials = self.local_trials()
+        self.say(f"{len(trials)} trials on memory/local tiers")
+        results = self.pool(len(trials), lambda i, env: run_trial(trials[i], env, f"t{i}"),
+                            tmpfs=any(t.fault == "tmpfs-full" for t in trials), label="trials")
+        return [failure(t, r["error"]) if "error" in r else r for t, r in zip(trials, results)]
+
+    def run_s3(self) -> list[dict[str, Any]]:
+        """Start the server, plan and run the trials with an S3 tier, one after the other
+        (a server death must not strike a neighbour's trial)."""
+        self.start_server()
+        trials = self.s3_trials()
+        self.say(f"{len(trials)} trials with an S3 tier")
+        env = self.env("s3", tmpfs=False)
+        results = []
+        for i, trial in enumerate(trials):
+            try:
+                results.append(run_trial(trial, env, f"s{i}"))
+            except Exception:  # noqa: BLE001 - a bug of the harness, reported as the trial's
+                results.append(failure(trial, traceback.format_exc()))
+            if not results[-1]["passed"]:
+                self.say(f"FAILED {trial.spec}: {results[-1]['violations'][0]}")
+        self.say(f"S3 trials: {len(trials)}/{len(trials)}")
+        return results
+
+    def run(self) -> int:
+        """Run the matrix; print (and write) the table; 0 when every trial passed."""
+        started = time.monotonic()
+        results: list[dict[str, Any]] = []
+        try:
+            if any(f in LOCAL_FAULTS for f in self.args.faults):
+                results += self.run_local()
+            if self.args.s3:
+                results += self.run_s3()
+            else:
+                self.skipped.append("the S3 tier (--no-s3)")
+        finally:
+            if self.server is not None:
+                self.server.stop()
+        self.skipped.append("replicate and peer_fetch (the peer tier needs torchrun ranks)")
+        return self.report(results, time.monotonic() - started)
+
+    def report(self, results: list[dict[str, Any]], wall: float) -> int:
+        """Print the table, the failures with their commands; write the files asked for."""
+        failed = [r for r in results if not r["passed"]]
+        text = table(results, wall, self.skipped)
+        print(text, flush=True)
+        if self.args.table:
+            Path(self.args.table).write_text(text + "\n")
+        if failed:
+            print(f"\n{len(failed)} trial(s) failed; run one again alone with:", flush=True)
+            for r in failed:
+                print(f"  {Trial.parse(r['spec']).command()}\n      {r['scenario']}\n      "
+                      + "\n      ".join(r["violations"]), flush=True)
+        if self.args.json:
+            Path(self.args.json).write_text(json.dumps(
+                {"trials": len(results), "failed": len(failed), "wall_s": wall,
+                 "skipped": self.skipped, "results": results}, indent=1))
+        if not failed and not self.args.keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            shutil.rmtree(self.shm, ignore_errors=True)
+        elif failed:
+            print(f"(the failed trials' directories are under {self.workdir} and {self.shm})")
+        return 1 if failed else 0
+
+    def run_one(self, trial: Trial) -> int:
+        """Run one trial and say everything about it; its directories are kept."""
+        self.args.keep = True
+        try:
+            if trial.s3:
+                self.start_server()
+            env = self.env("one", tmpfs=trial.fault == "tmpfs-full")
+            os.makedirs(env.workdir, exist_ok=True)
+            os.makedirs(env.shm, exist_ok=True)
+            try:
+                result = run_trial(trial, env, "trial")
+            finally:
+                unmount(env.mount)
+        finally:
+            if self.server is not None:
+                self.server.stop()
+        print(f"trial {trial.spec}: {'passed' if result['passed'] else 'FAILED'} "
+              f"in {result['seconds']} s {result['timings']}\njob: {result['scenario']}\n"
+              f"files: {result['dir']}")
+        for kind, rest in Journal.read(os.path.join(result["dir"], "journal")):
+            print(f"  journal: {kind} {rest}")
+        for v in result["violations"]:
+            print(f"  VIOLATION: {v}")
+        for n in result["notes"]:
+            print(f"  note: {n}")
+        return 0 if result["passed"] else 1
+
+
+def warm_up() -> None:
+    """Open, save, load and close a store once, so that every forked trial finds the imports
+    and caches done; then wait until its threads are gone (forking beside a live thread could
+    hand a child a lock nobody will release)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .state import blank_like, state_for
+
+    torch.set_num_threads(1)
+    root = tempfile.mkdtemp(prefix="tierstore-faults-warm-")
+    try:
+        config = {"tier": [{"name": "a", "backend": "memory", "path": f"{root}/a"},
+                           {"name": "b", "backend": "local", "path": f"{root}/b"}]}
+        with tierstore.open(config) as store:
+            dcp.save(state_for("step-1", 0), storage_writer=store.writer(),
+                     checkpoint_id="step-1")
+            store.wait()
+            dcp.load(blank_like(state_for("step-1", 0)), storage_reader=store.reader(),
+                     checkpoint_id="step-1")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    deadline = time.monotonic() + 10
+    while threading.active_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if threading.active_count() > 1:
+        raise RuntimeError(f"threads still running after the warm-up: {threading.enumerate()}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see ``--help``)."""
+    p = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trial", type=Trial.parse, help="run this one trial (ROW:FAULT:NTH:SEED"
+                   "[:s3]) and show its journal and findings")
+    p.add_argument("--sample", action="store_true",
+                   help="the CI sample: one trial per cell, few S3 trials")
+    p.add_argument("--per-cell", type=int, default=10, help="trials per row and fault (10)")
+    p.add_argument("--s3-per-cell", type=int, default=1,
+                   help="trials per drain row and fault on the S3 tier (1)")
+    p.add_argument("--s3-trials", type=int, default=None,
+                   help="at most this many of those (drawn at random)")
+    p.add_argument("--server-deaths", type=int, default=5, help="server-death trials (5)")
+    p.add_argument("--seeds", type=int, default=40,
+                   help="how many jobs (seeds) the local trials are drawn from (40)")
+    p.add_argument("--s3-seeds", type=int, default=4,
+                   help="how many jobs the S3 trials are drawn from (4)")
+    p.add_argument("--faults", type=lambda s: tuple(s.split(",")), default=FAULTS,
+                   help=f"comma-separated subset of {','.join(FAULTS)}")
+    p.add_argument("--no-s3", dest="s3", action="store_false", help="skip the S3 trials")
+    p.add_argument("--seed", type=int, default=1, help="draws the jobs and the points (1)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel workers")
+    p.add_argument("--table", help="also write the table (Markdown) to this file")
+    p.add_argument("--json", help="write every trial's outcome (JSON) to this file")
+    p.add_argument("--keep", action="store_true",
+                   help="keep every trial's directories (--trial always keeps its own)")
+    args = p.parse_args(argv)
+    if args.sample:
+        args.per_cell, args.s3_per_cell, args.s3_trials, args.server_deaths = 1, 1, 4, 1
+        args.seeds, args.s3_seeds = 16, 2
+    unknown = set(args.faults) - set(FAULTS)
+    if unknown:
+        p.error(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m tests.faults``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = parse_args(argv)
+    warm_up()
+    matrix = Matrix(args)
+    if args.trial is not None:
+        return matrix.run_one(args.trial)
+    return matrix.run()

@@ -1,0 +1,46 @@
+"""The matrix as a table: rows = phase, columns = fault kind, cells = passed/total."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .inject import FAULTS
+from .plan import row_key
+
+__all__ = ["table"]
+
+
+def table(results: list[dict[str, Any]], wall_s: float, skipped: list[str]) -> str:
+    """The matrix as Markdown: rows = phase, columns = fault, cells = passed/total."""
+    rows = sorted({r["row"] for r in results}, key=row_key)
+    faults = [f for f in FAULTS if any(r["fault"] == f for r in results)]
+    cell: dict[tuple[str, str], list[int]] = {}
+    for r in results:
+        for key in ((r["row"], r["fault"]), (r["row"], "all"), ("total", r["fault"]),
+                    ("total", "all")):
+            c = cell.setdefault(key, [0, 0])
+            c[0] += r["passed"]
+            c[1] += 1
+
+    def fmt(key):
+        c = cell.get(key)
+        return f"{c[0]}/{c[1]}" if c else "-"
+
+    lines = ["| phase | " + " | ".join(faults) + " | all |",
+             "|---|" + "---:|" * (len(faults) + 1)]
+    for row in rows + ["total"]:
+        name = f"**{row}**" if row == "total" else f"`{row}`"
+        lines.append(f"| {name} | " + " | ".join(fmt((row, f)) for f in [*faults, "all"]) + " |")
+    failed = sum(not r["passed"] for r in results)
+    on_s3 = [r for r in results if r["s3"]]
+    notes = [n for r in results for n in r["notes"]]
+    leased = sum(n.startswith("kept by a writer's lease") for n in notes)
+    lines.append("")
+    lines.append(f"{len(results)} trials, {failed} failed, wall time {wall_s:.0f} s "
+                 f"({len(results) - len(on_s3)} on memory/local tiers, {len(on_s3)} with an S3 "
+                 f"tier, {sum(r['fault'] == 'server-death' for r in on_s3)} of them killing "
+                 f"the server; {len(notes) - leased} load(s) refused with a TierstoreError, "
+                 f"{leased} leftover(s) kept by a writer's lease until it expired).")
+    for line in skipped:
+        lines.append(f"Not run: {line}.")
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""The job a trial runs (in a forked child, with the fault armed), and its journal.
+
+The job saves ``step-1`` .. ``step-<n>`` through a two-tier store, waits for the drains, loads
+every checkpoint ``list()`` shows, verifies the newest and collects garbage, as a training job
+and its operator would. A failing step is written down and the job goes on, as a job that
+catches the error and carries on would. The journal is what the checker trusts about the job:
+a save counts as returned only once its ``saved`` line is there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Iterator
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import tierstore
+
+from . import inject
+from .inject import Injector
+from .scenario import Place, Scenario
+from .state import blank_like, differences, state_for
+
+__all__ = ["FAILURES", "Journal", "describe", "run_job"]
+
+#: What a failed step raises: DCP's CheckpointException is a BaseException, not an Exception.
+FAILURES = (Exception, CheckpointException)
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+class Journal:
+    """What the job did, one line per event, appended with ``os.write`` so that a SIGKILL
+    loses no line already written.
+
+    Lines: ``begin ID``, ``saved ID`` (the save returned), ``fired WHAT`` (the fault struck),
+    ``killed WHAT`` (where the first process of a restarted job died),
+    ``error OPERATION ID TYPE: MESSAGE`` (a step failed), ``wrong ID DIFFERENCES`` (a load
+    returned other data than was saved)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def write(self, *words: object) -> None:
+        """Append one line (newlines in the words are flattened)."""
+        line = " ".join(str(w) for w in words).replace("\n", " | ")
+        os.write(self._fd, (line + "\n").encode())
+
+    def close(self) -> None:
+        """Close the file."""
+        os.close(self._fd)
+
+    @staticmethod
+    def read(path: str) -> list[tuple[str, str]]:
+        """The lines of the journal at ``path`` as (kind, rest) pairs; none when absent."""
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return []
+        return [(kind, rest) for kind, _, rest in (line.partition(" ") for line in lines)]
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception; for DCP's CheckpointException (whose message is a
+    traceback), of what it wraps."""
+    inner = [f[0] for f in getattr(exc, "failures", {}).values() if isinstance(f, tuple)]
+    if inner:
+        text = f"{type(exc).__name__} <- " + "; ".join(f"{type(e).__name__}: {e}" for e in inner)
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return text[:1000]
+
+
+@contextlib.contextmanager
+def step(injector: Injector, journal: Journal, operation: str,
+         checkpoint_id: str | None = None) -> Iterator[None]:
+    """Run one step of the job as ``operation``: a failure is journalled, and the job goes on."""
+    injector.operation = operation
+    try:
+        yield
+    except FAILURES as exc:  # the job carries on, as a training job would
+        journal.write("error", operation, checkpoint_id or "-", describe(exc))
+
+
+def save(store: tierstore.Store, scenario: Scenario, journal: Journal, cid: str) -> None:
+    """Save ``cid``; an async save changes the state as soon as ``async_save`` returns (the
+    checkpoint must hold the values of the call, not the changed ones)."""
+    import torch.distributed.checkpoint as dcp
+
+    journal.write("begin", cid)
+    state = state_for(cid, scenario.seed)
+    if scenario.async_saves:
+        future = dcp.async_save(state, storage_writer=store.writer(), checkpoint_id=cid)
+        with torch.no_grad():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.add_(1)
+        future.result()
+    else:
+        dcp.save(state, storage_writer=store.writer(), checkpoint_id=cid)
+    journal.write("saved", cid)
+
+
+def emergency_save(store: tierstore.Store, scenario: Scenario, journal: Journal) -> None:
+    """Save the emergency checkpoint as a preempted job does (no signal handler needed)."""
+    cid = scenario.emergency_id()
+    journal.write("begin", cid)
+    preemption = store.preemption(signals=())
+    try:
+        preemption.save(state_for(cid, scenario.seed), cid)
+    finally:
+        preemption.close()
+    journal.write("saved", cid)
+
+
+def load_all(store: tierstore.Store, scenario: Scenario, journal: Journal,
+             injector: Injector) -> None:
+    """Load every checkpoint ``list()`` shows and compare it with what was saved."""
+    import torch.distributed.checkpoint as dcp
+
+    infos = []
+    with step(injector, journal, "load"):
+        infos = store.list()
+    for info in infos:
+        with step(injector, journal, "load", info.id):
+            want = state_for(info.id, scenario.seed)
+            got = blank_like(want)
+            dcp.load(got, storage_reader=store.reader(), checkpoint_id=info.id)
+            wrong = differences(got, want)
+            if wrong:
+                journal.write("wrong", info.id, "; ".join(wrong))
+
+
+def run_job(scenario: Scenario, place: Place, injector: Injector, *, prepare: bool) -> None:
+    """Run the job (``prepare``: only the part of the first process, which saves up to
+    ``restart_after`` and is to be killed in it; otherwise the rest, from a fresh store)."""
+    journal = Journal(place.journal)
+    # The first process's kill is part of the job's past, not the trial's fault.
+    injector.on_fire = lambda what: journal.write("killed" if prepare else "fired", what)
+    ids = scenario.save_ids()
+    first = scenario.restart_after or 0
+    store = None
+    with step(injector, journal, "open"):
+        store = tierstore.open(scenario.config(place, faulty=True), plugins=[injector, inject])
+    if store is None:
+        return
+    if prepare:
+        # Waiting for the drains after each save keeps the point where this process dies
+        # the same in every run, and so what it leaves behind.
+        for cid in ids[:first]:
+            with step(injector, journal, "save", cid):
+                save(store, scenario, journal, cid)
+            with step(injector, journal, "wait"):
+                store.wait()
+    else:
+        if first:  # what the killed process left: its drains resume at open, then gc
+            with step(injector, journal, "wait"):
+                store.wait()
+            with step(injector, journal, "gc"):
+                store.gc()
+        for cid in ids[first:]:
+            with step(injector, journal, "save", cid):
+                save(store, scenario, journal, cid)
+            if scenario.wait_each:
+                with step(injector, journal, "wait"):
+                    store.wait()
+        if scenario.emergency:
+            with step(injector, journal, "save", scenario.emergency_id()):
+                emergency_save(store, scenario, journal)
+        with step(injector, journal, "wait"):
+            store.wait()
+        load_all(store, scenario, journal, injector)
+        with step(injector, journal, "verify"):
+            latest = store.latest()
+            report = store.verify(latest) if latest else None
+            if report is not None and not report.ok:
+                journal.write("error", "verify", latest, f"problems: {report}")
+        with step(injector, journal, "gc"):
+            store.gc()
+    with step(injector, journal, "close"):
+        store.close()
+    journal.close()

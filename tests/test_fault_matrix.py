@@ -1,0 +1,98 @@
+"""The fault matrix in CI: a sample of it (one trial per phase and fault kind, one S3 server
+killed under a drain) must keep every invariant, and the checks it relies on must notice a
+broken promise. ``make faults`` runs the whole matrix (tests/faults/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from faults.checks import check
+from faults.inject import FAULTS, GC_ROW, Injector
+from faults.scenario import Place, Scenario
+from faults.workload import Journal, run_job
+from helpers import script_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Rows every job of the sample reaches, whatever the seeds draw.
+CORE_ROWS = ("save/save_begin", "save/write_file", "save/write_metadata", "save/write_manifest",
+             "save/publish", "drain/drain_begin", "drain/drain_file", "drain/drain_commit",
+             "drain/publish", "load/load_begin", "load/read_file", "verify/verify_file", GC_ROW)
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    """The sample's outcome: (the process, its JSON report, its Markdown table)."""
+    out = tmp_path_factory.mktemp("faults")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.faults", "--sample", "--json", str(out / "sample.json"),
+         "--table", str(out / "table.md")],
+        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=400)
+    assert (out / "sample.json").exists(), proc.stdout + proc.stderr[-6000:]
+    report = json.loads((out / "sample.json").read_text())
+    return proc, report, (out / "table.md").read_text()
+
+
+@pytest.mark.timeout(420)
+def test_every_trial_of_the_sample_keeps_the_invariants(sample):
+    proc, report, table = sample
+    failed = [f"{r['spec']} ({r.get('scenario')}): " + " / ".join(r["violations"])
+              for r in report["results"] if not r["passed"]]
+    assert not failed, "run one alone with python -m tests.faults --trial SPEC\n" + \
+        "\n".join(failed) + "\n" + table
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    assert f"{report['trials']} trials, 0 failed" in table
+
+
+@pytest.mark.timeout(420)
+def test_the_sample_strikes_every_phase_with_every_fault(sample):
+    _, report, _ = sample
+    ran = {(r["row"], r["fault"]) for r in report["results"]}
+    local = [f for f in FAULTS if f != "server-death"]
+    if any(line.startswith("tmpfs-full") for line in report["skipped"]):
+        assert os.geteuid() != 0, report["skipped"]  # as root, a tmpfs must be mountable
+        local.remove("tmpfs-full")
+    missing = [(row, f) for row in CORE_ROWS for f in local if (row, f) not in ran]
+    assert not missing, f"cells of the matrix the sample did not run: {missing}"
+    assert any(r["fault"] == "server-death" and r["s3"] for r in report["results"])
+    assert report["trials"] >= len(CORE_ROWS) * len(local)
+
+
+def test_the_checks_notice_broken_promises(tmp_path):
+    """A clean job passes; a journal claiming a newer save, a directory that is no checkpoint
+    and a corrupt copy of the newest checkpoint are each reported."""
+    scenario = next(s for s in map(Scenario.from_seed, range(100))
+                    if not s.restart_after and s.slow_every == 1 and s.fast_every == 1)
+
+    def job(name: str) -> tuple[Place, Path]:
+        root = tmp_path / name
+        root.mkdir()
+        place = Place(fast=str(root / "fast"), slow=str(root / "slow"),
+                      journal=str(root / "journal"), log=str(root / "log"))
+        run_job(scenario, place, Injector(), prepare=False)
+        return place, root
+
+    clean, _ = job("clean")
+    assert check(scenario, clean) == {"violations": [], "notes": []}
+
+    broken, root = job("broken")
+    newest = scenario.all_ids()[-1]
+    journal = Journal(broken.journal)
+    journal.write("begin", "step-90")
+    journal.write("saved", "step-90")
+    journal.close()
+    (root / "slow" / "step-80").mkdir()
+    for tier in ("fast", "slow"):  # the same bytes flipped on every copy: nothing good is left
+        data = root / tier / newest / "__0_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    text = "\n".join(check(scenario, broken)["violations"])
+    assert "older than step-90" in text, text
+    assert "shows step-80/" in text, text
+    assert f"{newest} (latest()) does not load" in text, text
