@@ -13,7 +13,7 @@ import os
 
 from tierstore.plugin import hookimpl, Option
 
-from .local import LocalBackend
+from .local import LocalBackend, local_path_problem
 
 __all__ = ["PeerBackend", "REPLICA_DIR"]
 
@@ -26,6 +26,7 @@ class PeerBackend(LocalBackend):
 
     options = (
         Option("path", str, default="/dev/shm/tierstore-peer/{node}", expand=True,
+               check=local_path_problem,
                description="directory of this node's copies; use {node} (or {rank})"),
         Option("replication", dict, required=True,
                description="table with 'strategy' (clique, ring) and the strategy's options, "

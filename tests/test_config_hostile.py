@@ -328,3 +328,15 @@ def test_overlap_is_decided_by_directories_not_characters(tmp_path):
     inside = [dict(side_by_side[0]), dict(side_by_side[1], path=f"{tmp_path}/ckpt/nvme")]
     with pytest.raises(ConfigError, match="tiers 'ram' and 'nvme' overlap"):
         tierstore.open({"tier": inside})
+
+
+def test_a_config_never_shows_credentials_in_its_repr(tmp_path, monkeypatch):
+    """A validated config may be logged by a user (``repr``): what came from the environment
+    stays out of it."""
+    from tierstore.config.validate import load_config
+
+    monkeypatch.setenv("TS_REPR_SECRET", "s3cr3t-value-in-env")
+    config = {"tier": [{"name": "s3", "backend": "fsspec", "url": "memory://repr-test",
+                        "options": {"secret": {"env": "TS_REPR_SECRET"}}}]}
+    validated, _ = load_config(config)
+    assert "s3cr3t-value-in-env" not in repr(validated)

@@ -129,7 +129,8 @@ class TierConfig:
     every: int
     keep: int | None
     codecs: tuple[PluginChoice, ...]
-    backend_options: dict[str, Any]
+    #: kept out of repr: it holds credentials read from the environment
+    backend_options: dict[str, Any] = field(repr=False)
     shared: bool | None = None
 
     def expanded_options(self, ctx: RankContext, options: tuple[Option, ...]) -> dict[str, Any]:
