@@ -109,6 +109,19 @@ def fs_type(path: str) -> str:
     return kind
 
 
+def proc_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` (0 when unknown or gone):
+    a server's work during a benchmark."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def remove(path: str) -> None:
     """Delete a file or directory tree if it exists."""
     if os.path.isdir(path) and not os.path.islink(path):

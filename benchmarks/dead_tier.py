@@ -115,7 +115,8 @@ import tierstore
 from tierstore import DrainError
 from tierstore.events import EventKind
 
-from common import (disk_parent, finish_report, fs_type, progress_log, rotated, tests_module)
+from common import (disk_parent, finish_report, fs_type, proc_cpu, progress_log, rotated,
+                    tests_module)
 
 # The SeaweedFS server the tests use (tests/servers.py).
 SeaweedS3 = tests_module("servers").SeaweedS3
@@ -331,18 +332,6 @@ def cpu_by_group(before: dict[int, tuple[str, float]],
         if used > 0:
             out[name] = out.get(name, 0.0) + used
     return out
-
-
-def proc_cpu(pid: int | None) -> float:
-    """CPU seconds (user + system) used so far by process ``pid`` (0 when unknown or gone)."""
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def settle(pid: int | None, idle_cpu_s: float = 0.01, window_s: float = 0.2,

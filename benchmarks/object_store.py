@@ -105,8 +105,8 @@ import tierstore
 
 from common import (GB, DrainTimer, benchmark_parser, check_equal, checkpoint_files, disk_parent,
                     finish_report, fs_type, make_state_dict, nbytes_of, print_informational,
-                    print_verdicts, progress_log, remove, rotated, rounds_text, tests_module,
-                    timing_figures, verdict, warm_page_cache, warmup_then_rounds)
+                    print_verdicts, proc_cpu, progress_log, remove, rotated, rounds_text,
+                    tests_module, timing_figures, verdict, warm_page_cache, warmup_then_rounds)
 
 # The SeaweedFS server the tests use (tests/servers.py).
 SeaweedS3 = tests_module("servers").SeaweedS3
@@ -125,17 +125,6 @@ LOAD_VS_FSSPEC_MIN = 1.5  # tierstore load GB/s / stock FsspecReader GB/s, at le
 
 
 # -- SeaweedFS -----------------------------------------------------------------------------------
-
-def proc_cpu(pid: int | None) -> float:
-    """CPU seconds (user + system) used so far by process ``pid`` (0 when unknown)."""
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 class Clock:
