@@ -333,6 +333,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                     stream.close()
                 infos[index] = _StorageInfo(rel, start, out.offset - start,
                                             transform_descriptors=descriptors)
+            out.flush()
             while chunk := fin.read(self._chunk):
                 hasher.update(chunk)
                 pos += len(chunk)

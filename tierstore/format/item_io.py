@@ -32,6 +32,8 @@ __all__ = ["NoCloseWriter",
 
 # Tensors smaller than this are decoded with torch.load; reading them in place gains nothing.
 DIRECT_READ_MIN = 256 << 10
+#: small writes are gathered up to this many bytes before they reach the backend file
+COALESCE_BYTES = 1 << 20
 _SCRATCH = 8 << 20
 
 
@@ -48,7 +50,12 @@ class ItemLocation:
 
 
 class HashingWriter(io.RawIOBase):
-    """Wraps a backend file: counts the offset and hashes every byte written through it."""
+    """Wraps a backend file: counts the offset and hashes every byte written through it.
+
+    torch's serializer hands each item over in dozens of small records; writes under
+    ``DIRECT_READ_MIN`` are gathered into writes of about ``COALESCE_BYTES`` (one system call
+    instead of one per record). Larger ones (a tensor's storage) go straight through. Call :meth:`flush` before closing
+    the backend file."""
 
     def __init__(self, raw: IO[bytes]):
         super().__init__()
@@ -57,24 +64,36 @@ class HashingWriter(io.RawIOBase):
         self.offset = 0
         #: (offset, length) of every write of at least DIRECT_READ_MIN bytes
         self.large_writes: list[tuple[int, int]] = []
+        self._pending = bytearray()
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        n = len(view)
         self.hasher.update(view)
-        self.raw.write(view)
-        if len(view) >= DIRECT_READ_MIN:
-            self.large_writes.append((self.offset, len(view)))
-        self.offset += len(view)
-        return len(view)
+        if n < DIRECT_READ_MIN:  # larger ones may be read in place later (raw spans)
+            self._pending += view
+            if len(self._pending) >= COALESCE_BYTES:
+                self.flush()
+        else:
+            self.flush()
+            self.raw.write(view)
+            if n >= DIRECT_READ_MIN:
+                self.large_writes.append((self.offset, n))
+        self.offset += n
+        return n
 
     def tell(self) -> int:
         return self.offset
 
     def flush(self) -> None:
-        pass
+        """Write what is gathered to the backend file."""
+        if self._pending:
+            # A new buffer each time: the backend file may keep what it was given.
+            chunk, self._pending = self._pending, bytearray()
+            self.raw.write(chunk)
 
 
 def item_size(item: WriteItem) -> int:
@@ -238,6 +257,7 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
         info = _StorageInfo(relative_path, offset, length, transform_descriptors=descriptors)
         results.append(WriteResult(index=item.index, size_in_bytes=length,
                                    storage_data=ItemLocation(info, raw_span=span)))
+    out.flush()
     return results
 
 
