@@ -109,3 +109,20 @@ def test_gc_on_an_object_store_waits_for_a_lease_to_expire(seaweed, s3_bucket):
         assert store.gc() == ["s3:step-1"]
     assert not fs.exists(f"{bucket}/step-1/__0_0.distcp")
     assert fs.exists(f"{bucket}/step-2/__0_0.distcp")
+
+
+def test_gc_announces_each_removal(tmp_path):
+    """An event at every phase: gc announces each leftover just before removing it."""
+    seen = []
+    left = tmp_path / "disk" / ".tierstore-tmp.step-2.0123456789abcdef"
+
+    class Watch:
+        @tierstore.hookimpl
+        def tierstore_phase(self, phase, tier, detail):
+            if phase == Phase.COLLECT:
+                seen.append((tier, detail["entry"], left.exists()))
+
+    with tierstore.open(_config(tmp_path), plugins=[Watch()]) as store:
+        left.mkdir(parents=True)
+        assert store.gc() == ["disk:.tierstore-tmp.step-2.0123456789abcdef"]
+    assert seen == [("disk", left.name, True)] and not left.exists()

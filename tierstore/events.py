@@ -61,10 +61,11 @@ class Phase:
     REPLICATE = "replicate"            # before this rank's files are sent to its peers
     PEER_FETCH = "peer_fetch"          # a load, before files missing here are fetched from peers
     VERIFY_FILE = "verify_file"        # store.verify, before one file is re-read (detail: file)
+    COLLECT = "collect"                # gc, before one leftover is removed (detail: entry)
 
     ALL = (STAGE, SAVE_BEGIN, WRITE_FILE, WRITE_METADATA, WRITE_MANIFEST, PUBLISH, RETAIN,
            LOAD_BEGIN, READ_FILE, DRAIN_BEGIN, DRAIN_FILE, DRAIN_COMMIT, EMERGENCY_SAVE,
-           REPLICATE, PEER_FETCH, VERIFY_FILE)
+           REPLICATE, PEER_FETCH, VERIFY_FILE, COLLECT)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Collection
 
 from tierstore.engine.saves import SaveLedger
-from tierstore.events import Event, EventKind
+from tierstore.events import Event, EventKind, Phase
 from tierstore.plugin.host import PluginHost
 from tierstore.tiers.tier import Tier
 
@@ -27,9 +27,11 @@ class GarbageCollector:
     def collect(self, tier: Tier, protect: Collection[str] = ()) -> list[str]:
         """Remove what interrupted saves left on ``tier`` (sparing saves in flight and the
         tokens in ``protect``); returns the entries removed."""
-        removed = [name for name in
-                   tier.leftovers(protect=self._ledger.tokens_in_flight() | set(protect))
-                   if tier.remove_leftover(name)]
+        removed = []
+        for name in tier.leftovers(protect=self._ledger.tokens_in_flight() | set(protect)):
+            self._host.phase(Phase.COLLECT, None, tier.name, self._rank, entry=name)
+            if tier.remove_leftover(name):
+                removed.append(name)
         for name in removed:
             self._host.event(Event(EventKind.COLLECTED, None, tier.name, self._rank,
                                    detail={"entry": name}))
