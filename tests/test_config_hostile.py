@@ -340,3 +340,13 @@ def test_a_config_never_shows_credentials_in_its_repr(tmp_path, monkeypatch):
                         "options": {"secret": {"env": "TS_REPR_SECRET"}}}]}
     validated, _ = load_config(config)
     assert "s3cr3t-value-in-env" not in repr(validated)
+
+
+def test_a_replication_strategy_read_from_the_environment_is_not_shown(tmp_path, monkeypatch):
+    monkeypatch.setenv("TS_STRATEGY_SECRET", "top-secret-strategy")
+    config = {"tier": [{"name": "p", "backend": "peer", "path": str(tmp_path / "peer"),
+                        "replication": {"strategy": {"env": "TS_STRATEGY_SECRET"}}}]}
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.open(config)
+    assert "top-secret-strategy" not in str(info.value)
+    assert "$TS_STRATEGY_SECRET" in str(info.value)

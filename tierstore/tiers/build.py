@@ -50,8 +50,8 @@ def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: Rank
         key = "url" if "url" in options else "path"
         where = config.source.where("tier", tc.index, key)
         raise ConfigError(
-            f"{where}: tier '{tc.name}': {key} {backend.describe()!r} cannot be used: "
-            f"{problem}; point '{key}' at a writable location"
+            f"{where}: tier '{tc.name}': {key} {config.source.quote(backend.describe())} cannot "
+            f"be used: {config.source.redact(problem)}; point '{key}' at a writable location"
         )
     commit_name = config.commit.name if config.commit else backend.default_commit
     commit_reg = host.lookup("commit", commit_name)
@@ -109,10 +109,11 @@ def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: 
     if reg is None:
         raise ConfigError(
             f"{where}: tier '{peer.name}': replication needs 'strategy' naming one of "
-            f"{', '.join(host.names('replication'))} (got {name!r}), e.g. "
+            f"{', '.join(host.names('replication'))} (got {source.quote(name)}), e.g. "
             f"replication = {{ strategy = \"clique\", factor = 2, jump = 1 }}")
     options = validate_table(table, reg.options,
-                             owner=f"tier '{peer.name}' replication strategy '{name}'",
+                             owner=f"tier '{peer.name}' replication strategy "
+                                   f"{source.quote(name)}",
                              source=source, table_name="tier", index=peer.config.index)
     strategy = reg.factory(**options)
     problem = strategy.check_world_size(ctx.world_size)
