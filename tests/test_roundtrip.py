@@ -152,7 +152,7 @@ def test_memory_tier_round_trip(tmp_path):
 
 def test_tensor_items_are_exactly_torch_save_bytes_without_crc():
     """Data files hold torch.save output (what stock DCP readers expect), minus the zip CRC."""
-    from tierstore.format.item_io import save_tensor
+    from tierstore.format.tensor_records import save_tensor
 
     t = torch.randn(300, 7).bfloat16()
     ours = io.BytesIO()

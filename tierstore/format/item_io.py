@@ -10,7 +10,7 @@ buffer and the copy after it. Every byte of a file passes through the checksum o
 from __future__ import annotations
 
 import io
-import pickle
+import math
 from dataclasses import dataclass
 from typing import IO, Callable
 
@@ -25,6 +25,8 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from tierstore.format.checksum import Hasher
 from tierstore.format.manifest import FileEntry
+from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, save_tensor,
+                                             template_for, tensor_bytes)
 
 __all__ = ["NoCloseWriter",
            "ItemLocation", "HashingWriter", "write_items", "split_items", "read_items",
@@ -34,7 +36,8 @@ __all__ = ["NoCloseWriter",
 DIRECT_READ_MIN = 256 << 10
 #: small writes are gathered up to this many bytes before they reach the backend file
 COALESCE_BYTES = 1 << 20
-_SCRATCH = 8 << 20
+#: small items get another file (and writing thread) per this many bytes of them
+SMALL_ITEMS_PER_FILE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -107,96 +110,29 @@ def item_size(item: WriteItem) -> int:
 
 
 def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Spread items over ``bins`` files of about equal bytes (largest first, into the lightest
-    bin); BYTE_IO items round-robin. Empty bins are dropped."""
+    """Spread items over at most ``bins`` files (one writing thread each) by bytes.
+
+    Small items (tensors under ``DIRECT_READ_MIN``, and BYTE_IO) cost CPU per item, not per
+    byte: spread over threads they only fight over the GIL. They go together into as few files
+    as their bytes need (one per ``SMALL_ITEMS_PER_FILE_BYTES``), in the state dict's order;
+    large tensors then fill the lightest files, largest first. Empty files are dropped."""
+    small = [i for i in items if item_size(i) < DIRECT_READ_MIN]
+    large = sorted((i for i in items if item_size(i) >= DIRECT_READ_MIN), key=item_size,
+                   reverse=True)
+    small_bytes = sum(item_size(i) for i in small)
+    small_bins = min(bins, max(1, math.ceil(small_bytes / SMALL_ITEMS_PER_FILE_BYTES)))
     buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
     sizes = [0] * bins
-    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
-    tensors = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=item_size,
-                     reverse=True)
-    for n, item in enumerate(byte_items):
-        buckets[n % bins].append(item)
-    for item in tensors:
+    if small:
+        per_bin = math.ceil(len(small) / small_bins)
+        for k in range(small_bins):
+            buckets[k] = small[k * per_bin:(k + 1) * per_bin]
+            sizes[k] = sum(item_size(i) for i in buckets[k])
+    for item in large:
         k = sizes.index(min(sizes))
         buckets[k].append(item)
         sizes[k] += item_size(item)
     return [b for b in buckets if b]
-
-
-def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor holding exactly the bytes of ``tensor``, row-major, in its own storage
-    (``torch.save`` writes whole storages; the direct read path assumes row-major)."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu")
-    if (not tensor.is_contiguous() or tensor.storage_offset() != 0
-            or tensor.untyped_storage().nbytes() != tensor.nbytes):
-        tensor = tensor.clone(memory_format=torch.contiguous_format)
-    return tensor
-
-
-def _save_tensor_without_crc(tensor: torch.Tensor, out: IO[bytes]) -> None:
-    """``torch.save(tensor, out)`` minus the zip CRC32, which costs more CPU than the rest of a
-    save together (0.5 s per GiB here) and is redundant: every byte already goes through the
-    file checksum of the manifest, and ``torch.load`` never checks the CRC. The bytes are those
-    of ``torch.save`` under ``torch.serialization.set_crc32_options(False)``; that option is
-    process-wide, so the writer is built directly instead of flipping it under the user."""
-    writer = torch._C.PyTorchFileWriter(out, False, torch.serialization._get_storage_alignment())
-    torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
-
-
-def _probe_crc_free_save() -> Callable[[torch.Tensor, IO[bytes]], None]:
-    """The CRC-free save when this torch supports it (private API, checked once), else torch.save."""
-    try:
-        probe, buf = torch.arange(5, dtype=torch.float32), io.BytesIO()
-        _save_tensor_without_crc(probe, buf)
-        buf.seek(0)
-        if torch.equal(torch.load(buf, weights_only=True), probe):
-            return _save_tensor_without_crc
-    except Exception:  # any change in torch's private serialization API
-        pass
-    return torch.save
-
-
-_save_tensor = _probe_crc_free_save()
-
-
-class _HeldFailure(io.RawIOBase):
-    """Passes writes to ``raw``; after the first one that fails (a full disk) it swallows the
-    rest and keeps the error. torch's zip writer must always reach its end: its destructor
-    aborts the whole process (``terminate called ... unexpected pos``) when its file failed
-    under it half-way."""
-
-    def __init__(self, raw: IO[bytes]):
-        super().__init__()
-        self._raw = raw
-        self.error: OSError | None = None
-
-    def writable(self) -> bool:
-        """Always writable."""
-        return True
-
-    def write(self, data) -> int:
-        """Write ``data`` through, or count it once a write has failed."""
-        if self.error is None:
-            try:
-                return self._raw.write(data)
-            except OSError as exc:
-                self.error = exc
-        return memoryview(data).nbytes
-
-    def flush(self) -> None:
-        """Nothing is buffered here."""
-
-
-def save_tensor(tensor: torch.Tensor, out: IO[bytes]) -> None:
-    """Write ``tensor`` as ``torch.save`` would (CRC-free where torch allows) into ``out``; an
-    ``OSError`` of ``out`` is raised once torch's writer has finished, never inside it."""
-    guarded = _HeldFailure(out)
-    _save_tensor(tensor, guarded)
-    if guarded.error is not None:
-        raise guarded.error
 
 
 class NoCloseWriter(io.RawIOBase):
@@ -240,17 +176,13 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
         offset = out.offset
         data = planner.resolve_data(item)
         stream, descriptors = encode_to(out, list(extensions))
-        out.large_writes.clear()
         span = None
         if item.type == WriteItemType.BYTE_IO:
             stream.write(data.getbuffer())
         else:
-            tensor = _host_tensor(data)
-            save_tensor(tensor, stream)
-            # torch.save writes a storage's bytes in one call; find it to read it in place.
-            found = [w for w in out.large_writes if w[1] == tensor.nbytes]
-            if descriptors is None and len(found) == 1:
-                span = found[0]
+            span = _write_tensor(host_tensor(data), stream, out)
+            if descriptors is not None:
+                span = None  # the bytes on the tier are encoded
         if stream is not out:
             stream.close()
         length = out.offset - offset
@@ -261,15 +193,26 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
     return results
 
 
+def _write_tensor(tensor: torch.Tensor, stream: IO[bytes], out: HashingWriter
+                  ) -> tuple[int, int] | None:
+    """Write ``tensor``'s record into ``stream`` (``out`` itself, or a codec's stream into it);
+    returns where its raw bytes lie in ``out`` (meaningful only when ``stream is out``)."""
+    if tensor.nbytes < TEMPLATE_MAX_BYTES:
+        template = template_for(tensor)
+        if template is not None:
+            stream.write(template.prefix)
+            start = out.offset
+            stream.write(tensor_bytes(tensor))
+            stream.write(template.suffix)
+            return start, tensor.nbytes
+    out.large_writes.clear()
+    save_tensor(tensor, stream)
+    # torch.save writes a storage's bytes in one call; find it to read it in place.
+    found = [w for w in out.large_writes if w[1] == tensor.nbytes]
+    return found[0] if len(found) == 1 else None
+
+
 # -- reading ----------------------------------------------------------------------------------
-
-def _tensor_view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
-    import ctypes
-
-    buf = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
-    return memoryview(buf).cast("B")
-
 
 def _chunk_sizes(metadata: Metadata, req: ReadItem) -> torch.Size | None:
     md = metadata.state_dict_metadata.get(req.storage_index.fqn)
@@ -282,28 +225,99 @@ def _chunk_sizes(metadata: Metadata, req: ReadItem) -> torch.Size | None:
 
 
 @dataclass
-class _Segment:
+class _Part:
+    """One stored item of a file as a load needs it."""
+
     start: int
     length: int
-    sink: Callable[[memoryview], None] | None  # gets the bytes; None: hash only
-    direct: memoryview | None = None           # read straight into this memory
+    #: gets the item's bytes once the file is known good (decoded by torch.load); None when the
+    #: item is read straight into ``target``
+    sink: Callable[[memoryview], None] | None = None
+    #: destination memory of the item's raw bytes, which lie at ``[data_start, +len(target))``
+    target: memoryview | None = None
+    data_start: int = 0
+    #: tells the planner the destination is filled (after the file is known good)
+    commit: Callable[[], None] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def in_place(self) -> bool:
+        """Large enough to be read straight into its destination, not through a window."""
+        return self.target is not None and len(self.target) >= DIRECT_READ_MIN
 
 
 class FileReadError(Exception):
     """A file's bytes differ from its manifest entry (short, long or checksum mismatch)."""
 
 
+#: bytes read at once for small items; their bytes are copied from the window
+_WINDOW = 8 << 20
+#: without verification, unneeded bytes between two items are skipped by a seek past this gap
+_SEEK_GAP = 256 << 10
+
+
 def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_data: dict,
                metadata: Metadata, planner: LoadPlanner, verify: bool) -> int:
     """Read the items ``reqs`` of one data file ``f``, hand them to ``planner`` and, when
     ``verify``, check the whole file against ``entry``. Returns bytes read. Raises
-    FileReadError when the file does not match (the caller may try another tier)."""
+    FileReadError when the file does not match (the caller may try another tier).
+
+    Plain tensors whose raw bytes the manifest locates (its spans) land in their destination
+    without ``torch.load``: large ones are read straight into it, small ones are copied from a
+    window of many items read at once. Other items (codecs, BYTE_IO, partial reads, other
+    dtypes or devices) are decoded from their bytes. Nothing is committed to the planner before
+    the whole file is known good."""
+    parts = _plan_parts(entry, reqs, storage_data, metadata, planner)
+    reading = _FileReading(f, entry, verify)
+    pending: list[tuple[Callable, memoryview]] = []
+    commits: list[Callable[[], None]] = []
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part.in_place:
+            reading.skip_to(part.data_start)
+            reading.read_into(part.target)
+            commits.append(part.commit)
+            i += 1
+            continue
+        # A window from this item over the next small ones (up to _WINDOW bytes in all).
+        j, end = i + 1, part.end
+        while (j < len(parts) and not parts[j].in_place and parts[j].end - part.start <= _WINDOW
+               and (verify or parts[j].start - end <= _SEEK_GAP)):
+            end = max(end, parts[j].end)
+            j += 1
+        keeps_bytes = any(p.sink is not None for p in parts[i:j])
+        reading.skip_to(part.start)
+        window = reading.read_window(end - part.start, fresh=keeps_bytes)
+        for p in parts[i:j]:
+            if p.sink is not None:
+                pending.append((p.sink, window[p.start - part.start:p.end - part.start]))
+            else:
+                if len(p.target):
+                    at = p.data_start - part.start
+                    p.target[:] = window[at:at + len(p.target)]
+                commits.append(p.commit)
+        i = j
+    reading.finish()
+    # Hand data to the planner only once the whole file is known good.
+    for sink, data in pending:
+        sink(data)
+    for commit in commits:
+        commit()
+    return reading.pos
+
+
+def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, metadata: Metadata,
+                planner: LoadPlanner) -> list[_Part]:
+    """The stored items ``reqs`` need, in file order, each with where its bytes go."""
     spans = {start: (data_start, data_len) for start, data_start, data_len in entry.spans or ()}
     by_offset: dict[int, list[ReadItem]] = {}
     for req in reqs:
         by_offset.setdefault(storage_data[req.storage_index].offset, []).append(req)
-
-    segments: list[_Segment] = []
+    parts = []
     for offset in sorted(by_offset):
         group = by_offset[offset]
         info: _StorageInfo = storage_data[group[0].storage_index]
@@ -314,76 +328,74 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
         direct = (_direct_target(span, info, group, metadata, planner)
                   if len(group) == 1 and span else None)
         if direct is not None:
-            (data_start, data_len), target = direct
-            req = group[0]
-            segments.append(_Segment(info.offset, data_start - info.offset, None))
-            segments.append(_Segment(data_start, data_len, None, _tensor_view(target)))
-            segments.append(_Segment(data_start + data_len,
-                                     info.offset + info.length - data_start - data_len, None))
-            segments[-2].sink = _committer(planner, req, target)
+            (data_start, _), target = direct
+            parts.append(_Part(info.offset, info.length, target=tensor_bytes(target),
+                               data_start=data_start,
+                               commit=_committer(planner, group[0], target)))
         else:
-            segments.append(_Segment(info.offset, info.length,
-                                     _decoder(group, planner, info.transform_descriptors)))
+            parts.append(_Part(info.offset, info.length,
+                               sink=_decoder(group, planner, info.transform_descriptors)))
+    return parts
 
-    hasher = Hasher() if verify else None
-    pos = 0
-    scratch = bytearray(_SCRATCH)
-    pending: list[tuple[Callable, memoryview]] = []
 
-    def read_exact(into: memoryview) -> None:
+class _FileReading:
+    """Reads one data file front to back, hashing every byte when verifying (then every byte
+    must be read, in order), seeking over unneeded ones otherwise."""
+
+    def __init__(self, f: IO[bytes], entry: FileEntry, verify: bool):
+        self.f, self.entry = f, entry
+        self.hasher = Hasher() if verify else None
+        self.pos = 0
+        self._scratch = bytearray(min(_WINDOW, max(entry.size, 1)))
+
+    def _read_exact(self, into: memoryview) -> None:
         got = 0
         while got < len(into):
-            n = f.readinto(into[got:])
+            n = self.f.readinto(into[got:])
             if not n:
-                raise FileReadError(f"file is shorter than its manifest says ({entry.size} bytes)")
+                raise FileReadError(f"file is shorter than its manifest says "
+                                    f"({self.entry.size} bytes)")
             got += n
+        if self.hasher is not None:
+            self.hasher.update(into)
+        self.pos += len(into)
 
-    def skip_to(target: int) -> None:
-        nonlocal pos
-        while pos < target:
-            n = min(len(scratch), target - pos)
-            view = memoryview(scratch)[:n]
-            read_exact(view)
-            if hasher:
-                hasher.update(view)
-            pos += n
+    def skip_to(self, target: int) -> None:
+        """Move to byte ``target`` (hashing what lies between when verifying)."""
+        if self.hasher is None:
+            if self.pos != target:
+                self.f.seek(target)
+                self.pos = target
+            return
+        while self.pos < target:
+            self._read_exact(memoryview(self._scratch)[:min(len(self._scratch),
+                                                            target - self.pos)])
 
-    if not verify:
-        segments = [s for s in segments if s.sink is not None or s.direct is not None]
-    for seg in segments:
-        if verify:
-            skip_to(seg.start)
-        elif pos != seg.start:
-            f.seek(seg.start)
-            pos = seg.start
-        if seg.direct is not None:
-            read_exact(seg.direct)
-            if hasher:
-                hasher.update(seg.direct)
-            pending.append((seg.sink, seg.direct))
-        elif seg.sink is not None:
-            buf = bytearray(seg.length)
-            view = memoryview(buf)
-            read_exact(view)
-            if hasher:
-                hasher.update(view)
-            pending.append((seg.sink, view))
+    def read_into(self, target: memoryview) -> None:
+        """Read the next ``len(target)`` bytes into ``target``."""
+        self._read_exact(target)
+
+    def read_window(self, n: int, fresh: bool) -> memoryview:
+        """The next ``n`` bytes; in memory of their own when ``fresh`` (kept after the next
+        window is read), else in a reused buffer."""
+        if fresh or n > len(self._scratch):
+            view = memoryview(bytearray(n))
         else:
-            skip_to(seg.start + seg.length)
-            continue
-        pos = seg.start + seg.length
-    if verify:
-        skip_to(entry.size)
-        if f.readinto(memoryview(scratch)[:1]):
-            raise FileReadError(f"file is longer than its manifest says ({entry.size} bytes)")
-        actual = hasher.hexdigest()
-        if actual != entry.checksum:
-            raise FileReadError(f"checksum mismatch: manifest says {entry.checksum}, "
+            view = memoryview(self._scratch)[:n]
+        self._read_exact(view)
+        return view
+
+    def finish(self) -> None:
+        """When verifying: read to the end and check the length and checksum."""
+        if self.hasher is None:
+            return
+        self.skip_to(self.entry.size)
+        if self.f.readinto(memoryview(self._scratch)[:1]):
+            raise FileReadError(f"file is longer than its manifest says ({self.entry.size} bytes)")
+        actual = self.hasher.hexdigest()
+        if actual != self.entry.checksum:
+            raise FileReadError(f"checksum mismatch: manifest says {self.entry.checksum}, "
                                 f"the bytes give {actual}")
-    # Hand data to the planner only once the whole file is known good.
-    for sink, data in pending:
-        sink(data)
-    return pos
 
 
 def _direct_target(span: tuple[int, int], info: _StorageInfo, group: list[ReadItem],
@@ -407,7 +419,7 @@ def _direct_target(span: tuple[int, int], info: _StorageInfo, group: list[ReadIt
 
 
 def _committer(planner: LoadPlanner, req: ReadItem, target: torch.Tensor):
-    def commit(_data: memoryview) -> None:
+    def commit() -> None:
         planner.commit_tensor(req, target)
     return commit
 
