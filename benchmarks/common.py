@@ -10,6 +10,8 @@ path set-up; ``tierstore`` must be importable (``pip install -e .``, as ``make``
 from __future__ import annotations
 
 import argparse
+import copy
+import ctypes
 import importlib.util
 import json
 import os
@@ -24,7 +26,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,99 @@ def check_equal(what: str, dest: dict[str, torch.Tensor], sd: dict[str, torch.Te
     for key, ref in sd.items():
         if not torch.equal(dest[key], ref):
             raise SystemExit(f"{what} returned wrong data for '{key}'")
+
+
+# -- nested state dicts (get_state_dict's {"model": ..., "optim": ...}) ---------------------------
+
+def _is_leaf(value: Any) -> bool:
+    """Whether DCP's flatten_state_dict stops at ``value``: anything but a dict, and a list with
+    no tensor, dict or non-leaf list in it (a list of FQNs, a tuple of betas: one entry)."""
+    if isinstance(value, dict):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(isinstance(v, torch.Tensor) or not _is_leaf(v) for v in value)
+
+
+def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every entry DCP saves of a nested state dict, as (dotted key, value): tensors (a DTensor
+    as itself) and non-tensor values, descending into dicts and lists as DCP's
+    flatten_state_dict does."""
+    if _is_leaf(obj):
+        yield prefix, obj
+        return
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    for k, v in items:
+        yield from leaves(v, f"{prefix}.{k}" if prefix else str(k))
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def flat_tensors(obj: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a nested state dict under dotted keys, each DTensor as its local shard:
+    what a copy loop or a raw write of this rank's state goes over."""
+    return {k: local_tensor(v) for k, v in leaves(obj) if isinstance(v, torch.Tensor)}
+
+
+def blank_like(obj: Any) -> Any:
+    """A load destination for a nested state dict: the same nesting in new containers, every
+    tensor a new zeroed one of the same shape and dtype (a DTensor one on the same mesh with the
+    same placements), every other value a deep copy."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "to_local"):
+            from torch.distributed.tensor import DTensor
+            return DTensor.from_local(torch.zeros_like(obj.to_local()), obj.device_mesh,
+                                      obj.placements, run_check=False, shape=obj.shape,
+                                      stride=obj.stride())
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return {k: blank_like(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [blank_like(v) for v in obj]
+    return copy.deepcopy(obj)
+
+
+def mismatched_keys(dest: Any, sd: Any) -> list[str]:
+    """The dotted keys where a loaded nested state dict differs from the saved one: tensors
+    compared bit for bit (``torch.equal`` of the local shards), other values with ``==``."""
+    got = dict(leaves(dest))
+    bad = []
+    for key, ref in leaves(sd):
+        if key not in got:
+            bad.append(key)
+        elif isinstance(ref, torch.Tensor):
+            if not (isinstance(got[key], torch.Tensor)
+                    and torch.equal(local_tensor(got[key]), local_tensor(ref))):
+                bad.append(key)
+        elif got[key] != ref:
+            bad.append(key)
+    return bad
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor's memory, without a copy (numpy may be absent)."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def write_raw(path: str, tensors: list[torch.Tensor]) -> None:
+    """The tensors' bytes written straight from their memory into one new file with
+    ``os.write``, then ``fsync``: what the disk and the kernel allow."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in tensors:
+            if t.nbytes == 0:
+                continue
+            view = tensor_view(t)
+            done = 0
+            while done < len(view):  # os.write may write less than asked
+                done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # -- observing a store -----------------------------------------------------------------------
@@ -340,6 +435,16 @@ def read_status(path: str) -> int:
     with open(path) as f:
         text = f.read().strip()
     return int(text) if text else 1
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Each value's maximum over the ranks of the default group (``all_reduce`` MAX): a timed
+    operation's figure is its slowest rank's. Without torch.distributed: ``values`` as they are."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def finish_rank(rank: int, status: int) -> int:

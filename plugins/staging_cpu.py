@@ -17,78 +17,22 @@ once the save that read them is over.
 
 from __future__ import annotations
 
-import io
 import logging
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.tensor import DTensor
 
 from tierstore.plugin import hookimpl, Option, Stager, StagingError
+from tierstore_plugins.staging_buffers import (StagingBuffers, StateDictLayout,
+                                               describe_state_dict)
 
-__all__ = ["CpuStager", "PinnedStager", "ShmStager", "StateDictLayout", "describe_state_dict"]
+__all__ = ["CpuStager", "PinnedStager", "ShmStager"]
 
 log = logging.getLogger("tierstore.staging")
 
 
 def _non_negative(value: int) -> str | None:
     return None if value >= 0 else "must be 0 (no limit) or a positive number of bytes"
-
-
-@dataclass(frozen=True)
-class StateDictLayout:
-    """What staging buffers must match: the tree of keys with each tensor's kind, shape and
-    dtype (``signature``), the bytes of tensor data, and whether any tensor is on CUDA."""
-
-    signature: tuple
-    nbytes: int
-    on_cuda: bool
-
-
-def describe_state_dict(state_dict: dict[str, Any]) -> StateDictLayout:
-    """Walk ``state_dict`` once; see :class:`StateDictLayout`."""
-    total = 0
-    cuda = False
-
-    def tensor_sig(t: torch.Tensor) -> tuple:
-        nonlocal total, cuda
-        total += t.numel() * t.element_size()
-        cuda = cuda or t.is_cuda
-        return (tuple(t.shape), t.dtype)
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            return ("dtensor", tensor_sig(value._local_tensor), value._spec)
-        if isinstance(value, ShardedTensor):
-            return ("sharded", value.metadata(),
-                    tuple((s.metadata.shard_offsets, tensor_sig(s.tensor))
-                          for s in value.local_shards()))
-        if isinstance(value, torch.Tensor):
-            return ("tensor", tensor_sig(value))
-        if isinstance(value, dict):
-            return ("dict", tuple((k, walk(v)) for k, v in value.items()))
-        if isinstance(value, (list, tuple)):
-            return (type(value).__name__, tuple(walk(v) for v in value))
-        return ("value", type(value).__name__)
-
-    signature = walk(state_dict)
-    return StateDictLayout(signature, total, cuda)
-
-
-def _fresh_byte_buffers(value: Any) -> Any:
-    """Copy every ``io.BytesIO`` in a staged tree: they are mutable and belong to training."""
-    if isinstance(value, io.BytesIO):
-        return io.BytesIO(value.getvalue())
-    if isinstance(value, dict):
-        return {k: _fresh_byte_buffers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_fresh_byte_buffers(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_fresh_byte_buffers(v) for v in value)
-    return value
 
 
 class CpuStager(Stager):
@@ -105,25 +49,42 @@ class CpuStager(Stager):
 
     def __init__(self, max_staging_bytes: int = 0):
         self.max_staging_bytes = max_staging_bytes
-        self._buffers: dict[str, Any] | None = None
-        self._signature: tuple | None = None
+        self._buffers: StagingBuffers | None = None
         self._stream: Any = None
         self._warned_no_cuda = False
         #: bytes of tensor data copied by the last ``stage`` call
         self.last_bytes = 0
         #: whether the last ``stage`` call reused the buffers of the one before
         self.last_reused = False
-        #: whether the current buffers are page-locked
-        self.pinned = False
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the current buffers are page-locked."""
+        return self._buffers is not None and self._buffers.pinned
 
     @property
     def allocated_bytes(self) -> int:
         """Host memory the staging buffers hold now (0 before the first save)."""
-        return 0 if self._buffers is None else self.last_bytes
+        return 0 if self._buffers is None else self._buffers.layout.nbytes
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into the buffers (allocating them when the layout changed) and
         return the staged tree; the copy is finished when this returns."""
+        buffers, staged = self._buffers, None
+        if buffers is not None:
+            staged = self._copy(buffers, state_dict)
+        reused = staged is not None
+        if not reused:
+            # Drop the old buffers first, so both sets are never held at once.
+            self._buffers = None
+            buffers = self._allocate(state_dict)
+            staged = self._copy(buffers, state_dict)
+            if staged is None:
+                raise StagingError("the state dict changed while it was being staged")
+        self.last_bytes, self.last_reused = buffers.layout.nbytes, reused
+        return staged
+
+    def _allocate(self, state_dict: dict[str, Any]) -> StagingBuffers:
         layout = describe_state_dict(state_dict)
         if self.max_staging_bytes and layout.nbytes > self.max_staging_bytes:
             raise StagingError(
@@ -133,19 +94,10 @@ class CpuStager(Stager):
                 f"with dcp.save (which writes without staging)"
             )
         pin = self._want_pinned(layout)
-        reuse = (self._buffers is not None and self._signature == layout.signature
-                 and self.pinned == pin)
-        if not reuse:
-            # Drop the old buffers first, so both sets are never held at once.
-            self._buffers = self._signature = None
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pin,
-                                                   share_memory=self.share)
-            self._signature, self.pinned = layout.signature, pin
-            log.debug("allocated %s of staging buffers (pinned=%s, shared=%s)",
-                      _size(layout.nbytes), pin, self.share)
-        staged = self._copy(state_dict, non_blocking=pin and layout.on_cuda)
-        self.last_bytes, self.last_reused = layout.nbytes, reuse
-        return _fresh_byte_buffers(staged)
+        self._buffers = StagingBuffers(state_dict, layout, pin=pin, share=self.share)
+        log.debug("allocated %s of staging buffers (pinned=%s, shared=%s)",
+                  _size(layout.nbytes), pin, self.share)
+        return self._buffers
 
     def _want_pinned(self, layout: StateDictLayout) -> bool:
         wanted = layout.on_cuda if self.pin is None else self.pin
@@ -157,24 +109,22 @@ class CpuStager(Stager):
             return False
         return wanted
 
-    def _copy(self, state_dict: dict[str, Any], non_blocking: bool) -> dict[str, Any]:
-        if not non_blocking:
-            return _copy_state_dict(state_dict, self._buffers, type_check=False)
+    def _copy(self, buffers: StagingBuffers, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        if not (buffers.pinned and buffers.layout.on_cuda):
+            return buffers.stage(state_dict, non_blocking=False)
         # Device -> pinned host copies on a side stream, after the work already queued on the
         # current stream (which produced the tensors), then waited for: the staged copy must be
         # complete when async_save returns.
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            staged = _copy_state_dict(state_dict, self._buffers, non_blocking=True,
-                                      type_check=False)
+        staged = buffers.stage(state_dict, non_blocking=True, stream=self._stream)
         self._stream.synchronize()
         return staged
 
     def close(self) -> None:
         """Free the staging buffers."""
-        self._buffers = self._signature = None
+        self._buffers = None
 
 
 class PinnedStager(CpuStager):

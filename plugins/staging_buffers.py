@@ -1,0 +1,173 @@
+"""Host buffers for one state-dict layout, and the per-save copy into them.
+
+A save of thousands of small tensors must cost about what a plain ``copy_`` loop costs, so
+everything that depends only on the layout is done once, when the buffers are made: the tree of
+buffers itself (``torch.distributed``'s ``_create_cpu_state_dict``, which handles DTensor and
+ShardedTensor), and the check of the layout by its signature. Each save then walks the state
+dict once beside that tree: it checks that every tensor still has its buffer's shape and dtype
+(``copy_`` would silently broadcast or convert otherwise), builds the staged tree, gathers the
+pairs to copy, and copies them in one ``torch._foreach_copy_`` call.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._state_dict_utils import _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
+
+__all__ = ["StateDictLayout", "StagingBuffers", "describe_state_dict"]
+
+#: values a staged tree may share with training: they cannot change under it
+_IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+@dataclass(frozen=True)
+class StateDictLayout:
+    """What staging buffers must match: the tree of keys with each tensor's kind, shape and
+    dtype (``signature``), the bytes of tensor data, and whether any tensor is on CUDA."""
+
+    signature: tuple
+    nbytes: int
+    on_cuda: bool
+
+
+def describe_state_dict(state_dict: dict[str, Any]) -> StateDictLayout:
+    """Walk ``state_dict`` once; see :class:`StateDictLayout`."""
+    total = 0
+    cuda = False
+
+    def tensor_sig(t: torch.Tensor) -> tuple:
+        nonlocal total, cuda
+        total += t.numel() * t.element_size()
+        cuda = cuda or t.is_cuda
+        return (tuple(t.shape), t.dtype)
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return ("dtensor", tensor_sig(value._local_tensor), value._spec)
+        if isinstance(value, ShardedTensor):
+            return ("sharded", value.metadata(),
+                    tuple((s.metadata.shard_offsets, tensor_sig(s.tensor))
+                          for s in value.local_shards()))
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tensor_sig(value))
+        if isinstance(value, dict):
+            return ("dict", tuple((k, walk(v)) for k, v in value.items()))
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, tuple(walk(v) for v in value))
+        return ("value", type(value).__name__)
+
+    signature = walk(state_dict)
+    return StateDictLayout(signature, total, cuda)
+
+
+class _LayoutChanged(Exception):
+    """The state dict no longer matches the buffers (caught by :meth:`StagingBuffers.stage`)."""
+
+
+class StagingBuffers:
+    """The host buffers of one layout (allocated here) and the copy of a state dict into them."""
+
+    def __init__(self, state_dict: dict[str, Any], layout: StateDictLayout, *, pin: bool,
+                 share: bool):
+        self.layout = layout
+        self.pinned = pin
+        self.tree = _create_cpu_state_dict(state_dict, pin_memory=pin, share_memory=share)
+        # DTensor specs seen with each buffer and found equal to its own (by identity first:
+        # training keeps the same spec objects from save to save).
+        self._specs: dict[int, Any] = {}
+
+    def stage(self, state_dict: dict[str, Any], non_blocking: bool, stream: Any = None
+              ) -> dict[str, Any] | None:
+        """Copy ``state_dict`` into the buffers and return the staged tree, or None (nothing
+        copied) when its layout differs from the buffers'. With ``stream`` (CUDA), the copies
+        are queued on it, ``non_blocking``; the caller waits for them."""
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        try:
+            staged = self._walk(state_dict, self.tree, dsts, srcs)
+        except _LayoutChanged:
+            return None
+        with torch.no_grad():
+            if stream is None:
+                torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+            else:
+                with torch.cuda.stream(stream):
+                    torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+        return staged
+
+    def _walk(self, value: Any, buffer: Any, dsts: list, srcs: list) -> Any:
+        """``value`` staged: tensors replaced by their buffers (the pair noted for the copy),
+        containers rebuilt, other values shared when immutable and copied otherwise."""
+        kind = type(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            if (type(buffer) is not torch.Tensor or value.shape != buffer.shape
+                    or value.dtype is not buffer.dtype
+                    or (value.is_cuda and not self.layout.on_cuda)):
+                raise _LayoutChanged
+            dsts.append(buffer)
+            srcs.append(value)
+            return buffer
+        if kind is dict:
+            if type(buffer) is not dict or len(buffer) != len(value):
+                raise _LayoutChanged
+            try:
+                return {k: self._walk(v, buffer[k], dsts, srcs) for k, v in value.items()}
+            except (KeyError, TypeError):
+                raise _LayoutChanged from None
+        if kind is list or kind is tuple:
+            if type(buffer) not in (list, tuple) or len(buffer) != len(value):
+                raise _LayoutChanged
+            staged = [self._walk(v, b, dsts, srcs) for v, b in zip(value, buffer)]
+            return staged if kind is list else tuple(staged)
+        if isinstance(value, DTensor):
+            return self._walk_dtensor(value, buffer, dsts, srcs)
+        if isinstance(value, ShardedTensor):
+            return self._walk_sharded(value, buffer, dsts, srcs)
+        if isinstance(value, torch.Tensor):  # another subclass: stage its plain data
+            return self._walk(value.detach().as_subclass(torch.Tensor), buffer, dsts, srcs)
+        if isinstance(value, io.BytesIO):
+            return io.BytesIO(value.getvalue())  # mutable, and training's own
+        if isinstance(value, _IMMUTABLE):
+            return value
+        if isinstance(value, dict):  # an OrderedDict or another mapping type
+            if not isinstance(buffer, dict) or buffer.keys() != value.keys():
+                raise _LayoutChanged
+            return type(value)((k, self._walk(v, buffer[k], dsts, srcs)) for k, v in value.items())
+        return copy.deepcopy(value)  # as torch's own staging does with other values
+
+    def _walk_dtensor(self, value: DTensor, buffer: Any, dsts: list, srcs: list) -> DTensor:
+        if not isinstance(buffer, DTensor):
+            raise _LayoutChanged
+        local, mine = value._local_tensor, buffer._local_tensor
+        if local.shape != mine.shape or local.dtype is not mine.dtype:
+            raise _LayoutChanged
+        spec = value._spec
+        if self._specs.get(id(buffer)) is not spec:
+            if spec != buffer._spec:
+                raise _LayoutChanged
+            self._specs[id(buffer)] = spec
+        dsts.append(mine)
+        srcs.append(local)
+        return buffer
+
+    def _walk_sharded(self, value: ShardedTensor, buffer: Any, dsts: list, srcs: list
+                      ) -> ShardedTensor:
+        if not isinstance(buffer, ShardedTensor) or value.metadata() != buffer.metadata():
+            raise _LayoutChanged
+        shards, mine = value.local_shards(), buffer.local_shards()
+        if len(shards) != len(mine):
+            raise _LayoutChanged
+        for s, b in zip(shards, mine):
+            if (s.metadata.shard_offsets != b.metadata.shard_offsets
+                    or s.tensor.shape != b.tensor.shape or s.tensor.dtype is not b.tensor.dtype):
+                raise _LayoutChanged
+            dsts.append(b.tensor)
+            srcs.append(s.tensor)
+        return buffer
