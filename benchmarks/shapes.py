@@ -80,6 +80,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -290,6 +291,11 @@ class Env:
         self.barrier()
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far: a copy into touched memory takes none."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def sync_store(root: str, args: argparse.Namespace, plugins: tuple = (),
                keep: int | None = None) -> "tierstore.Store":
     """A store with one ``local`` tier at ``root`` (fsync on, the default; ``keep`` when given;
@@ -341,14 +347,14 @@ def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]
     stores: dict[str, tierstore.Store] = {}
     keep = {"save-tierstore", STOCK_LOAD_SOURCE}  # the loads' sources stay until the loads
 
-    def record(op: str, secs: list[float]) -> None:
+    def record(op: str, secs: list[float], note: str = "") -> None:
         keys = {"async-tierstore": ("stall-tierstore", "stage"),
                 "async-stock": ("stall-stock",)}.get(op, (op,))
         secs = max_over_ranks(secs[:len(keys)])
         for key, s in zip(keys, secs):
             res[key].append(s)
         extra = f"  stage {secs[1]:.3f} s" if op == "async-tierstore" else ""
-        log(f"  {shape.name} round {rnd + 1} {op:<16} {secs[0]:8.3f} s{extra}")
+        log(f"  {shape.name} round {rnd + 1} {op:<16} {secs[0]:8.3f} s{extra}{note}")
 
     try:
         for op in rotated(OPS, rnd):
@@ -358,10 +364,12 @@ def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]
                     del outputs[other]
             if op == "copy":
                 env.settle()
-                t0 = time.perf_counter()
+                f0, c0, t0 = minor_faults(), time.process_time(), time.perf_counter()
                 for d, s in pairs:
                     d.copy_(s)
-                record(op, [time.perf_counter() - t0])
+                secs, cpu, faults = (time.perf_counter() - t0, time.process_time() - c0,
+                                     minor_faults() - f0)
+                record(op, [secs], f"  cpu {cpu:.3f} s  faults {faults}")
             elif op.startswith("async-"):
                 record(op, list(time_async(env, sd, op[len("async-"):])))
             else:

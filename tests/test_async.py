@@ -62,6 +62,60 @@ def test_buffers_are_reused_while_the_layout_holds_and_reallocated_when_it_chang
         assert_trees_equal(load_like(store, "step-4", retyped), retyped)
 
 
+def test_staging_reuses_buffers_for_nested_state_and_never_shares_what_training_changes(tmp_path):
+    """The per-save walk of reused buffers: nested dicts, lists, tuples, an OrderedDict,
+    Parameters, scalars and a BytesIO; every staged tensor is a copy, the BytesIO too."""
+    from collections import OrderedDict
+    import io
+
+    layer = torch.nn.Linear(8, 4)
+    sd = {"model": OrderedDict(weight=layer.weight, bias=layer.bias),
+          "optim": {"state": {"exp_avg": [torch.randn(8, 4), torch.randn(4)],
+                              "pair": (torch.tensor(3.0), torch.arange(5))},
+                    "lr": 0.1, "name": "adam"},
+          "blob": io.BytesIO(b"rng-state-1"), "step": 1}
+    rec = Recorder()
+    with tierstore.open(two_tiers(tmp_path), plugins=[rec]) as store:
+        expected = {}
+        for i in (1, 2, 3):
+            fut = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{i}")
+            expected[i] = {"w": layer.weight.detach().clone(), "m": sd["optim"]["state"]["exp_avg"][0].clone(),
+                           "blob": sd["blob"].getvalue(), "step": sd["step"]}
+            with torch.no_grad():  # training changes everything right after staging
+                layer.weight.add_(1)
+                sd["optim"]["state"]["exp_avg"][0].mul_(2)
+            sd["blob"].write(b"-more")
+            sd["step"] += 1
+            fut.result()
+        store.wait()
+        staged = [e for e in rec.events if e.kind == EventKind.STAGED]
+        assert [e.detail["reused"] for e in staged] == [False, True, True]
+        for i in (1, 2, 3):
+            out = {"model": OrderedDict(weight=torch.zeros(4, 8), bias=torch.zeros(4)),
+                   "optim": {"state": {"exp_avg": [torch.zeros(8, 4), torch.zeros(4)],
+                                       "pair": (torch.zeros(()), torch.zeros(5, dtype=torch.int64))},
+                             "lr": None, "name": None},
+                   "blob": io.BytesIO(), "step": None}
+            dcp.load(out, storage_reader=store.reader(), checkpoint_id=f"step-{i}")
+            assert torch.equal(out["model"]["weight"], expected[i]["w"]), i
+            assert torch.equal(out["optim"]["state"]["exp_avg"][0], expected[i]["m"]), i
+            assert out["blob"].getvalue() == expected[i]["blob"], i
+            assert out["step"] == expected[i]["step"] and out["optim"]["lr"] == 0.1
+
+
+def test_staging_reallocates_when_keys_change_at_the_same_shapes(tmp_path):
+    rec = Recorder()
+    with tierstore.open(two_tiers(tmp_path), plugins=[rec]) as store:
+        first = {"a": torch.randn(3), "b": torch.randn(3)}
+        dcp.async_save(first, storage_writer=store.writer(), checkpoint_id="step-1").result()
+        renamed = {"a": torch.randn(3), "c": torch.randn(3)}
+        dcp.async_save(renamed, storage_writer=store.writer(), checkpoint_id="step-2").result()
+        store.wait()
+        assert [e.detail["reused"] for e in rec.events if e.kind == EventKind.STAGED] == \
+            [False, False]
+        assert_trees_equal(load_like(store, "step-2", renamed), renamed)
+
+
 def test_shm_staging_buffers_are_in_shared_memory(tmp_path):
     with tierstore.open(two_tiers(tmp_path, "shm")) as store:
         staged = store.writer().stage({"w": torch.randn(8, 8)})
