@@ -15,10 +15,10 @@ from what a byte costs. Shapes (``--shapes`` picks some, by name; fp32 random da
                  language model (embedding of 8,192 x 224, tied to the output; 32 blocks of
                  LayerNorm, q/k/v/o ``Linear`` with bias, LayerNorm, MLP up 224 -> 896 / down
                  with bias; a final LayerNorm) after one ``torch.optim.Adam`` step: 2,060 tensors
-                 (515 weights, ``exp_avg``, ``exp_avg_sq``, ``step``), 241 MiB, plus the
-                 ``param_groups`` values DCP saves as bytes
+                 (515 weights, ``exp_avg``, ``exp_avg_sq``, ``step``), 243 MiB, plus the
+                 12 ``param_groups`` values DCP saves as bytes (2,072 items)
 ``fsdp2``        the same model with 16 blocks under FSDP2 (``fully_shard`` per block and the
-                 root) on 2 ranks, gloo, CPU: each rank's local shards (1,036 tensors, ~63 MiB
+                 root) on 2 ranks, gloo, CPU: each rank's local shards (1,036 tensors, 66 MiB
                  per rank). Run as a separate ``torchrun --standalone --nproc-per-node=2`` of this
                  script, started by it; its row is folded into the same report
 ===============  ================================================================================
@@ -40,7 +40,8 @@ each timed alone: ``gc.collect()`` and ``os.sync()`` first, earlier outputs dele
   directory; and ``raw-write``: the tensors' bytes written with ``os.write`` into one file +
   ``fsync``. Per-item overhead = (sync save s - raw write s) / items, in microseconds, for
   tierstore and the best stock writer; *items* are the entries DCP saves (tensors plus non-tensor
-  values).
+  values). The raw write is one thread, tierstore writes with several: where tierstore's save
+  beats the raw write the overhead comes out negative (the disk was not the limit).
 
 Then the loads of what this round saved: ``tierstore`` (``store.reader()``, which verifies
 checksums) against stock ``FileSystemReader`` on the ``thread_count=4`` checkpoint, both from the

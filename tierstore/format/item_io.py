@@ -9,6 +9,7 @@ buffer and the copy after it. Every byte of a file passes through the checksum o
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
 from dataclasses import dataclass
@@ -224,29 +225,24 @@ def _chunk_sizes(metadata: Metadata, req: ReadItem) -> torch.Size | None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Part:
-    """One stored item of a file as a load needs it."""
+    """One stored item of a file as a load needs it. (Kept small: a load of thousands of
+    items allocates one per item, and every allocation brings Python's cyclic collector,
+    which walks the whole heap of DCP's plans, nearer.)"""
 
     start: int
-    length: int
+    end: int
     #: gets the item's bytes once the file is known good (decoded by torch.load); None when the
-    #: item is read straight into ``target``
+    #: item's raw bytes go straight into ``target``
     sink: Callable[[memoryview], None] | None = None
-    #: destination memory of the item's raw bytes, which lie at ``[data_start, +len(target))``
-    target: memoryview | None = None
+    #: the destination tensor (contiguous, on the CPU) of the raw bytes at ``data_start``
+    target: torch.Tensor | None = None
     data_start: int = 0
-    #: tells the planner the destination is filled (after the file is known good)
-    commit: Callable[[], None] | None = None
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-    @property
-    def in_place(self) -> bool:
-        """Large enough to be read straight into its destination, not through a window."""
-        return self.target is not None and len(self.target) >= DIRECT_READ_MIN
+    #: the request ``target`` answers (committed to the planner once the file is known good)
+    req: ReadItem | None = None
+    #: large enough to be read straight into ``target``, not through a window
+    in_place: bool = False
 
 
 class FileReadError(Exception):
@@ -273,14 +269,14 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     parts = _plan_parts(entry, reqs, storage_data, metadata, planner)
     reading = _FileReading(f, entry, verify)
     pending: list[tuple[Callable, memoryview]] = []
-    commits: list[Callable[[], None]] = []
+    filled: list[_Part] = []
     i = 0
     while i < len(parts):
         part = parts[i]
         if part.in_place:
             reading.skip_to(part.data_start)
-            reading.read_into(part.target)
-            commits.append(part.commit)
+            reading.read_into(tensor_bytes(part.target))
+            filled.append(part)
             i += 1
             continue
         # A window from this item over the next small ones (up to _WINDOW bytes in all).
@@ -291,22 +287,21 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
             j += 1
         keeps_bytes = any(p.sink is not None for p in parts[i:j])
         reading.skip_to(part.start)
-        window = reading.read_window(end - part.start, fresh=keeps_bytes)
+        window, address = reading.read_window(end - part.start, fresh=keeps_bytes)
+        base = address - part.start
         for p in parts[i:j]:
             if p.sink is not None:
                 pending.append((p.sink, window[p.start - part.start:p.end - part.start]))
             else:
-                if len(p.target):
-                    at = p.data_start - part.start
-                    p.target[:] = window[at:at + len(p.target)]
-                commits.append(p.commit)
+                ctypes.memmove(p.target.data_ptr(), base + p.data_start, p.target.nbytes)
+                filled.append(p)
         i = j
     reading.finish()
     # Hand data to the planner only once the whole file is known good.
     for sink, data in pending:
         sink(data)
-    for commit in commits:
-        commit()
+    for p in filled:
+        planner.commit_tensor(p.req, p.target)
     return reading.pos
 
 
@@ -327,13 +322,13 @@ def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, meta
         span = spans.get(info.offset)
         direct = (_direct_target(span, info, group, metadata, planner)
                   if len(group) == 1 and span else None)
+        end = info.offset + info.length
         if direct is not None:
             (data_start, _), target = direct
-            parts.append(_Part(info.offset, info.length, target=tensor_bytes(target),
-                               data_start=data_start,
-                               commit=_committer(planner, group[0], target)))
+            parts.append(_Part(info.offset, end, target=target, data_start=data_start,
+                               req=group[0], in_place=target.nbytes >= DIRECT_READ_MIN))
         else:
-            parts.append(_Part(info.offset, info.length,
+            parts.append(_Part(info.offset, end,
                                sink=_decoder(group, planner, info.transform_descriptors)))
     return parts
 
@@ -375,15 +370,13 @@ class _FileReading:
         """Read the next ``len(target)`` bytes into ``target``."""
         self._read_exact(target)
 
-    def read_window(self, n: int, fresh: bool) -> memoryview:
-        """The next ``n`` bytes; in memory of their own when ``fresh`` (kept after the next
-        window is read), else in a reused buffer."""
-        if fresh or n > len(self._scratch):
-            view = memoryview(bytearray(n))
-        else:
-            view = memoryview(self._scratch)[:n]
+    def read_window(self, n: int, fresh: bool) -> tuple[memoryview, int]:
+        """The next ``n`` bytes and their address; in memory of their own when ``fresh`` (kept
+        after the next window is read), else in a reused buffer."""
+        buf = bytearray(n) if fresh or n > len(self._scratch) else self._scratch
+        view = memoryview(buf)[:n]
         self._read_exact(view)
-        return view
+        return view, ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
 
     def finish(self) -> None:
         """When verifying: read to the end and check the length and checksum."""
@@ -416,12 +409,6 @@ def _direct_target(span: tuple[int, int], info: _StorageInfo, group: list[ReadIt
             or not info.offset <= span[0] <= info.offset + info.length - span[1]):
         return None
     return span, target
-
-
-def _committer(planner: LoadPlanner, req: ReadItem, target: torch.Tensor):
-    def commit() -> None:
-        planner.commit_tensor(req, target)
-    return commit
 
 
 _EXTENSIONS = ExtensionRegistry()
