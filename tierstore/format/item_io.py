@@ -27,7 +27,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from tierstore.format.checksum import Hasher
 from tierstore.format.manifest import FileEntry
 from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, save_tensor,
-                                             template_for, tensor_bytes)
+                                             storage_alignment, template_for, tensor_bytes)
 
 __all__ = ["NoCloseWriter",
            "ItemLocation", "HashingWriter", "write_items", "split_items", "read_items",
@@ -173,6 +173,7 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
     """Write ``items`` into ``out`` as stock DCP does (through the codecs' stream transforms
     when there are any); resolve each one lazily (it may copy)."""
     results = []
+    alignment = storage_alignment()
     for item in items:
         offset = out.offset
         data = planner.resolve_data(item)
@@ -181,7 +182,7 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
         if item.type == WriteItemType.BYTE_IO:
             stream.write(data.getbuffer())
         else:
-            span = _write_tensor(host_tensor(data), stream, out)
+            span = _write_tensor(host_tensor(data), stream, out, alignment)
             if descriptors is not None:
                 span = None  # the bytes on the tier are encoded
         if stream is not out:
@@ -194,17 +195,16 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
     return results
 
 
-def _write_tensor(tensor: torch.Tensor, stream: IO[bytes], out: HashingWriter
+def _write_tensor(tensor: torch.Tensor, stream: IO[bytes], out: HashingWriter, alignment: int
                   ) -> tuple[int, int] | None:
     """Write ``tensor``'s record into ``stream`` (``out`` itself, or a codec's stream into it);
     returns where its raw bytes lie in ``out`` (meaningful only when ``stream is out``)."""
     if tensor.nbytes < TEMPLATE_MAX_BYTES:
-        template = template_for(tensor)
+        template = template_for(tensor, alignment)
         if template is not None:
-            stream.write(template.prefix)
-            start = out.offset
-            stream.write(tensor_bytes(tensor))
-            stream.write(template.suffix)
+            start = out.offset + len(template.prefix)
+            # One write of a joined copy: cheaper than three writes for a small record.
+            stream.write(b"".join((template.prefix, tensor_bytes(tensor), template.suffix)))
             return start, tensor.nbytes
     out.large_writes.clear()
     save_tensor(tensor, stream)

@@ -28,8 +28,8 @@ from typing import IO, Callable
 
 import torch
 
-__all__ = ["TensorTemplate", "host_tensor", "save_tensor", "template_for", "tensor_bytes",
-           "TEMPLATE_MAX_BYTES"]
+__all__ = ["TensorTemplate", "host_tensor", "save_tensor", "storage_alignment", "template_for",
+           "tensor_bytes", "TEMPLATE_MAX_BYTES"]
 
 #: tensors of fewer bytes than this are written through a template; larger ones have too few
 #: items per byte for the serializer's set-up to matter
@@ -133,19 +133,25 @@ _templates: dict[tuple, TensorTemplate | None] = {}
 _templates_lock = threading.Lock()
 
 
-def template_for(tensor: torch.Tensor) -> TensorTemplate | None:
+def storage_alignment() -> int:
+    """torch's current storage alignment in archives (a setting: read it once per file, not per
+    tensor, and pass it to :func:`template_for`)."""
+    return torch.serialization._get_storage_alignment()
+
+
+def template_for(tensor: torch.Tensor, alignment: int) -> TensorTemplate | None:
     """The template of ``tensor``'s signature (a contiguous CPU tensor from :func:`host_tensor`,
-    under :data:`TEMPLATE_MAX_BYTES`), made on first sight; None where this torch's archives do
-    not have that shape (then the tensor is written by the serializer)."""
+    under :data:`TEMPLATE_MAX_BYTES`) at ``alignment`` (:func:`storage_alignment`), made on
+    first sight; None where this torch's archives do not have that shape (then the tensor is
+    written by the serializer)."""
     if _save_tensor is not _save_tensor_without_crc:
         return None  # with the CRC, the archive depends on the bytes
-    key = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-           torch.serialization._get_storage_alignment())
+    key = (tensor.dtype, tensor.shape, tensor.stride(), alignment)
     try:
         return _templates[key]
     except KeyError:
         pass
-    template = _make_template(tensor)
+    template = _make_template(tensor) if alignment == storage_alignment() else None
     with _templates_lock:
         if len(_templates) >= _TEMPLATE_CACHE_MAX:
             _templates.clear()  # a state dict of that many shapes gains little from templates
