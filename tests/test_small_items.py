@@ -150,3 +150,21 @@ def test_small_items_load_into_destinations_of_another_layout(tmp_path):
         dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
     for k, v in want.items():
         assert torch.equal(out[k], v), k
+
+
+def test_small_items_share_one_file_and_large_ones_spread_by_bytes(tmp_path):
+    """With io_threads = 4, thousands of tiny tensors are one file (one thread: spread over
+    threads they only fight over the GIL); large tensors fill the lightest files."""
+    sd = {f"tiny{i}": torch.randn(16) for i in range(3000)}
+    config = {"store": {"io_threads": 4},
+              "tier": [{"name": "nvme", "backend": "local", "path": str(tmp_path / "nvme")}]}
+    with tierstore.open(config) as store:
+        dcp.save(sd, storage_writer=store.writer(), checkpoint_id="tiny")
+        sd.update({f"large{i}": torch.randn(1 << 18) for i in range(6)})  # 1 MiB each
+        dcp.save(sd, storage_writer=store.writer(), checkpoint_id="mixed")
+    assert len(list((tmp_path / "nvme" / "tiny").glob("*.distcp"))) == 1
+    sizes = sorted(f.stat().st_size for f in (tmp_path / "nvme" / "mixed").glob("*.distcp"))
+    # The tiny ones' file (about 4.8 MB of records) is the heaviest; the six large tensors
+    # went two by two to the three others.
+    assert len(sizes) == 4 and sizes[-1] > 4_000_000
+    assert all(2 << 20 <= s < (2 << 20) + (1 << 16) for s in sizes[:3]), sizes

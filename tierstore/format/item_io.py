@@ -110,6 +110,15 @@ def item_size(item: WriteItem) -> int:
     return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
 
 
+#: bytes a tensor's record holds beside its data (torch.save's archive around it), about
+RECORD_OVERHEAD = 1536
+
+
+def _record_bytes(item: WriteItem) -> int:
+    """About how many bytes ``item`` takes in its file (what a writing thread has to move)."""
+    return item_size(item) + RECORD_OVERHEAD
+
+
 def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Spread items over at most ``bins`` files (one writing thread each) by bytes.
 
@@ -120,7 +129,7 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     small = [i for i in items if item_size(i) < DIRECT_READ_MIN]
     large = sorted((i for i in items if item_size(i) >= DIRECT_READ_MIN), key=item_size,
                    reverse=True)
-    small_bytes = sum(item_size(i) for i in small)
+    small_bytes = sum(_record_bytes(i) for i in small)
     small_bins = min(bins, max(1, math.ceil(small_bytes / SMALL_ITEMS_PER_FILE_BYTES)))
     buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
     sizes = [0] * bins
@@ -128,11 +137,11 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
         per_bin = math.ceil(len(small) / small_bins)
         for k in range(small_bins):
             buckets[k] = small[k * per_bin:(k + 1) * per_bin]
-            sizes[k] = sum(item_size(i) for i in buckets[k])
+            sizes[k] = sum(_record_bytes(i) for i in buckets[k])
     for item in large:
         k = sizes.index(min(sizes))
         buckets[k].append(item)
-        sizes[k] += item_size(item)
+        sizes[k] += _record_bytes(item)
     return [b for b in buckets if b]
 
 
