@@ -66,7 +66,7 @@ How to run
 ----------
 From the repository root::
 
-    .venv/bin/python benchmarks/shapes.py --dir /var/tmp          # every shape, 1 warm-up + 3 rounds
+    .venv/bin/python benchmarks/shapes.py --dir /var/tmp   # every shape, 1 warm-up + 3 rounds
     .venv/bin/python benchmarks/shapes.py --skip-large --shapes 16384x4k,transformer
     .venv/bin/python benchmarks/shapes.py --repeat 5 --json /tmp/shapes.json
 
@@ -114,9 +114,10 @@ OPS = ("copy", "async-tierstore", "async-stock", "save-tierstore", "save-stock-t
 LOADS = ("load-tierstore", "load-stock")
 STOCK_SAVES = ("save-stock-t1", "save-stock-t4")
 STOCK_LOAD_SOURCE = "save-stock-t4"
-#: what a round records, per round: seconds of each operation; stage: the staged event's seconds
-SERIES = ("copy", "stage", "stall-tierstore", "stall-stock", "save-tierstore", "save-stock-t1",
-          "save-stock-t4", "raw-write", "load-tierstore", "load-stock")
+#: what a round records, per round: seconds of each operation; stage: the staged event's seconds;
+#: stage-fresh: 1 when that save allocated its staging buffers (on any rank), else 0
+SERIES = ("copy", "stage", "stage-fresh", "stall-tierstore", "stall-stock", "save-tierstore",
+          "save-stock-t1", "save-stock-t4", "raw-write", "load-tierstore", "load-stock")
 CID = "step-1"
 KEEP = 2
 FSDP2_RANKS = 2
@@ -176,7 +177,8 @@ class Block(nn.Module):
         """Pre-norm causal self-attention, then the MLP, each with a residual."""
         b, s, h = x.shape
         y = self.ln1(x)
-        q, k, v = (p(y).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p(y).view(b, s, self.heads, -1).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, h))
         return x + self.down(F.gelu(self.up(self.ln2(x))))
@@ -232,27 +234,28 @@ def build_state(shape: Shape, mesh: Any = None) -> Any:
 # -- the run -------------------------------------------------------------------------------------
 
 class StagedSeconds:
-    """Observer passed to ``tierstore.open(plugins=[...])``: keeps the ``seconds`` of every
-    ``staged`` event (the staging plugin's copy in ``async_save``)."""
+    """Observer passed to ``tierstore.open(plugins=[...])``: keeps every ``staged`` event's
+    ``seconds`` (the staging plugin's copy in ``async_save``) and whether it reused its
+    buffers."""
 
     def __init__(self) -> None:
         """No event seen yet."""
-        self.seconds: list[float] = []
+        self.seen: list[tuple[float, bool]] = []
         self._lock = threading.Lock()
 
     @tierstore.hookimpl
     def tierstore_event(self, event) -> None:
-        """Keep ``staged`` events' seconds; ignore the rest."""
+        """Keep ``staged`` events; ignore the rest."""
         if event.kind == EventKind.STAGED:
             with self._lock:
-                self.seconds.append(event.seconds)
+                self.seen.append((event.seconds, bool(event.detail.get("reused"))))
 
-    def take(self) -> float:
-        """The newest ``staged`` event's seconds, all of them forgotten (NaN when there was
-        none)."""
+    def take(self) -> tuple[float, bool]:
+        """The newest ``staged`` event's (seconds, buffers reused), all of them forgotten
+        ((NaN, False) when there was none)."""
         with self._lock:
-            out = self.seconds[-1] if self.seconds else float("nan")
-            self.seconds.clear()
+            out = self.seen[-1] if self.seen else (float("nan"), False)
+            self.seen.clear()
             return out
 
 
@@ -310,9 +313,10 @@ def sync_store(root: str, args: argparse.Namespace, plugins: tuple = (),
     return tierstore.open(config, plugins=plugins)
 
 
-def time_async(env: Env, sd: Any, method: str) -> tuple[float, float]:
-    """One ``dcp.async_save`` by ``method`` ("tierstore" or "stock"); returns (stall seconds,
-    the staged event's seconds, NaN for stock). Waits for the upload (untimed) and deletes a stock
+def time_async(env: Env, sd: Any, method: str) -> list[float]:
+    """One ``dcp.async_save`` by ``method`` ("tierstore" or "stock"); returns [stall seconds]
+    and for tierstore also the staged event's seconds and 1.0 when it allocated fresh staging
+    buffers (0.0 when it reused them). Waits for the upload (untimed) and deletes a stock
     checkpoint before returning."""
     if method == "tierstore":
         env.n += 1
@@ -331,11 +335,12 @@ def time_async(env: Env, sd: Any, method: str) -> tuple[float, float]:
         staging_completion.result()
     stall = time.perf_counter() - t0
     getattr(resp, "upload_completion", resp).result()
-    stage = env.staged.take() if method == "tierstore" else float("nan")
+    stage, reused = env.staged.take()
     env.barrier()
     if path is not None:
         env.on_rank0(lambda: remove(path))
-    return stall, stage
+        return [stall]
+    return [stall, stage, 0.0 if reused else 1.0]
 
 
 def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]],
@@ -349,12 +354,13 @@ def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]
     keep = {"save-tierstore", STOCK_LOAD_SOURCE}  # the loads' sources stay until the loads
 
     def record(op: str, secs: list[float], note: str = "") -> None:
-        keys = {"async-tierstore": ("stall-tierstore", "stage"),
+        keys = {"async-tierstore": ("stall-tierstore", "stage", "stage-fresh"),
                 "async-stock": ("stall-stock",)}.get(op, (op,))
-        secs = max_over_ranks(secs[:len(keys)])
+        secs = max_over_ranks(secs)
         for key, s in zip(keys, secs):
             res[key].append(s)
-        extra = f"  stage {secs[1]:.3f} s" if op == "async-tierstore" else ""
+        extra = (f"  stage {secs[1]:.3f} s{' (fresh buffers)' if secs[2] else ''}"
+                 if op == "async-tierstore" else "")
         log(f"  {shape.name} round {rnd + 1} {op:<16} {secs[0]:8.3f} s{extra}{note}")
 
     try:
@@ -372,7 +378,7 @@ def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]
                                      minor_faults() - f0)
                 record(op, [secs], f"  cpu {cpu:.3f} s  faults {faults}")
             elif op.startswith("async-"):
-                record(op, list(time_async(env, sd, op[len("async-"):])))
+                record(op, time_async(env, sd, op[len("async-"):]))
             else:
                 out = outputs[op] = env.fresh(op)
                 if op == "save-tierstore":
@@ -525,14 +531,17 @@ def print_report(summary: dict, args: argparse.Namespace, base: str) -> None:
               f"{m['load-tierstore']:.3f} / {m['load-stock']:.3f} ({f['load_ratio']:.2f}x) | "
               f"{f['per_item_us']['tierstore']:.0f} / {f['per_item_us']['stock']:.0f} |")
     print()
-    print("| shape | tensors | stage s | raw write s (GB/s) | stock t1 s | stock t4 s | "
-          "tierstore save GB/s | stalls per round tierstore / stock (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| shape | tensors | stage s | stages with fresh buffers | raw write s (GB/s) | "
+          "stock t1 s | stock t4 s | tierstore save GB/s | stalls per round tierstore / stock "
+          "(s) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, f in summary["shapes"].items():
         m, r = f["medians_s"], f["rounds_s"]
         stalls = " ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(r["stall-tierstore"],
                                                                 r["stall-stock"]))
-        print(f"| {name} | {f['tensors']:,} | {m['stage']:.3f} | {m['raw-write']:.3f} "
+        print(f"| {name} | {f['tensors']:,} | {m['stage']:.3f} | "
+              f"{sum(x > 0 for x in r['stage-fresh'])} of {len(r['stage-fresh'])} | "
+              f"{m['raw-write']:.3f} "
               f"({f['bytes'] / m['raw-write'] / GB:.2f}) | {m['save-stock-t1']:.3f} | "
               f"{m['save-stock-t4']:.3f} | {f['bytes'] / m['save-tierstore'] / GB:.2f} | "
               f"{stalls} |")

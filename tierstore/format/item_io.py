@@ -37,6 +37,8 @@ __all__ = ["NoCloseWriter",
 DIRECT_READ_MIN = 256 << 10
 #: small writes are gathered up to this many bytes before they reach the backend file
 COALESCE_BYTES = 1 << 20
+#: records of tensors under this many bytes are joined into one write
+_JOIN_BELOW = 64 << 10
 #: small items get another file (and writing thread) per this many bytes of them
 SMALL_ITEMS_PER_FILE_BYTES = 256 << 20
 
@@ -212,8 +214,13 @@ def _write_tensor(tensor: torch.Tensor, stream: IO[bytes], out: HashingWriter, a
         template = template_for(tensor, alignment)
         if template is not None:
             start = out.offset + len(template.prefix)
-            # One write of a joined copy: cheaper than three writes for a small record.
-            stream.write(b"".join((template.prefix, tensor_bytes(tensor), template.suffix)))
+            if tensor.nbytes < _JOIN_BELOW:
+                # One write of a joined copy: cheaper than three writes for a small record.
+                stream.write(b"".join((template.prefix, tensor_bytes(tensor), template.suffix)))
+            else:
+                stream.write(template.prefix)
+                stream.write(tensor_bytes(tensor))
+                stream.write(template.suffix)
             return start, tensor.nbytes
     out.large_writes.clear()
     save_tensor(tensor, stream)

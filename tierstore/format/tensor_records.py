@@ -32,8 +32,9 @@ __all__ = ["TensorTemplate", "host_tensor", "save_tensor", "storage_alignment", 
            "tensor_bytes", "TEMPLATE_MAX_BYTES"]
 
 #: tensors of fewer bytes than this are written through a template; larger ones have too few
-#: items per byte for the serializer's set-up to matter
-TEMPLATE_MAX_BYTES = 256 << 10
+#: items per byte for the serializer's set-up to matter, and a template costs two archives of
+#: the signature's size to make
+TEMPLATE_MAX_BYTES = 1 << 20
 #: templates kept at once (per process); a state dict rarely has more distinct small shapes
 _TEMPLATE_CACHE_MAX = 8192
 
