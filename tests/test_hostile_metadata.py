@@ -311,3 +311,19 @@ def test_sharded_tensor_metadata_loads_as_pickle_loads_it(one_rank_group, tmp_pa
     assert torch.equal(target["b"].to_local(), sd["b"].to_local())
     assert torch.equal(target["st"].local_shards()[0].tensor, sharded.local_shards()[0].tensor)
     assert target["step"] == 3
+
+
+def test_items_that_overlap_are_refused_not_loaded_wrong(saved, local_config):
+    """Metadata (from someone who knows the format) placing a small tensor inside the large one
+    before it would hand it the bytes after that one: the file is refused instead."""
+    metadata = pickle.loads((saved / METADATA_NAME).read_bytes())
+    infos = sorted((i for i in metadata.storage_data.values()
+                    if i.relative_path == _first_info(metadata).relative_path),
+                   key=lambda i: i.offset)
+    infos[1].offset = infos[0].offset + 8  # inside the first item of the same file
+    infos[1].length = min(infos[1].length, infos[0].length - 8)
+    _replace_metadata(saved, pickle.dumps(metadata))
+    with tierstore.open(local_config) as store:
+        with pytest.raises(BaseException) as info:  # DCP's CheckpointException wraps it
+            load_like(store, "step-1", make_state_dict(0))
+    assert "inside the item before it" in str(info.value), str(info.value)

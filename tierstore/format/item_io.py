@@ -335,6 +335,12 @@ def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, meta
         if info.offset + info.length > entry.size:
             raise FileReadError(f"item {group[0].storage_index.fqn} ends at byte "
                                 f"{info.offset + info.length}, past the file's {entry.size} bytes")
+        if parts and info.offset < parts[-1].end:
+            # The file is read front to back once: an item inside the one before would get the
+            # bytes after it. DCP never writes items that overlap.
+            raise FileReadError(f"item {group[0].storage_index.fqn} starts at byte {info.offset}, "
+                                f"inside the item before it (which ends at byte "
+                                f"{parts[-1].end}); the metadata does not describe this file")
         span = spans.get(info.offset)
         direct = (_direct_target(span, info, group, metadata, planner)
                   if len(group) == 1 and span else None)
