@@ -66,9 +66,9 @@ How to run
 ----------
 From the repository root::
 
-    .venv/bin/python benchmarks/shapes.py --dir /var/tmp   # every shape, 1 warm-up + 3 rounds
+    .venv/bin/python benchmarks/shapes.py --dir /var/tmp   # every shape, 1 warm-up + 5 rounds
     .venv/bin/python benchmarks/shapes.py --skip-large --shapes 16384x4k,transformer
-    .venv/bin/python benchmarks/shapes.py --repeat 5 --json /tmp/shapes.json
+    .venv/bin/python benchmarks/shapes.py --repeat 9 --json /tmp/shapes.json
 
 Progress lines go to stderr, the report to stdout. ``--strict`` makes the exit status 1 when a
 target is missed; a crash of the ``fsdp2`` part makes it 1 whatever the targets. Temp directories
@@ -554,7 +554,7 @@ def print_report(summary: dict, args: argparse.Namespace, base: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The shared options (``--size-mib`` and ``--tensors`` hidden: the shapes fix them) plus
     ``--shapes`` and ``--skip-large``."""
-    p = benchmark_parser(__doc__, 3, "lazy imports, staging buffers, allocator and page-cache "
+    p = benchmark_parser(__doc__, 5, "lazy imports, staging buffers, allocator and page-cache "
                          "growth", "parent of the temp directory (default: system temp dir); "
                          "not tmpfs")
     for action in p._actions:
