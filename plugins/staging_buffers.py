@@ -82,6 +82,9 @@ class StagingBuffers:
         # DTensor specs seen with each buffer and found equal to its own (by identity first:
         # training keeps the same spec objects from save to save).
         self._specs: dict[int, Any] = {}
+        # Per dict of the buffer tree (by id; the tree lives as long as this object): each key's
+        # buffer with its shape and dtype, or (buffer, None, None) for what is not a plain tensor.
+        self._expected: dict[int, dict[Any, tuple]] = {}
 
     def stage(self, state_dict: dict[str, Any], non_blocking: bool, stream: Any = None
               ) -> dict[str, Any] | None:
@@ -106,21 +109,15 @@ class StagingBuffers:
         """``value`` staged: tensors replaced by their buffers (the pair noted for the copy),
         containers rebuilt, other values shared when immutable and copied otherwise."""
         kind = type(value)
+        if kind is dict:
+            return self._walk_dict(value, buffer, dsts, srcs)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
             if (type(buffer) is not torch.Tensor or value.shape != buffer.shape
-                    or value.dtype is not buffer.dtype
-                    or (value.is_cuda and not self.layout.on_cuda)):
+                    or value.dtype is not buffer.dtype):
                 raise _LayoutChanged
             dsts.append(buffer)
             srcs.append(value)
             return buffer
-        if kind is dict:
-            if type(buffer) is not dict or len(buffer) != len(value):
-                raise _LayoutChanged
-            try:
-                return {k: self._walk(v, buffer[k], dsts, srcs) for k, v in value.items()}
-            except (KeyError, TypeError):
-                raise _LayoutChanged from None
         if kind is list or kind is tuple:
             if type(buffer) not in (list, tuple) or len(buffer) != len(value):
                 raise _LayoutChanged
@@ -141,6 +138,37 @@ class StagingBuffers:
                 raise _LayoutChanged
             return type(value)((k, self._walk(v, buffer[k], dsts, srcs)) for k, v in value.items())
         return copy.deepcopy(value)  # as torch's own staging does with other values
+
+    def _walk_dict(self, value: dict, buffer: Any, dsts: list, srcs: list) -> dict:
+        """A plain dict staged; its plain tensors are handled inline, against their buffers'
+        shapes and dtypes noted once (a state dict is mostly plain tensors, and a call or an
+        attribute of a buffer per tensor would cost as much as its copy)."""
+        if type(buffer) is not dict or len(buffer) != len(value):
+            raise _LayoutChanged
+        expected = self._expected.get(id(buffer))
+        if expected is None:
+            expected = self._expected[id(buffer)] = {
+                k: (b, b.shape, b.dtype) if type(b) is torch.Tensor else (b, None, None)
+                for k, b in buffer.items()}
+        staged = {}
+        plain = torch.Tensor
+        add_dst, add_src = dsts.append, srcs.append
+        for key, v in value.items():
+            try:
+                b, shape, dtype = expected[key]
+            except KeyError:
+                raise _LayoutChanged from None
+            if type(v) is plain:
+                if v.dtype is not dtype or v.shape != shape:  # (a non-tensor's dtype is None)
+                    raise _LayoutChanged
+                add_dst(b)
+                add_src(v)
+                staged[key] = b
+            elif type(v) is DTensor:  # FSDP2's parameters and their optimizer state
+                staged[key] = self._walk_dtensor(v, b, dsts, srcs)
+            else:
+                staged[key] = self._walk(v, b, dsts, srcs)
+        return staged
 
     def _walk_dtensor(self, value: DTensor, buffer: Any, dsts: list, srcs: list) -> DTensor:
         if not isinstance(buffer, DTensor):

@@ -116,6 +116,20 @@ def test_staging_reallocates_when_keys_change_at_the_same_shapes(tmp_path):
         assert_trees_equal(load_like(store, "step-2", renamed), renamed)
 
 
+def test_staging_reallocates_when_a_shape_changes_but_not_its_size(tmp_path):
+    """(6,) into a (1, 6) buffer would broadcast silently: the saved shape must be the new one."""
+    rec = Recorder()
+    with tierstore.open(two_tiers(tmp_path), plugins=[rec]) as store:
+        first = {"w": torch.randn(1, 6), "b": torch.randn(4)}
+        dcp.async_save(first, storage_writer=store.writer(), checkpoint_id="step-1").result()
+        flat = {"w": torch.randn(6), "b": torch.randn(4)}
+        dcp.async_save(flat, storage_writer=store.writer(), checkpoint_id="step-2").result()
+        store.wait()
+        assert [e.detail["reused"] for e in rec.events if e.kind == EventKind.STAGED] == \
+            [False, False]
+        assert_trees_equal(load_like(store, "step-2", flat), flat)
+
+
 def test_shm_staging_buffers_are_in_shared_memory(tmp_path):
     with tierstore.open(two_tiers(tmp_path, "shm")) as store:
         staged = store.writer().stage({"w": torch.randn(8, 8)})
