@@ -63,7 +63,6 @@ removed at the end, also after an error.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import shutil
@@ -81,7 +80,8 @@ import tierstore
 
 from common import (GB, benchmark_parser, check_equal, disk_parent, finish_report, fs_type,
                     make_state_dict, nbytes_of, print_verdicts, progress_log, remove, rotated,
-                    rounds_text, timing_figures, verdict, warm_page_cache, warmup_then_rounds)
+                    rounds_text, timing_figures, verdict, warm_page_cache, warmup_then_rounds,
+                    write_raw)
 
 SAVE_CONTENDERS = ("tierstore", "dcp-fs-t1", "dcp-fs-t4", "torch.save", "raw-write")
 LOAD_CONTENDERS = ("tierstore", "dcp-fs-reader")
@@ -93,14 +93,6 @@ CHECKPOINT_ID = "step-1"
 SAVE_VS_FS_TARGET = 1.0
 SAVE_VS_RAW_TARGET = 0.85
 LOAD_VS_FS_TARGET = 1.5
-
-
-# -- tensor bytes ----------------------------------------------------------------------------
-
-def tensor_view(t: torch.Tensor) -> memoryview:
-    """A byte view of a contiguous CPU tensor's memory, without a copy (numpy may be absent)."""
-    assert t.is_contiguous() and t.device.type == "cpu"
-    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
 
 
 # -- save contenders ---------------------------------------------------------------------------
@@ -147,16 +139,7 @@ def prepare_save(name: str, sd: dict[str, torch.Tensor], out: str,
         os.makedirs(out)
 
         def save() -> None:
-            fd = os.open(os.path.join(out, "raw.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                for t in sd.values():
-                    view = tensor_view(t)
-                    done = 0
-                    while done < len(view):  # os.write may write less than asked
-                        done += os.write(fd, view[done:])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_raw(os.path.join(out, "raw.bin"), list(sd.values()))
         return save, lambda: None
 
     raise ValueError(name)
