@@ -324,13 +324,18 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
 def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, metadata: Metadata,
                 planner: LoadPlanner) -> list[_Part]:
     """The stored items ``reqs`` need, in file order, each with where its bytes go."""
-    spans = {start: (data_start, data_len) for start, data_start, data_len in entry.spans or ()}
-    by_offset: dict[int, list[ReadItem]] = {}
+    # (No container per item beyond what is needed: see _Part.)
+    spans = {span[0]: span for span in entry.spans or ()}  # item offset -> the manifest's triple
+    by_offset: dict[int, ReadItem | list[ReadItem]] = {}
     for req in reqs:
-        by_offset.setdefault(storage_data[req.storage_index].offset, []).append(req)
+        offset = storage_data[req.storage_index].offset
+        held = by_offset.setdefault(offset, req)
+        if held is not req:  # several requests read one stored item (resharding)
+            by_offset[offset] = [*held, req] if isinstance(held, list) else [held, req]
     parts = []
     for offset in sorted(by_offset):
-        group = by_offset[offset]
+        held = by_offset[offset]
+        group = held if isinstance(held, list) else [held]
         info: _StorageInfo = storage_data[group[0].storage_index]
         if info.offset + info.length > entry.size:
             raise FileReadError(f"item {group[0].storage_index.fqn} ends at byte "
@@ -342,7 +347,7 @@ def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, meta
                                 f"inside the item before it (which ends at byte "
                                 f"{parts[-1].end}); the metadata does not describe this file")
         span = spans.get(info.offset)
-        direct = (_direct_target(span, info, group, metadata, planner)
+        direct = (_direct_target(span[1:], info, group, metadata, planner)
                   if len(group) == 1 and span else None)
         end = info.offset + info.length
         if direct is not None:
