@@ -29,10 +29,10 @@ _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.devic
 
 @dataclass(frozen=True)
 class StateDictLayout:
-    """What staging buffers must match: the tree of keys with each tensor's kind, shape and
-    dtype (``signature``), the bytes of tensor data, and whether any tensor is on CUDA."""
+    """What buffers for a state dict need: its bytes of tensor data, and whether any tensor is
+    on CUDA (then the buffers are pinned). Whether later state dicts still fit the buffers is
+    checked by :meth:`StagingBuffers.stage` itself, tensor by tensor."""
 
-    signature: tuple
     nbytes: int
     on_cuda: bool
 
@@ -42,29 +42,28 @@ def describe_state_dict(state_dict: dict[str, Any]) -> StateDictLayout:
     total = 0
     cuda = False
 
-    def tensor_sig(t: torch.Tensor) -> tuple:
+    def add(t: torch.Tensor) -> None:
         nonlocal total, cuda
         total += t.numel() * t.element_size()
         cuda = cuda or t.is_cuda
-        return (tuple(t.shape), t.dtype)
 
-    def walk(value: Any) -> Any:
+    def walk(value: Any) -> None:
         if isinstance(value, DTensor):
-            return ("dtensor", tensor_sig(value._local_tensor), value._spec)
-        if isinstance(value, ShardedTensor):
-            return ("sharded", value.metadata(),
-                    tuple((s.metadata.shard_offsets, tensor_sig(s.tensor))
-                          for s in value.local_shards()))
-        if isinstance(value, torch.Tensor):
-            return ("tensor", tensor_sig(value))
-        if isinstance(value, dict):
-            return ("dict", tuple((k, walk(v)) for k, v in value.items()))
-        if isinstance(value, (list, tuple)):
-            return (type(value).__name__, tuple(walk(v) for v in value))
-        return ("value", type(value).__name__)
+            add(value._local_tensor)
+        elif isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                add(shard.tensor)
+        elif isinstance(value, torch.Tensor):
+            add(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
 
-    signature = walk(state_dict)
-    return StateDictLayout(signature, total, cuda)
+    walk(state_dict)
+    return StateDictLayout(total, cuda)
 
 
 class _LayoutChanged(Exception):
