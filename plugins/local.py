@@ -150,6 +150,8 @@ class LocalBackend(Backend):
     def __init__(self, root: str, path: str | None = None, fsync: bool = True,
                  recycle: bool = False):
         self.root = os.path.abspath(os.path.expanduser(path or root))
+        # What paths must resolve under (_abs); resolved once, not on every file access.
+        self._real_root = os.path.realpath(self.root)
         self.durable = fsync
         #: with ``recycle``, dropped checkpoints' pages are reused (see tierstore_plugins.recycle)
         self.recycler = PageRecycler(self.root) if recycle else None
@@ -162,7 +164,7 @@ class LocalBackend(Backend):
             return self.root
         target = os.path.join(self.root, confined(path.rstrip("/"), f"tier root {self.root}"))
         real = os.path.realpath(target)
-        root = os.path.realpath(self.root)
+        root = self._real_root
         if real != root and not real.startswith(root + os.sep):
             raise IntegrityError(
                 f"refusing {target}: a symbolic link leads it out of the tier's root {self.root} "

@@ -86,8 +86,7 @@ class HashingWriter(io.RawIOBase):
         else:
             self.flush()
             self.raw.write(view)
-            if n >= DIRECT_READ_MIN:
-                self.large_writes.append((self.offset, n))
+            self.large_writes.append((self.offset, n))
         self.offset += n
         return n
 
