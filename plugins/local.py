@@ -135,6 +135,16 @@ class _FlockedDirectory(DirectoryLock):
             self._fd = -1
 
 
+def _still_named(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the directory open as ``fd``."""
+    try:
+        named = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 class LocalBackend(Backend):
     """A directory on a local (or network) POSIX filesystem; files are fsynced, renames atomic."""
 
@@ -241,13 +251,18 @@ class LocalBackend(Backend):
                 pass
 
     def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:
-        """``flock`` on the directory: shared while a rank sends the checkpoint, exclusive
-        (non-blocking) to evict it; the lock goes with the process if it dies. A directory
-        that is not there locks nothing."""
+        """``flock`` on the directory: shared while a rank writes or sends a checkpoint,
+        exclusive (non-blocking) to evict or collect it; the lock goes with the process if it
+        dies. Exclusive on a directory that is not there locks nothing; shared raises
+        FileNotFoundError when the directory is not there or was removed while the lock
+        waited (an exclusive holder deleted it), so a writer never holds a deleted one."""
+        full = self._abs(path)
         try:
-            fd = os.open(self._abs(path), os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
-            return DirectoryLock()
+            if exclusive:
+                return DirectoryLock()
+            raise FileNotFoundError(f"{full} is not there to lock") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
         except BlockingIOError:
@@ -262,6 +277,9 @@ class LocalBackend(Backend):
         except BaseException:
             os.close(fd)
             raise
+        if not exclusive and not _still_named(fd, full):
+            os.close(fd)
+            raise FileNotFoundError(f"{full} was removed while it was being locked")
         return _FlockedDirectory(fd)
 
     def rename(self, src: str, dst: str, *, replace: bool = False) -> None:

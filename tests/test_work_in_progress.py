@@ -4,9 +4,12 @@ replica that another store (another process, another job) is still writing on th
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -126,3 +129,80 @@ def test_gc_announces_each_removal(tmp_path):
         left.mkdir(parents=True)
         assert store.gc() == ["disk:.tierstore-tmp.step-2.0123456789abcdef"]
     assert seen == [("disk", left.name, True)] and not left.exists()
+
+
+class GcRightAfterBegin:
+    """Registers ``atomic-gc-after-begin``: the ``atomic`` protocol, except that right after a
+    staging directory is made (before its writer locks it) ``collect()`` runs a gc: the window
+    where a gc elsewhere used to delete a save, drain or replica that had just begun."""
+
+    def __init__(self, collect):
+        from tierstore_plugins.atomic import AtomicRenameCommit
+
+        class Commit(AtomicRenameCommit):
+            def begin(self, backend, checkpoint_id, token):
+                staging = super().begin(backend, checkpoint_id, token)
+                collect()
+                return staging
+
+        self.commit = Commit
+
+    @tierstore.hookimpl
+    def tierstore_register_commit_protocols(self, register):
+        register("atomic-gc-after-begin", self.commit)
+
+
+def _gc_window_config(tmp_path):
+    return {"store": {"commit": "atomic-gc-after-begin"},
+            "tier": [{"name": "disk", "backend": "local", "path": str(tmp_path / "disk")}]}
+
+
+def test_gc_of_the_same_store_spares_a_drain_between_its_directory_and_its_lock(tmp_path):
+    """A store's drain and its next save run on different threads: the gc the save runs must
+    spare the drain's directory even before the drain locks it (it spares it by its token)."""
+    collected, stores = [], []
+    plugin = GcRightAfterBegin(lambda: collected.append(stores[0].gc()))
+    config = {"store": {"commit": "atomic-gc-after-begin"},
+              "tier": [{"name": "ram", "backend": "memory", "path": str(tmp_path / "ram")},
+                       {"name": "disk", "backend": "local", "path": str(tmp_path / "disk")}]}
+    with tierstore.open(config, plugins=[plugin]) as store:
+        stores.append(store)
+        sd = {"w": torch.arange(1000, dtype=torch.float32)}
+        dcp.save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
+        store.wait()  # the drain to "disk" began (and gc ran) on the drain thread
+        out = {"w": torch.zeros(1000)}
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
+        assert store.verify("step-1", tier="disk").ok
+    assert collected == [[], []] and torch.equal(out["w"], sd["w"])
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["step-1"]
+
+
+@pytest.mark.parametrize("elsewhere", ["another store", "another process"])
+def test_a_save_whose_directory_is_collected_before_its_lock_makes_it_again(tmp_path,
+                                                                            elsewhere):
+    """``tierstore gc`` in another process (or another store's gc in this one) removes the new staging directory (nobody holds it
+    yet); the writer's lock notices and the save makes its directory again, once."""
+    config = _gc_window_config(tmp_path)
+    toml = tmp_path / "tiers.toml"
+    toml.write_text(f'[[tier]]\nname = "disk"\nbackend = "local"\npath = "{tmp_path / "disk"}"\n')
+    printed = []
+
+    def gc_elsewhere():
+        if printed:  # the first attempt only: the directory made again is then locked
+            return
+        if elsewhere == "another store":
+            with tierstore.open(str(toml)) as other:
+                printed.append("".join(f"removed {r}\n" for r in other.gc()))
+            return
+        printed.append(subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "gc", str(toml)], capture_output=True,
+            text=True, check=True, timeout=120).stdout)
+
+    with tierstore.open(config, plugins=[GcRightAfterBegin(gc_elsewhere)]) as store:
+        sd = {"w": torch.arange(1000, dtype=torch.float32)}
+        dcp.save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
+        out = {"w": torch.zeros(1000)}
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
+    assert printed[0].startswith("removed disk:.tierstore-tmp.step-1.")
+    assert torch.equal(out["w"], sd["w"])
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["step-1"]

@@ -123,8 +123,12 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         # Ranks of a node may share the source directory, and its leader applies ``keep`` there:
         # a shared lock, taken before the agreement (which the leader's own job waits for),
         # keeps the leader from evicting the checkpoint while this rank still sends it.
-        hold = (job.source.backend.lock_directory(job.checkpoint_id, exclusive=False)
-                if files is not None else None)
+        hold = None
+        if files is not None:
+            try:
+                hold = job.source.backend.lock_directory(job.checkpoint_id, exclusive=False)
+            except FileNotFoundError:
+                files = None  # evicted since it committed: this rank has nothing to send
         try:
             self._agree_and_exchange(job, files)
         finally:

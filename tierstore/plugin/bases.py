@@ -90,9 +90,12 @@ class Backend(abc.ABC):
 
     def lock_directory(self, path: str, *, exclusive: bool) -> "DirectoryLock | None":
         """Lock checkpoint directory ``path`` against other processes sharing this directory
-        (the ranks of a node): shared while a process sends it to peers, exclusive (never
-        waiting) before ``keep`` evicts it; None when the exclusive lock is refused because
-        another process holds it shared. Optional: the default locks nothing, refuses nothing."""
+        (the ranks of a node): shared while a process writes it or sends it to peers,
+        exclusive (never waiting) before ``keep`` evicts it or gc collects it; None when the
+        exclusive lock is refused because another process holds it shared. A shared lock on a
+        directory that is not there, or that was removed while the lock waited, raises
+        FileNotFoundError (a writer then makes its directory again). Optional: the default
+        locks nothing, refuses nothing."""
         return DirectoryLock()
 
     def rename(self, src: str, dst: str, *, replace: bool = False) -> None:

@@ -8,7 +8,9 @@ talks to a commit protocol: saves, drains and replicas begin, commit and abort t
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -26,6 +28,10 @@ __all__ = ["Tier"]
 
 log = logging.getLogger("tierstore.tiers")
 
+#: how often a save makes its staging directory again when gc in another process removes it
+#: between its creation and its lock
+_BEGIN_ATTEMPTS = 3
+
 
 @dataclass
 class Tier:
@@ -39,9 +45,15 @@ class Tier:
     layout: TierLayout = SINGLE
     #: codec instances, in the order they are applied on write
     codecs: list = field(default_factory=list)
-    # staging directory -> the lock this process holds on it while it writes there (see
-    # begin_save); gc in any process spares a directory someone holds
-    _writing: dict[str, DirectoryLock] = field(default_factory=dict, compare=False, repr=False)
+    # staging directory -> (the lock this process holds on it while it writes there, the
+    # writer's token) (see begin_save); gc in any process spares a directory someone holds
+    _writing: dict[str, tuple[DirectoryLock | None, str]] = field(
+        default_factory=dict, compare=False, repr=False)
+    # tokens of the writers of this process from before their directory exists until they
+    # let go of it: gc here never collects them, not even between creation and lock
+    _tokens_writing: collections.Counter = field(
+        default_factory=collections.Counter, compare=False, repr=False)
+    _guard: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -155,14 +167,36 @@ class Tier:
 
         The directory belongs to its writer until :meth:`commit_save` or :meth:`abort_save`:
         this process holds a shared lock on it (``Backend.lock_directory``; several ranks may
-        write one directory), and :meth:`collectable` refuses to hand it to gc, in this process
-        or any other, while someone holds it. The lock dies with its process, so what a killed
-        writer left is collected."""
-        staging = self.commit.begin(self.backend, checkpoint_id, token)
-        lock = self.backend.lock_directory(staging, exclusive=False)
-        if lock is not None:
-            self._writing[staging] = lock
-        return staging
+        write one directory), and :meth:`remove_leftover` refuses to hand it to gc, in this
+        process or any other, while someone holds it. The lock dies with its process, so what a
+        killed writer left is collected. Between the directory's creation and its lock, gc in
+        this process spares it by its token; gc in another process may remove it there, which
+        the lock notices (FileNotFoundError), and the directory is made again."""
+        with self._guard:
+            self._tokens_writing[token] += 1
+        try:
+            for _attempt in range(_BEGIN_ATTEMPTS):
+                staging = self.commit.begin(self.backend, checkpoint_id, token)
+                try:
+                    lock = self.backend.lock_directory(staging, exclusive=False)
+                except FileNotFoundError:
+                    log.info("tier '%s': %s was collected before it was locked; making it "
+                             "again", self.name, staging)
+                    continue
+                with self._guard:
+                    previous = self._writing.get(staging)
+                    self._writing[staging] = (lock, token)
+                if previous is not None:  # a second writer of one directory in this process
+                    self._forget_token(previous[1])
+                return staging
+            raise FileNotFoundError(
+                f"tier '{self.name}' ({self.backend.describe()}): the staging directory of "
+                f"'{checkpoint_id}' was removed {_BEGIN_ATTEMPTS} times before it could be "
+                f"locked; another process collects this directory's leftovers in a loop "
+                f"(is a `tierstore gc` running on it?)")
+        except BaseException:
+            self._forget_token(token)
+            raise
 
     def commit_save(self, checkpoint_id: str, staging: str, manifest: Manifest,
                     announce: Callable[[str], None]) -> None:
@@ -185,9 +219,20 @@ class Tier:
         """This process no longer writes under ``staging`` (a rank that does not commit it,
         or a save that is over without a commit): let go of it; committing or aborting does
         this too. Idempotent."""
-        lock = self._writing.pop(staging, None)
+        with self._guard:
+            held = self._writing.pop(staging, None)
+        if held is None:
+            return
+        lock, token = held
         if lock is not None:
             lock.release()
+        self._forget_token(token)
+
+    def _forget_token(self, token: str) -> None:
+        with self._guard:
+            self._tokens_writing[token] -= 1
+            if self._tokens_writing[token] <= 0:
+                del self._tokens_writing[token]
 
     # -- changing what is there --------------------------------------------------------------
     def set_pinned(self, checkpoint_id: str, pinned: bool) -> bool:
@@ -228,7 +273,10 @@ class Tier:
     def leftovers(self, protect: Collection[str] = ()) -> list[str]:
         """Root entries left by interrupted saves, deletes and overwrites (their names say so),
         except those of the save tokens in ``protect`` (saves still in flight). Anything else in
-        the root, such as a user's own DCP checkpoint without a manifest, is never touched."""
+        the root, such as a user's own DCP checkpoint without a manifest, is never touched.
+        What this process is writing here is never one of them."""
+        with self._guard:
+            protect = set(protect) | set(self._tokens_writing)
         return self.commit.find_leftovers(self.backend, self.backend.list(""), protect)
 
     def remove_leftover(self, name: str) -> bool:
