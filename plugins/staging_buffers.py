@@ -3,14 +3,17 @@
 A save of thousands of small tensors must cost about what a plain ``copy_`` loop costs, so
 everything that depends only on the layout is done once, when the buffers are made: the tree of
 buffers itself (``torch.distributed``'s ``_create_cpu_state_dict``, which handles DTensor and
-ShardedTensor), and the check of the layout by its signature. Each save then walks the state
-dict once beside that tree: it checks that every tensor still has its buffer's shape and dtype
-(``copy_`` would silently broadcast or convert otherwise), builds the staged tree, gathers the
-pairs to copy, and copies them in one ``torch._foreach_copy_`` call.
+ShardedTensor), and per dict of it what each key's value must be (buffer, shape, dtype, DTensor
+spec; noted on the first save). Each save then walks the state dict once beside that tree: it
+checks that every tensor still has its buffer's shape, dtype and spec (``copy_`` would silently
+broadcast or convert otherwise, and a changed placement would be saved under the old one),
+builds the staged tree, gathers the pairs to copy, and copies them in one
+``torch._foreach_copy_`` call.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ __all__ = ["StateDictLayout", "StagingBuffers", "describe_state_dict"]
 
 #: values a staged tree may share with training: they cannot change under it
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+_IMMUTABLE_EXACT = frozenset(_IMMUTABLE)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,20 @@ def describe_state_dict(state_dict: dict[str, Any]) -> StateDictLayout:
     return StateDictLayout(total, cuda)
 
 
+_PLAIN, _DTENSOR, _OTHER = "plain", "dtensor", "other"
+
+
+def _expectation(buffer: Any) -> tuple:
+    """What a value staged into ``buffer`` must be: (kind, buffer, the tensor to copy into,
+    shape, dtype, DTensor spec), with Nones where they do not apply."""
+    if type(buffer) is torch.Tensor:
+        return (_PLAIN, buffer, buffer, buffer.shape, buffer.dtype, None)
+    if type(buffer) is DTensor:
+        local = buffer._local_tensor
+        return (_DTENSOR, buffer, local, local.shape, local.dtype, buffer._spec)
+    return (_OTHER, buffer, None, None, None, None)
+
+
 class _LayoutChanged(Exception):
     """The state dict no longer matches the buffers (caught by :meth:`StagingBuffers.stage`)."""
 
@@ -78,11 +96,9 @@ class StagingBuffers:
         self.layout = layout
         self.pinned = pin
         self.tree = _create_cpu_state_dict(state_dict, pin_memory=pin, share_memory=share)
-        # DTensor specs seen with each buffer and found equal to its own (by identity first:
-        # training keeps the same spec objects from save to save).
-        self._specs: dict[int, Any] = {}
         # Per dict of the buffer tree (by id; the tree lives as long as this object): each key's
-        # buffer with its shape and dtype, or (buffer, None, None) for what is not a plain tensor.
+        # expectation (see _expectation); a DTensor's spec is replaced by the first spec object
+        # found equal to it, since training keeps the same spec objects from save to save.
         self._expected: dict[int, dict[Any, tuple]] = {}
 
     def stage(self, state_dict: dict[str, Any], non_blocking: bool, stream: Any = None
@@ -108,7 +124,9 @@ class StagingBuffers:
         """``value`` staged: tensors replaced by their buffers (the pair noted for the copy),
         containers rebuilt, other values shared when immutable and copied otherwise."""
         kind = type(value)
-        if kind is dict:
+        if kind in _IMMUTABLE_EXACT:  # the step counts and hyperparameters, first: most values
+            return value
+        if kind is dict or kind is collections.OrderedDict:
             return self._walk_dict(value, buffer, dsts, srcs)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
             if (type(buffer) is not torch.Tensor or value.shape != buffer.shape
@@ -139,35 +157,44 @@ class StagingBuffers:
         return copy.deepcopy(value)  # as torch's own staging does with other values
 
     def _walk_dict(self, value: dict, buffer: Any, dsts: list, srcs: list) -> dict:
-        """A plain dict staged; its plain tensors are handled inline, against their buffers'
-        shapes and dtypes noted once (a state dict is mostly plain tensors, and a call or an
-        attribute of a buffer per tensor would cost as much as its copy)."""
+        """A dict (or OrderedDict, as ``model.state_dict()`` returns) staged; its plain tensors
+        and DTensors are handled inline, against their buffers' shapes, dtypes and DTensor
+        specs noted once (a state dict is mostly tensors, and a call or an attribute of a
+        buffer per tensor would cost as much as its copy)."""
         if type(buffer) is not dict or len(buffer) != len(value):
             raise _LayoutChanged
         expected = self._expected.get(id(buffer))
         if expected is None:
-            expected = self._expected[id(buffer)] = {
-                k: (b, b.shape, b.dtype) if type(b) is torch.Tensor else (b, None, None)
-                for k, b in buffer.items()}
+            expected = self._expected[id(buffer)] = {k: _expectation(b) for k, b in buffer.items()}
         staged = {}
         plain = torch.Tensor
         add_dst, add_src = dsts.append, srcs.append
         for key, v in value.items():
             try:
-                b, shape, dtype = expected[key]
+                kind, b, dst, shape, dtype, spec = expected[key]
             except KeyError:
                 raise _LayoutChanged from None
-            if type(v) is plain:
-                if v.dtype is not dtype or v.shape != shape:  # (a non-tensor's dtype is None)
+            t = type(v)
+            if t is plain:
+                if kind is not _PLAIN or v.dtype is not dtype or v.shape != shape:
                     raise _LayoutChanged
-                add_dst(b)
+                add_dst(dst)
                 add_src(v)
                 staged[key] = b
-            elif type(v) is DTensor:  # FSDP2's parameters and their optimizer state
-                staged[key] = self._walk_dtensor(v, b, dsts, srcs)
+            elif t is DTensor and kind is _DTENSOR:  # FSDP2's parameters and optimizer state
+                local = v._local_tensor
+                if v._spec is spec and local.dtype is dtype and local.shape == shape:
+                    add_dst(dst)
+                    add_src(local)
+                    staged[key] = b
+                else:  # first seen (or changed): compare the spec by value, then by identity
+                    staged[key] = self._walk_dtensor(v, b, dsts, srcs)
+                    expected[key] = (kind, b, dst, shape, dtype, v._spec)
+            elif t is dict:  # an optimizer's per-parameter state
+                staged[key] = self._walk_dict(v, b, dsts, srcs)
             else:
                 staged[key] = self._walk(v, b, dsts, srcs)
-        return staged
+        return staged if type(value) is dict else type(value)(staged)
 
     def _walk_dtensor(self, value: DTensor, buffer: Any, dsts: list, srcs: list) -> DTensor:
         if not isinstance(buffer, DTensor):
@@ -175,11 +202,8 @@ class StagingBuffers:
         local, mine = value._local_tensor, buffer._local_tensor
         if local.shape != mine.shape or local.dtype is not mine.dtype:
             raise _LayoutChanged
-        spec = value._spec
-        if self._specs.get(id(buffer)) is not spec:
-            if spec != buffer._spec:
-                raise _LayoutChanged
-            self._specs[id(buffer)] = spec
+        if value._spec is not buffer._spec and value._spec != buffer._spec:
+            raise _LayoutChanged
         dsts.append(mine)
         srcs.append(local)
         return buffer

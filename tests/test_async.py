@@ -119,6 +119,13 @@ def test_staging_reallocates_when_the_layout_changes_at_the_same_bytes(tmp_path,
         assert_trees_equal(load_like(store, "step-2", then), then)
 
 
+def test_staging_copies_dtensors_bitwise_and_refuses_a_changed_placement():
+    """FSDP2's DTensors in an OrderedDict, the way training hands them over, through reused
+    buffers (tests/scripts/staging_dtensor_worker.py, one rank on gloo)."""
+    proc = run_script("staging_dtensor_worker.py")
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout + proc.stderr
+
+
 def test_shm_staging_buffers_are_in_shared_memory(tmp_path):
     with tierstore.open(two_tiers(tmp_path, "shm")) as store:
         staged = store.writer().stage({"w": torch.randn(8, 8)})
