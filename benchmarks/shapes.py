@@ -28,6 +28,9 @@ each timed alone: ``gc.collect()`` and ``os.sync()`` first, earlier outputs dele
 
 * ``copy``: ``for k: dst[k].copy_(src[k])`` over the state dict's tensors (nested dicts flattened,
   DTensors as their local shard) into destinations allocated and touched beforehand.
+  A shape whose copy takes under 50 ms (the quickest of three before the warm-up, slowest
+  rank) runs the copy and both async saves 5 times per round and records their medians: one
+  sample of a few milliseconds is at the mercy of the scheduler on a shared machine.
 * async saves, ``dcp.async_save``: ``tierstore`` through ``store.writer()`` of one store used for
   the whole run (one ``local`` tier, ``keep = 2``, default ``cpu`` staging: buffers allocated once
   per layout, in the warm-up), and ``stock``: ``FileSystemWriter`` into a fresh directory with
@@ -130,6 +133,12 @@ SAVE_TARGET_MANY = 1.5   # the same for the 16,384-tensor shape
 LOAD_TARGET = 1.5        # tierstore load over stock FileSystemReader (speed), at least
 STAGE_VS_COPY_MAX = 1.5  # stage seconds over copy seconds, at most
 STALL_VS_STOCK_MAX = 1.0  # tierstore async stall over stock's, at most
+
+#: a shape whose copy loop takes less than this is timed ``SHORT_SAMPLES`` times per round for
+#: the copy and the async saves (each round records their medians): one sample of a few ms is
+#: at the mercy of the scheduler on a shared machine (a rank preempted mid-copy doubles it)
+SHORT_OP_S = 0.05
+SHORT_SAMPLES = 5
 
 
 # -- shapes --------------------------------------------------------------------------------------
@@ -313,6 +322,17 @@ def sync_store(root: str, args: argparse.Namespace, plugins: tuple = (),
     return tierstore.open(config, plugins=plugins)
 
 
+def time_async_samples(env: Env, sd: Any, method: str, samples: int) -> list[float]:
+    """``samples`` async saves by ``method`` (see :func:`time_async`), each sample's figures
+    the slowest rank's; returns their medians (and 1.0 for fresh buffers when any sample
+    allocated them)."""
+    runs = [max_over_ranks(time_async(env, sd, method)) for _ in range(samples)]
+    out = [statistics.median(col) for col in zip(*runs)]
+    if method == "tierstore":
+        out[2] = max(r[2] for r in runs)
+    return out
+
+
 def time_async(env: Env, sd: Any, method: str) -> list[float]:
     """One ``dcp.async_save`` by ``method`` ("tierstore" or "stock"); returns [stall seconds]
     and for tierstore also the staged event's seconds and 1.0 when it allocated fresh staging
@@ -344,8 +364,9 @@ def time_async(env: Env, sd: Any, method: str) -> list[float]:
 
 
 def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]],
-              log: Callable[[str], None], shape: Shape) -> None:
-    """One round of ``shape``: every operation of ``OPS`` (rotated order), then both loads."""
+              log: Callable[[str], None], shape: Shape, samples: int = 1) -> None:
+    """One round of ``shape``: every operation of ``OPS`` (rotated order), then both loads;
+    the copy and the async saves take the median of ``samples`` runs (see ``SHORT_OP_S``)."""
     src, dst = flat_tensors(sd), flat_tensors(dest)
     pairs = [(dst[k], t) for k, t in src.items()]
     raw = list(src.values())
@@ -361,6 +382,8 @@ def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]
             res[key].append(s)
         extra = (f"  stage {secs[1]:.3f} s{' (fresh buffers)' if secs[2] else ''}"
                  if op == "async-tierstore" else "")
+        if samples > 1 and (op == "copy" or op.startswith("async-")):
+            extra += f"  (median of {samples})"
         log(f"  {shape.name} round {rnd + 1} {op:<16} {secs[0]:8.3f} s{extra}{note}")
 
     try:
@@ -370,15 +393,12 @@ def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]
                     env.on_rank0(lambda p=path: remove(p))
                     del outputs[other]
             if op == "copy":
-                env.settle()
-                f0, c0, t0 = minor_faults(), time.process_time(), time.perf_counter()
-                for d, s in pairs:
-                    d.copy_(s)
-                secs, cpu, faults = (time.perf_counter() - t0, time.process_time() - c0,
-                                     minor_faults() - f0)
-                record(op, [secs], f"  cpu {cpu:.3f} s  faults {faults}")
+                runs = [time_copy(env, pairs) for _ in range(samples)]
+                secs = statistics.median(max_over_ranks([r[0]])[0] for r in runs)
+                record(op, [secs], f"  cpu {max(r[1] for r in runs):.3f} s  "
+                                   f"faults {max(r[2] for r in runs)}")
             elif op.startswith("async-"):
-                record(op, time_async(env, sd, op[len("async-"):]))
+                record(op, time_async_samples(env, sd, op[len("async-"):], samples))
             else:
                 out = outputs[op] = env.fresh(op)
                 if op == "save-tierstore":
@@ -426,6 +446,17 @@ def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]
             env.on_rank0(lambda p=path: remove(p))
 
 
+def time_copy(env: Env, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float,
+                                                                                  int]:
+    """One copy loop over ``pairs`` (destination, source), after ``env.settle()``: its wall
+    seconds, CPU seconds and minor page faults."""
+    env.settle()
+    f0, c0, t0 = minor_faults(), time.process_time(), time.perf_counter()
+    for d, s in pairs:
+        d.copy_(s)
+    return time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
+
+
 def describe(sd: Any) -> dict:
     """This rank's tensor count, items (entries DCP saves: tensors + other values) and tensor
     bytes of a state dict."""
@@ -440,11 +471,18 @@ def run_shape(env: Env, shape: Shape, log: Callable[[str], None], mesh: Any = No
     sd = build_state(shape, mesh)
     dest = blank_like(sd)  # zeroed: every page touched outside the timed region
     meta = describe(sd)
+    dst = flat_tensors(dest)
+    pairs = [(dst[k], t) for k, t in flat_tensors(sd).items()]
+    # Every rank decides alike (the slowest rank's quickest of three), so that all ranks run
+    # the same number of collectives.
+    quick = max_over_ranks([min(time_copy(env, pairs)[0] for _ in range(3))])[0]
+    samples = SHORT_SAMPLES if quick < SHORT_OP_S else 1
     log(f"{shape.name}: {meta['tensors']} tensors, {meta['items']} items, "
-        f"{meta['bytes'] / (1 << 20):.1f} MiB")
+        f"{meta['bytes'] / (1 << 20):.1f} MiB; copy {quick:.3f} s: "
+        f"{samples} sample(s) of the copy and the async saves per round")
     res = warmup_then_rounds(env.args, log, lambda: {s: [] for s in SERIES},
                              lambda rnd, _warm, r, lg: run_round(rnd, env, sd, dest, r, lg,
-                                                                 shape))
+                                                                 shape, samples))
     return {"meta": meta, "rounds": res}
 
 
