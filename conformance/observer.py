@@ -29,6 +29,7 @@ _DETAILS: dict[str, dict[str, Any]] = {
     EventKind.FELL_BACK: {"file": "__0_0.distcp"},
     EventKind.FAILED: {"error": "OSError: disk full"},
     EventKind.PEER_FETCHED: {"file": "__1_0.distcp", "from": 1},
+    EventKind.REPAIRED: {"files": ["__0_0.distcp"], "source": "s3"},
 }
 
 

@@ -250,6 +250,17 @@ class LocalBackend(Backend):
             except FileNotFoundError:
                 pass
 
+    def free_bytes(self) -> int | None:
+        """Free space of the filesystem holding the tier (for an unprivileged user), asked of
+        its nearest existing directory (the root is made by the first save)."""
+        path = self.root
+        while not os.path.isdir(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        try:
+            return shutil.disk_usage(path).free
+        except OSError:
+            return None
+
     def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:
         """``flock`` on the directory: shared while a rank writes or sends a checkpoint,
         exclusive (non-blocking) to evict or collect it; the lock goes with the process if it

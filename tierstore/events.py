@@ -36,10 +36,12 @@ class EventKind:
                                  # (detail: file, error); readers went on to the next copy
     STALLED = "stalled"          # the watchdog saw a save or load make no progress
                                  # (detail: operations); every thread's stack is logged
+    REPAIRED = "repaired"        # scrub replaced a bad copy on a tier from a good one
+                                 # (detail: files, source)
 
     ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
            DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED, REPLICATED, PEER_FETCHED,
-           UNREACHABLE, REJECTED, STALLED)
+           UNREACHABLE, REJECTED, STALLED, REPAIRED)
 
 
 class Phase:

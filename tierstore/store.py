@@ -17,11 +17,13 @@ import torch.distributed as dist
 
 from tierstore.config.spec import StoreSpec
 from tierstore.config.validate import load_config
+from tierstore.dcp.contents import describe, export
 from tierstore.dcp.reader import ReaderServices, TierstoreReader
 from tierstore.dcp.writer import TierstoreWriter, WriterServices
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import Groups, StoreContext
-from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_unfinished
+from tierstore.engine.drain import (DrainJob, Drainer, PendingCopy, finish_at_exit,
+                                   report_unfinished)
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.health import TierHealth
 from tierstore.engine.publish import Publisher
@@ -29,13 +31,16 @@ from tierstore.engine.recovery import queue_missing_copies
 from tierstore.engine.replication import Replicator
 from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveLedger
+from tierstore.engine.scrub import BackgroundScrub, Scrubber
 from tierstore.engine.stats import TierFigures, TierStats
 from tierstore.engine.watchdog import Watchdog
-from tierstore.errors import DrainError
+from tierstore.errors import CheckpointNotFound, DrainError
 from tierstore.handoff import HandOff, checkpoint_process_store
 from tierstore.preemption import Preemption
 from tierstore.tiers.build import build_tiers
-from tierstore.tiers.reports import CheckpointInfo, VerifyReport
+from tierstore.format.ids import validate_checkpoint_id
+from tierstore.tiers.reports import (CheckpointInfo, ExportResult, InspectReport, PromoteResult,
+                                     ScrubReport, StoreStatus, VerifyReport)
 from tierstore.transport.collectives import all_gather_object, make_store_group, rank_context
 
 __all__ = ["Store", "open"]
@@ -45,7 +50,8 @@ class Store:
     """Multi-tier checkpoint storage behind DCP. Build one with :func:`tierstore.open`."""
 
     def __init__(self, config: Any, *, process_group: Any = None,
-                 plugins: Iterable[object] = (), hand_off: bool = False):
+                 plugins: Iterable[object] = (), hand_off: bool = False,
+                 tolerate_unreachable: bool = False):
         plugins = tuple(plugins)
         spec = StoreSpec.of(config, plugins)
         self._stats = TierStats()
@@ -60,8 +66,9 @@ class Store:
         timeout = config.collective_timeout
         main = make_store_group(process_group, timeout)
         io = make_store_group(process_group, timeout)
+        unreachable: dict[str, str] | None = {} if tolerate_unreachable else None
         try:
-            tiers = build_tiers(config, host, job, main)
+            tiers = build_tiers(config, host, job, main, unreachable)
         except BaseException:
             _destroy(main, io)  # a failed open leaves no groups behind
             raise
@@ -76,7 +83,14 @@ class Store:
                             if tiers.peer is not None else None)
         self._gc, self._stager = gc, stager
         self._health = health = TierHealth(host, job.rank)
+        for name, why in (unreachable or {}).items():
+            health.mark_down(tiers.named(name), "open()", why)
         self._catalog = Catalog(ctx, self._retention, health)
+        self._scrubber = Scrubber(ctx, self._drainer, self._retention, health)
+        self._background_scrub = None
+        if config.scrub_every_s and job.rank == 0 and not hand_off:
+            self._background_scrub = BackgroundScrub(self._scrubber, config.scrub_every_s,
+                                                     host, job.rank)
         self._hand_off = HandOff(spec, tiers, job.rank, self._drainer, self._retention, health,
                                  _checkpoint_process_services)
         publisher = Publisher(ctx, self._drainer, self._retention, in_checkpoint_process=hand_off)
@@ -86,6 +100,8 @@ class Store:
         self._reader_services = ReaderServices(ctx, self._retention, self._ledger.slot,
                                                self._catalog, health, watchdog)
         watchdog.start(config.watchdog, host, job.rank)
+        if self._background_scrub is not None:
+            self._background_scrub.start()
         self._atexit = _exit_handler(weakref.ref(self))
         atexit.register(self._atexit)
         if job.rank == 0 and not tiers.node_local and not hand_off:
@@ -139,6 +155,91 @@ class Store:
         """Per-tier figures of this process since the store was opened: saves, drains, loads
         (count, bytes, seconds, throughput), fallbacks, evictions, failures."""
         return self._stats.snapshot([t.name for t in self._ctx.tiers])
+
+    def status(self) -> StoreStatus:
+        """What a failure would cost now, per tier: reachable or not, newest complete
+        checkpoint, its age, steps behind the newest anywhere, bytes held, free space; and the
+        copies still pending. A tier that does not answer is reported, never fatal."""
+        self._check_open()
+        return self._catalog.status([(c.checkpoint_id, c.tier) for c in self.pending()])
+
+    def inspect(self, checkpoint_id: str) -> InspectReport:
+        """A checkpoint's files per rank, its tensors (fully qualified name, shape, dtype,
+        bytes, from DCP's metadata, checked) and the tiers holding a complete copy."""
+        self._check_open()
+        cid = validate_checkpoint_id(checkpoint_id)
+        holders = self._complete_copies(cid, "inspect")
+        whole = [m for _, m in holders if m.parts == 1] or [holders[0][1]]
+        return describe(whole[0], [t.name for t, _ in holders], self.reader())
+
+    def promote(self, checkpoint_id: str, to: str, *, pin: bool = False) -> PromoteResult:
+        """Copy a complete checkpoint to tier ``to`` whatever its ``every`` (a milestone to
+        object storage), with the drain's checks and commit, from the fastest whole copy that
+        copies cleanly; ``pin``: pinned there, so that its ``keep`` never evicts it. A copy
+        already complete there is left as it is (pinned if asked)."""
+        self._check_open()
+        cid = validate_checkpoint_id(checkpoint_id)
+        target = self._ctx.tiers.named(to)
+        there = target.complete_manifest(cid)
+        if there is not None:
+            if pin:
+                target.set_pinned(cid, True)
+            return PromoteResult(cid, target.name, there.size_bytes, 0.0, target.name,
+                                 pin or there.pinned)
+        sources = [(t, m) for t, m in self._complete_copies(cid, "promote")
+                   if t is not target and m.parts == 1]
+        if not sources:
+            raise CheckpointNotFound(
+                f"cannot promote '{cid}': no tier holds a whole copy of it (node-local tiers "
+                f"hold one node's part); store.list() shows what is stored")
+        failures = []
+        self._retention.loading(cid, begins=True)  # keep spares the source meanwhile
+        try:
+            for source, manifest in sources:
+                job = DrainJob(cid, source, targets=[target], token=manifest.save_token,
+                               all_files=manifest.files, pin=pin)
+                try:
+                    seconds = self._drainer.copy_now(job)
+                except DrainError as exc:
+                    failures.append(exc)
+                    continue
+                return PromoteResult(cid, target.name, manifest.size_bytes, seconds,
+                                     source.name, pin)
+        finally:
+            self._retention.loading(cid, begins=False)
+        raise failures[-1]
+
+    def scrub(self, repair: bool = False) -> ScrubReport:
+        """Re-read every copy on every tier (sizes and checksums); ``repair``: replace each bad
+        or incomplete copy from a good copy on another tier (checked, committed as that tier's
+        protocol says) and re-read it."""
+        self._check_open()
+        return self._scrubber.scrub(repair)
+
+    def export(self, checkpoint_id: str, fmt: str, path: str) -> ExportResult:
+        """Write one consolidated file of a checkpoint from its fastest good copy: ``torch``
+        (``torch.save`` of ``{fully qualified name: value}``) or ``safetensors`` (its tensors);
+        shards are joined into whole tensors."""
+        self._check_open()
+        cid = validate_checkpoint_id(checkpoint_id)
+        self._complete_copies(cid, "export")
+        return export(cid, fmt, path, self.reader())
+
+    def _complete_copies(self, cid: str, what: str) -> list:
+        """(tier, manifest) of every complete copy of ``cid``, fastest first;
+        CheckpointNotFound when there is none."""
+        found = []
+        for tier in self._ctx.tiers:
+            manifest = self._health.ask(tier, f"{what}()",
+                                        lambda t=tier: t.complete_manifest(cid), None)
+            if manifest is not None:
+                found.append((tier, manifest))
+        if not found:
+            raise CheckpointNotFound(
+                f"cannot {what} '{cid}': it is not complete on any tier "
+                f"({', '.join(t.name for t in self._ctx.tiers)}); store.list() shows what is "
+                f"stored")
+        return found
 
     # -- maintenance -------------------------------------------------------------------------
     def pin(self, checkpoint_id: str) -> None:
@@ -213,6 +314,8 @@ class Store:
             self._closed = True
             atexit.unregister(self._atexit)
             self._watchdog.stop()
+            if self._background_scrub is not None:
+                self._background_scrub.close()
             self._health.close()
             self._drainer.close()
             if self._replicator is not None:
@@ -264,11 +367,16 @@ def _checkpoint_process_services(spec: StoreSpec) -> WriterServices:
     return store._writer_services
 
 
-def open(config: Any, *, process_group: Any = None, plugins: Iterable[object] = ()) -> Store:
+def open(config: Any, *, process_group: Any = None, plugins: Iterable[object] = (),
+         tolerate_unreachable: bool = False) -> Store:
     """Build a store from a TOML file path or a dict of the same shape.
 
     Validates the whole config (and loads every plugin) before anything is written. Under
     torch.distributed every rank must call it: it creates the store's own gloo groups.
     ``plugins`` registers extra plugin objects (modules or instances with hook implementations).
+    A tier whose storage does not answer fails the open (a ConfigError naming it), unless
+    ``tolerate_unreachable`` (what the ``tierstore`` command uses): then it is reported
+    unreachable and skipped, as a tier that dies later is, and the others work.
     """
-    return Store(config, process_group=process_group, plugins=plugins)
+    return Store(config, process_group=process_group, plugins=plugins,
+                 tolerate_unreachable=tolerate_unreachable)

@@ -89,6 +89,10 @@ STORE_OPTIONS: tuple[Option, ...] = (
     Option("watchdog", (int, float), default=0, check=_not_negative,
            description="log every thread's stack when a save or load made no progress for this "
                        "many seconds (0: off)"),
+    Option("scrub_every_s", (int, float), default=0, check=_not_negative,
+           description="re-read one stored copy every this many seconds in the background, "
+                       "round robin over every tier, and repair a bad one from a good copy "
+                       "on another tier (0: off; rank 0 only)"),
 )
 
 TIER_OPTIONS: tuple[Option, ...] = (
@@ -160,6 +164,7 @@ class StoreConfig:
     source: ConfigSource
     collective_timeout: float = 600
     watchdog: float = 0
+    scrub_every_s: float = 0
 
 
 _TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
@@ -373,7 +378,7 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         copy_chunk_mib=store_table["copy_chunk_mib"], exit_timeout=store_table["exit_timeout"],
         part_timeout=store_table["part_timeout"],
         collective_timeout=store_table["collective_timeout"], watchdog=store_table["watchdog"],
-        tiers=tuple(tiers), source=source,
+        scrub_every_s=store_table["scrub_every_s"], tiers=tuple(tiers), source=source,
     )
 
 

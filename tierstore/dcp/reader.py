@@ -301,7 +301,8 @@ class TierstoreReader(StorageReader):
                 continue
             try:
                 # Inside the try: a fault announced here falls back like a real read error.
-                ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative)
+                ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative,
+                               size=entry.size)
                 with tier.backend.open_read(f"{cid}/{relative}") as f:
                     nbytes = read_items(f, entry, reqs, self._metadata.storage_data,
                                         self._metadata, planner, ctx.config.verify_on_load)

@@ -3,6 +3,7 @@ tier holds (``list``), whether a copy is intact (``verify``), and pins."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from tierstore.engine.context import StoreContext
@@ -12,7 +13,7 @@ from tierstore.errors import CheckpointNotFound
 from tierstore.events import Phase
 from tierstore.format.ids import validate_checkpoint_id
 from tierstore.format.manifest import MANIFEST_NAME, Manifest
-from tierstore.tiers.reports import CheckpointInfo, VerifyReport
+from tierstore.tiers.reports import CheckpointInfo, StoreStatus, TierStatus, VerifyReport
 from tierstore.transport.collectives import all_gather_object
 
 __all__ = ["Catalog", "Coverage"]
@@ -72,16 +73,50 @@ class Catalog:
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint complete on some tier of this process, newest first."""
         found: dict[str, tuple[list[str], Manifest]] = {}
+        pinned: set[str] = set()  # pinned on some tier (promote --pin pins one copy)
         for tier in self._context.tiers:
             for cid, manifest in self._health.ask(tier, "list()", tier.complete, {}).items():
                 names, _ = found.setdefault(cid, ([], manifest))
                 names.append(tier.name)
+                if manifest.pinned:
+                    pinned.add(cid)
         infos = [
             CheckpointInfo(id=cid, tiers=names, size_bytes=m.size_bytes, created=m.created,
-                           committed=m.committed, pinned=m.pinned, step=m.step)
+                           committed=m.committed, pinned=cid in pinned, step=m.step,
+                           files=len(m.files))
             for cid, (names, m) in found.items()
         ]
         return sorted(infos, key=lambda c: (c.committed, c.id), reverse=True)
+
+    def status(self, pending: list[tuple[str, str]]) -> StoreStatus:
+        """What a failure would cost now, per tier (fastest first): its newest complete
+        checkpoint, how old and how many steps behind the newest anywhere it is, the bytes it
+        holds and the space left. A tier that does not answer is reported unreachable."""
+        held: dict[str, dict[str, Manifest] | None] = {}
+        for tier in self._context.tiers:
+            held[tier.name] = self._health.ask(tier, "status()", tier.complete, None)
+        steps = [m.step for found in held.values() if found for m in found.values()
+                 if m.step is not None]
+        newest_step = max(steps) if steps else None
+        down = self._health.unreachable()
+        now = time.time()
+        tiers = []
+        for tier in self._context.tiers:
+            found = held[tier.name]
+            if found is None:
+                tiers.append(TierStatus(tier.name, False, None, None, None, 0, None,
+                                        problem=down.get(tier.name, "did not answer")))
+                continue
+            newest = max(found, key=lambda c: (found[c].committed, c)) if found else None
+            manifest = found.get(newest) if newest else None
+            behind = (newest_step - manifest.step if manifest is not None
+                      and manifest.step is not None and newest_step is not None else None)
+            free = self._health.ask(tier, "status()", tier.backend.free_bytes, None)
+            tiers.append(TierStatus(
+                tier.name, True, newest,
+                None if manifest is None else max(0.0, now - manifest.committed), behind,
+                sum(m.size_bytes for m in found.values()), free, len(found)))
+        return StoreStatus(tiers, pending)
 
     def verify(self, checkpoint_id: str, tier: str | None = None) -> VerifyReport:
         """Re-read ``checkpoint_id`` on one tier (or every tier holding it) and check every
@@ -95,8 +130,8 @@ class Catalog:
         try:
             for t in chosen:
                 def check(t=t):
-                    return t.verify(cid, lambda rel: ctx.host.phase(
-                        Phase.VERIFY_FILE, cid, t.name, ctx.rank, file=rel))
+                    return t.verify(cid, lambda rel, size: ctx.host.phase(
+                        Phase.VERIFY_FILE, cid, t.name, ctx.rank, file=rel, size=size))
                 if tier is None:  # every tier: one that does not answer is left out
                     found = self._health.ask(t, "verify()", check, None)
                     if found is None:

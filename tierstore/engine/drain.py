@@ -62,6 +62,10 @@ class DrainJob(BackgroundJob):
     token: str
     all_files: dict[str, FileEntry]
     done: list[str] = field(default_factory=list)
+    #: replace a copy already on a target (``promote``, ``scrub --repair``), not refuse it
+    replace: bool = False
+    #: commit the copies pinned (``promote --pin``): ``keep`` there never evicts them
+    pin: bool = False
 
 
 class _CopyPool:
@@ -128,6 +132,22 @@ class Drainer(BackgroundJobs[DrainJob]):
         self._jobs.put(None)
         self._pool.close()
 
+    def copy_now(self, job: DrainJob) -> float:
+        """Run ``job`` in this thread, now, whatever the targets' ``every`` (``promote``,
+        ``scrub --repair``): the drain's checks and commit, its events; raises the first
+        target's failure as a :class:`DrainError`. Returns the seconds it took."""
+        if job.source.complete_manifest(job.checkpoint_id) is None:
+            raise DrainError(f"checkpoint '{job.checkpoint_id}' is not complete on tier "
+                             f"'{job.source.name}'", job.checkpoint_id, None)
+        started = time.perf_counter()
+        for target in job.targets:
+            try:
+                self._drain_one(job, target)
+            except Exception as exc:
+                raise _not_copied(job, target, exc) from exc
+            job.done.append(target.name)
+        return time.perf_counter() - started
+
     # -- the jobs ------------------------------------------------------------------------------
     def run_job(self, job: DrainJob) -> None:
         for target in job.targets:
@@ -154,10 +174,7 @@ class Drainer(BackgroundJobs[DrainJob]):
             log.exception("%s failed", what)
 
     def _target_failed(self, job: DrainJob, target: Tier, exc: BaseException) -> None:
-        err = exc if isinstance(exc, DrainError) else DrainError(
-            f"checkpoint '{job.checkpoint_id}' was not copied to tier '{target.name}' "
-            f"({target.backend.describe()}): {type(exc).__name__}: {exc}; it is still complete "
-            f"on tier '{job.source.name}'", job.checkpoint_id, target.name)
+        err = _not_copied(job, target, exc)
         self.record_failure(err)
         log.error("%s", err)
         self._host.event(Event(EventKind.FAILED, job.checkpoint_id, target.name, self._rank,
@@ -179,7 +196,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         started = time.perf_counter()
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
                          nbytes=manifest.size_bytes, detail={"source": source.name}))
-        if not self._context.config.overwrite and not gathering and \
+        if not self._context.config.overwrite and not gathering and not job.replace and \
                 target.read_manifest(cid) is not None:
             # The save asked only this machine's tiers up front (see TierstoreWriter.reset).
             raise DrainError(
@@ -258,7 +275,8 @@ class Drainer(BackgroundJobs[DrainJob]):
 
     def _check_local_file(self, source: Tier, target: Tier, cid: str, rel: str,
                           manifest: Manifest) -> None:
-        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel)
+        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel,
+                         size=manifest.files[rel].size)
         with source.backend.open_read(f"{cid}/{rel}") as fin:
             size, checksum = hash_stream(fin, self._chunk)
         _check_source(cid, rel, source, target, manifest.files[rel], size, checksum)
@@ -303,7 +321,8 @@ class Drainer(BackgroundJobs[DrainJob]):
 
     def _transcode_file(self, source: Tier, target: Tier, cid: str, staging: str, rel: str,
                         manifest: Manifest, items: list) -> tuple[str, FileEntry, dict]:
-        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel)
+        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel,
+                         size=manifest.files[rel].size)
         entry = manifest.files[rel]
         extensions = [c.extension() for c in target.codecs]
         hasher = Hasher()
@@ -349,7 +368,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         """The manifest of the copy on ``target``: the source's, with the target's plugins,
         the pin as it is now, and (``gathering``) every part's files as one part."""
         now = source.read_manifest(job.checkpoint_id)  # the pin may have changed meanwhile
-        fields = {"pinned": now.pinned if now is not None else manifest.pinned}
+        fields = {"pinned": job.pin or (now.pinned if now is not None else manifest.pinned)}
         if codecs is not None:
             fields["codecs"] = codecs
         if gathering:
@@ -381,7 +400,8 @@ class Drainer(BackgroundJobs[DrainJob]):
                    manifest: Manifest, publish_each: bool) -> int:
         """Copy one file, checking it against the manifest. ``publish_each``: the file appears
         under its name only once complete (others wait for it by name)."""
-        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel)
+        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel,
+                         size=manifest.files[rel].size)
         dest = f"{staging}/{rel}"
         partial = f"{dest}.part" if publish_each and target.backend.supports_rename else dest
         with source.backend.open_read(f"{cid}/{rel}") as fin, \
@@ -427,3 +447,13 @@ def finish_at_exit(drainer: Drainer, adopt: Callable[[], None], timeout: float) 
     except DrainError as exc:
         failures.append(exc)
     report_unfinished(drainer.pending(), failures)
+
+
+def _not_copied(job: DrainJob, target: Tier, exc: BaseException) -> DrainError:
+    """``exc`` (a failure copying ``job`` to ``target``) as the DrainError a user sees."""
+    if isinstance(exc, DrainError):
+        return exc
+    return DrainError(
+        f"checkpoint '{job.checkpoint_id}' was not copied to tier '{target.name}' "
+        f"({target.backend.describe()}): {type(exc).__name__}: {exc}; it is still complete "
+        f"on tier '{job.source.name}'", job.checkpoint_id, target.name)

@@ -50,19 +50,23 @@ class TierHealth:
         try:
             return fn()
         except Exception as exc:  # any failure of this tier: the others go on
-            reason = f"{type(exc).__name__}: {exc}"
-            with self._lock:
-                first = tier.name not in self._down
-                self._down[tier.name] = reason
-            if first:
-                log.warning("tier '%s' (%s) did not answer during %s; going on without it "
-                            "until it answers again (probed every %.0f s): %s", tier.name,
-                            tier.backend.describe(), what, self._cooldown, reason)
-                self._host.event(Event(EventKind.UNREACHABLE, None, tier.name, self._rank,
-                                       detail={"during": what, "error": reason}))
-                threading.Thread(target=self._probe, args=(tier,), daemon=True,
-                                 name=f"tierstore-probe-{tier.name}").start()
+            self.mark_down(tier, what, f"{type(exc).__name__}: {exc}")
             return default
+
+    def mark_down(self, tier: Tier, what: str, reason: str) -> None:
+        """``tier`` failed to answer during ``what``: skip it (a warning and an
+        ``unreachable`` event the first time) until its background probe finds it answering."""
+        with self._lock:
+            first = tier.name not in self._down
+            self._down[tier.name] = reason
+        if first:
+            log.warning("tier '%s' (%s) did not answer during %s; going on without it "
+                        "until it answers again (probed every %.0f s): %s", tier.name,
+                        tier.backend.describe(), what, self._cooldown, reason)
+            self._host.event(Event(EventKind.UNREACHABLE, None, tier.name, self._rank,
+                                   detail={"during": what, "error": reason}))
+            threading.Thread(target=self._probe, args=(tier,), daemon=True,
+                             name=f"tierstore-probe-{tier.name}").start()
 
     def _probe(self, tier: Tier) -> None:
         """Until ``tier`` answers again (or the store closes): ask it every cooldown."""

@@ -154,6 +154,11 @@ class Backend(abc.ABC):
         with self.open_read(path) as f:
             return f.read()
 
+    def free_bytes(self) -> int | None:
+        """Bytes free for this tier's files (``tierstore status``); None when unknown, as for
+        an object store. Optional."""
+        return None
+
     def describe(self) -> str:
         """Where this backend writes, for messages (never includes credentials)."""
         return self.root

@@ -20,11 +20,15 @@ from tierstore.transport.collectives import RankContext
 __all__ = ["build_tiers"]
 
 
-def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: Any) -> TierSet:
+def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: Any,
+                unreachable: dict[str, str] | None = None) -> TierSet:
     """Every tier of ``config`` for this process. Collective under torch.distributed (the
-    layouts are agreed on ``group``). Raises ConfigError / PluginError naming the tier."""
+    layouts are agreed on ``group``). Raises ConfigError / PluginError naming the tier.
+
+    ``unreachable`` (operator tools): a tier whose storage does not answer is built anyway
+    and noted there with why, instead of failing (a dead server must not hide the others)."""
     check_tier_locations(config, host, ctx)
-    tiers = [_build_tier(tc, config, host, ctx) for tc in config.tiers]
+    tiers = [_build_tier(tc, config, host, ctx, unreachable) for tc in config.tiers]
     for tier, layout in zip(tiers, compute_layouts(tiers, ctx, group, config.source)):
         tier.layout = layout
     _check_drain_paths(tiers, config)
@@ -32,7 +36,8 @@ def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: 
     return TierSet(tuple(tiers), peer, strategy, replica_tiers)
 
 
-def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: RankContext) -> Tier:
+def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: RankContext,
+                unreachable: dict[str, str] | None = None) -> Tier:
     reg = host.lookup("backend", tc.backend)
     options = tc.expanded_options(ctx, reg.options)
     root = str(options.get("path") or options.get("url") or "")
@@ -46,7 +51,9 @@ def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: Rank
             f"{type(exc).__name__}: {exc}"
         ) from exc
     problem = backend.check_reachable()
-    if problem:
+    if problem and unreachable is not None:
+        unreachable[tc.name] = config.source.redact(problem)
+    elif problem:
         key = "url" if "url" in options else "path"
         where = config.source.where("tier", tc.index, key)
         raise ConfigError(

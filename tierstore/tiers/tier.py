@@ -128,9 +128,10 @@ class Tier:
         return out
 
     def verify(self, checkpoint_id: str,
-               announce: Callable[[str], None] = lambda file: None) -> list[Problem]:
+               announce: Callable[[str, int], None] = lambda file, size: None
+               ) -> list[Problem]:
         """Re-read every file of ``checkpoint_id`` and compare sizes and checksums
-        (``announce(file)`` before each file is read)."""
+        (``announce(file, recorded size)`` before each file is read)."""
         def problem(file, what):
             return Problem(self.name, checkpoint_id, file, what)
 
@@ -140,7 +141,7 @@ class Tier:
                                                   "here)")]
         problems = []
         for rel, entry in sorted(manifest.files.items()):
-            announce(rel)
+            announce(rel, entry.size)
             try:
                 size, checksum = self.checksum_file(f"{checkpoint_id}/{rel}")
             except FileNotFoundError:

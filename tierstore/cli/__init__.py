@@ -1,0 +1,115 @@
+"""The ``tierstore`` command: look at and maintain a store from the shell.
+
+    tierstore ls tiers.toml                 checkpoints, newest first, and the tiers holding them
+    tierstore status tiers.toml             per tier: reachable, newest checkpoint, its age, steps
+                                            behind, bytes, free space; pending copies
+    tierstore inspect tiers.toml ID         files per rank, tensors, where each copy is
+    tierstore verify tiers.toml ID          re-read and check sizes and checksums (exit 1 if bad)
+    tierstore promote tiers.toml ID --to T  copy a checkpoint to tier T whatever its `every`
+    tierstore export tiers.toml ID --format torch|safetensors --out PATH
+                                            one consolidated file from the fastest good copy
+    tierstore scrub tiers.toml [--repair]   verify every copy; replace bad ones from good ones
+    tierstore wait tiers.toml               finish the copies pending to slower tiers
+    tierstore gc tiers.toml                 remove what interrupted saves left behind
+    tierstore pin|unpin tiers.toml ID       protect a checkpoint from `keep`, or release it
+    tierstore plugins [tiers.toml]          registered plugins by kind, with their origin
+    tierstore demo                          the demo job (what `make demo` runs)
+    tierstore bench --out DIR               the benchmarks side by side, with charts
+
+Every command takes --json (one JSON document on stdout, nothing else there) and exits 0 on
+success, 1 when what it checked is bad (or the operation failed), 2 on a usage or config error.
+Long operations draw a progress bar on stderr when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tierstore.cli.commands import COMMANDS
+from tierstore.errors import CheckpointNotFound, ConfigError, PluginError, TierstoreError
+from tierstore.version import __version__
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tierstore {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str, config: str | None = "config") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        if config == "config":
+            p.add_argument("config", help="the store's TOML file")
+        elif config == "optional":
+            p.add_argument("config", nargs="?", help="a store's TOML file (its plugins too)")
+        p.add_argument("--json", action="store_true",
+                       help="print one JSON document on stdout (nothing else there)")
+        p.set_defaults(fn=COMMANDS.get(name))
+        return p
+
+    command("ls", "list checkpoints, newest first")
+    command("status", "what a failure would cost now, per tier")
+    command("inspect", "a checkpoint's files and tensors").add_argument("id")
+    p = command("verify", "check a checkpoint's sizes and checksums")
+    p.add_argument("id")
+    p.add_argument("--tier", help="check only this tier")
+    p = command("promote", "copy a checkpoint to a tier whatever its `every`")
+    p.add_argument("id")
+    p.add_argument("--to", required=True, metavar="TIER", help="the tier to copy it to")
+    p.add_argument("--pin", action="store_true", help="pin it there (keep never evicts it)")
+    p = command("export", "write a checkpoint as one consolidated file")
+    p.add_argument("id")
+    p.add_argument("--format", required=True, choices=("torch", "safetensors"))
+    p.add_argument("--out", required=True, metavar="PATH", help="the file to write")
+    p = command("scrub", "verify every copy on every tier")
+    p.add_argument("--repair", action="store_true",
+                   help="replace a bad or incomplete copy from a good copy on another tier")
+    p = command("wait", "finish the copies pending to slower tiers")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="give up after S seconds (exit 1)")
+    command("gc", "remove leftovers of interrupted saves")
+    for name in ("pin", "unpin"):
+        command(name, f"{name} a checkpoint").add_argument("id")
+    command("plugins", "list registered plugins", config="optional")
+    command("demo", "run the demo job", config=None).add_argument(
+        "rest", nargs=argparse.REMAINDER)
+    p = command("bench", "run the benchmarks side by side and draw charts", config=None)
+    p.add_argument("--out", required=True, metavar="DIR", help="where JSON and charts go")
+    p.add_argument("--quick", action="store_true", help="fewer rounds, smaller state")
+    p.set_defaults(fn=_bench)
+    return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tierstore.cli.bench import run_bench
+
+    return run_bench(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tierstore`` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, PluginError, ValueError) as exc:
+        return _error(exc, 2)
+    except CheckpointNotFound as exc:  # the id named is not there: a usage error
+        return _error(exc, 2)
+    except TierstoreError as exc:  # what it did failed (a copy, a check): "bad"
+        return _error(exc, 1)
+    except KeyboardInterrupt:
+        return _error("interrupted", 130)
+    except Exception as exc:  # noqa: BLE001 - one line for the operator, never a traceback
+        return _error(f"{type(exc).__name__}: {exc}", 1)
+
+
+def _error(message: object, status: int) -> int:
+    print(f"tierstore: error: {message}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

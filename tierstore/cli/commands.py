@@ -1,0 +1,297 @@
+"""The commands of ``tierstore``: each opens the store of a TOML file, calls one ``Store`` method
+(the same a program would call) and prints its answer, as text or, with ``--json``, as the one
+JSON document the README documents. Each returns the exit status: 0 done, 1 what it checked is
+bad (the usage and config errors, 2, are raised and printed by :func:`tierstore.cli.main`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import sys
+import time
+import warnings
+from typing import Any, Iterator
+
+from tierstore.cli.progress import ProgressBars
+from tierstore.config.validate import load_config
+from tierstore.errors import CheckpointNotFound
+from tierstore.plugin.host import KINDS, build_plugin_host
+
+__all__ = ["COMMANDS"]
+
+
+@contextlib.contextmanager
+def _store(args: argparse.Namespace, bars: ProgressBars | None = None) -> Iterator[Any]:
+    from tierstore.store import open as open_store
+
+    # A tier that does not answer is reported (status says so), never fatal for the others.
+    with open_store(args.config, plugins=[bars] if bars is not None else [],
+                    tolerate_unreachable=True) as store:
+        yield store
+
+
+def _bars(args: argparse.Namespace) -> ProgressBars:
+    """Bars on stderr when it is a terminal, never under ``--json``."""
+    return ProgressBars(enabled=False if args.json else None)
+
+
+def _emit(args: argparse.Namespace, document: Any, text: str) -> None:
+    if args.json:
+        json.dump(document, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif text:
+        print(text)
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+             for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+# -- the commands -----------------------------------------------------------------------------
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Checkpoints, newest first, and the tiers holding them."""
+    with _store(args) as store:
+        infos = store.list()
+    rows = [[i.id, _size(i.size_bytes), _when(i.committed), "yes" if i.pinned else "",
+             ", ".join(i.tiers)] for i in infos]
+    _emit(args, [i.to_json() for i in infos],
+          _table(["id", "size", "committed", "pinned", "tiers"], rows) if infos
+          else "no checkpoints")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Per tier: reachable, newest, age, steps behind, bytes, free space; pending copies."""
+    with _store(args) as store:
+        status = store.status()
+    rows = [[t.name, "yes" if t.reachable else "NO", t.newest or "-", _age(t.newest_age_s),
+             "-" if t.steps_behind is None else str(t.steps_behind), str(t.checkpoints),
+             _size(t.bytes), _size(t.free_bytes)] for t in status.tiers]
+    text = _table(["tier", "reachable", "newest", "age", "behind", "ckpts", "bytes", "free"],
+                  rows)
+    for t in status.tiers:
+        if not t.reachable:
+            text += f"\ntier '{t.name}' is unreachable: {t.problem}"
+    text += ("\npending copies: " + ", ".join(f"{c} -> {t}" for c, t in status.pending)
+             if status.pending else "\nno pending copies")
+    _emit(args, status.to_json(), text)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Manifest, files per rank, tensors, and where each copy is."""
+    with _store(args) as store:
+        report = store.inspect(args.id)
+    lines = [f"{report.checkpoint_id}: step {report.step if report.step is not None else '-'}, "
+             f"world size {report.world_size}, {_size(report.size_bytes)}, committed "
+             f"{_when(report.committed)}{', pinned' if report.pinned else ''}"
+             f"{', codecs ' + ', '.join(report.codecs) if report.codecs else ''}",
+             f"complete on: {', '.join(report.tiers)}", "",
+             _table(["file", "rank", "size"],
+                    [[f.name, "-" if f.rank is None else str(f.rank), _size(f.size)]
+                     for f in report.files]), "",
+             _table(["tensor", "shape", "dtype", "bytes"],
+                    [[t.fqn, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.bytes)]
+                     for t in report.tensors])]
+    if report.objects:
+        lines += ["", "other values: " + ", ".join(report.objects)]
+    _emit(args, report.to_json(), "\n".join(lines))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Re-read one checkpoint and check sizes and checksums (1 when bad)."""
+    bars = _bars(args)
+    with _store(args, bars) as store:
+        try:
+            infos = {i.id: i for i in store.list()}
+            info = infos.get(args.id)
+            if info is not None:
+                copies = 1 if args.tier else len(info.tiers)
+                bars.start(f"verify {args.id}", info.size_bytes * copies, info.files * copies)
+            try:
+                report = store.verify(args.id, tier=args.tier)
+            finally:
+                bars.finish()
+        except CheckpointNotFound as exc:  # what it checked is missing: "bad", not a usage error
+            if args.json:
+                _emit(args, {"id": args.id, "ok": False, "problems": [
+                    {"tier": None, "file": None, "problem": str(exc)}]}, "")
+            print(f"tierstore: {exc}", file=sys.stderr)
+            return 1
+    _emit(args, report.to_json(), str(report))
+    return 0 if report.ok else 1
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    """Copy a complete checkpoint to a tier whatever its ``every``."""
+    bars = _bars(args)
+    with _store(args, bars) as store:
+        info = next((i for i in store.list() if i.id == args.id), None)
+        if info is not None:
+            bars.start(f"promote {args.id} -> {args.to}", info.size_bytes, info.files)
+        try:
+            result = store.promote(args.id, args.to, pin=args.pin)
+        finally:
+            bars.finish()
+    text = (f"{result.checkpoint_id} is already complete on '{result.tier}'"
+            if result.source == result.tier else
+            f"promoted {result.checkpoint_id} to '{result.tier}' from '{result.source}' "
+            f"({_size(result.bytes)} in {result.seconds:.2f} s)")
+    _emit(args, result.to_json(), text + (", pinned there" if result.pinned else ""))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """One consolidated file from the fastest good copy."""
+    bars = _bars(args)
+    with _store(args, bars) as store:
+        info = next((i for i in store.list() if i.id == args.id), None)
+        if info is not None:
+            bars.start(f"export {args.id}", info.size_bytes, info.files)
+        try:
+            with warnings.catch_warnings():
+                # DCP warns that a load without torch.distributed runs in one process: it does.
+                warnings.simplefilter("ignore", UserWarning)
+                result = store.export(args.id, args.format, args.out)
+        finally:
+            bars.finish()
+    text = (f"exported {result.checkpoint_id} to {result.path} ({args.format}: "
+            f"{result.tensors} tensors, {_size(result.bytes)})")
+    if result.skipped:
+        text += f"\nleft out (not tensors): {', '.join(result.skipped)}"
+    _emit(args, result.to_json(), text)
+    return 0
+
+
+def cmd_scrub(args: argparse.Namespace) -> int:
+    """Verify every copy on every tier; ``--repair`` replaces bad copies from good ones."""
+    bars = _bars(args)
+    with _store(args, bars) as store:
+        infos = store.list()
+        bars.start("scrub", sum(i.size_bytes * len(i.tiers) for i in infos),
+                   sum(i.files * len(i.tiers) for i in infos))
+        try:
+            report = store.scrub(repair=args.repair)
+        finally:
+            bars.finish()
+    lines = [f"checked {report.checked} cop{'y' if report.checked == 1 else 'ies'}: "
+             + ("all good" if not report.bad else f"{len(report.bad)} problem(s)")]
+    lines += [f"bad: tier '{p.tier}': {p.checkpoint_id}/{p.file or ''}: {p.what}"
+              for p in report.bad]
+    lines += [f"repaired: {r.checkpoint_id} on '{r.tier}' from '{r.source}' "
+              f"({', '.join(r.files)})" for r in report.repaired]
+    lines += [f"still bad: tier '{p.tier}': {p.checkpoint_id}/{p.file or ''}: {p.what}"
+              for p in report.unrepaired if args.repair]
+    if report.bad and not args.repair:
+        lines.append("run `tierstore scrub --repair` to replace the bad copies from good ones")
+    _emit(args, report.to_json(), "\n".join(lines))
+    return 0 if report.ok else 1
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Finish the copies pending to slower tiers (those a crash or an early exit left)."""
+    bars = _bars(args)
+    started = time.perf_counter()
+    with _store(args, bars) as store:
+        pending = store.pending()
+        sizes = {i.id: i for i in store.list()}
+        bars.start("wait", sum(sizes[c.checkpoint_id].size_bytes for c in pending
+                               if c.checkpoint_id in sizes),
+                   sum(sizes[c.checkpoint_id].files for c in pending if c.checkpoint_id in sizes))
+        try:
+            store.wait(timeout=args.timeout)
+        finally:
+            bars.finish()
+    copies = [{"checkpoint_id": c.checkpoint_id, "tier": c.tier} for c in pending]
+    _emit(args, {"copied": copies, "seconds": time.perf_counter() - started},
+          "\n".join(f"copied {c.checkpoint_id} -> {c.tier}" for c in pending)
+          or "no pending copies")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Remove what interrupted saves left behind."""
+    with _store(args) as store:
+        removed = store.gc()
+    _emit(args, {"removed": removed},
+          "\n".join(f"removed {r}" for r in removed) or "nothing to remove")
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    """Protect a checkpoint from ``keep`` (``unpin``: release it)."""
+    with _store(args) as store:
+        (store.pin if args.command == "pin" else store.unpin)(args.id)
+    _emit(args, {"id": args.id, "pinned": args.command == "pin"}, f"{args.command}ned {args.id}")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    """Registered plugins by kind, with their origin."""
+    # The config's plugins too ([store] plugins), without opening the store: nothing is built
+    # or written, so this works for a config whose tiers are not reachable from here.
+    host = load_config(args.config)[1] if args.config else build_plugin_host()
+    found = {kind: [(name, host.lookup(kind, name)) for name in host.names(kind)]
+             for kind in KINDS}
+    lines = []
+    for kind, regs in found.items():
+        lines.append(f"{kind}:")
+        lines += [f"    {name:<12} {reg.plugin} ({reg.origin})" for name, reg in regs]
+    _emit(args, {kind: [{"name": name, "plugin": reg.plugin, "origin": reg.origin}
+                        for name, reg in regs] for kind, regs in found.items()},
+          "\n".join(lines))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The demo job (what ``make demo`` runs)."""
+    from tierstore.demo import main as demo_main
+
+    if not args.json:
+        demo_main(args.rest)
+        return 0
+    with contextlib.redirect_stdout(sys.stderr):  # only the JSON document on stdout
+        demo_main(args.rest)
+    _emit(args, {"demo": "finished"}, "")
+    return 0
+
+
+#: name -> (function, help, arguments after CONFIG)
+COMMANDS = {
+    "ls": cmd_ls, "status": cmd_status, "inspect": cmd_inspect, "verify": cmd_verify,
+    "promote": cmd_promote, "export": cmd_export, "scrub": cmd_scrub, "wait": cmd_wait,
+    "gc": cmd_gc, "pin": cmd_pin, "unpin": cmd_pin, "plugins": cmd_plugins, "demo": cmd_demo,
+}

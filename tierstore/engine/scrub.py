@@ -1,0 +1,181 @@
+"""Scrubbing: re-reading every copy on every tier, and repairing a bad copy from a good one.
+
+A copy that sits on a tier for weeks can rot (a flipped bit, a truncated object, a file an
+operator deleted by hand) while nobody reads it: a load would find out only when that copy is
+the one left. :meth:`Scrubber.scrub` re-reads every committed copy (sizes and checksums, as
+``verify`` does); with ``repair`` it replaces a bad copy with a fresh copy of a good one from
+another tier, through the drain (every byte checked against the good copy's manifest, committed
+with the target tier's protocol, the old copy replaced atomically where the tier can rename), and
+re-reads the result. :class:`BackgroundScrub` does the same at a bounded rate, one copy at a
+time, for ``[store] scrub_every_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+
+from tierstore.engine.context import StoreContext
+from tierstore.engine.drain import DrainJob, Drainer
+from tierstore.engine.health import TierHealth
+from tierstore.engine.retention import Retention
+from tierstore.events import Event, EventKind, Phase
+from tierstore.format.manifest import MANIFEST_NAME, Manifest
+from tierstore.tiers.reports import Problem, Repair, ScrubReport
+from tierstore.tiers.tier import Tier
+
+__all__ = ["BackgroundScrub", "Scrubber"]
+
+log = logging.getLogger("tierstore.scrub")
+
+
+@dataclass
+class _Copy:
+    """One copy of a checkpoint on one tier, and what re-reading it found."""
+
+    tier: Tier
+    checkpoint_id: str
+    manifest: Manifest | None  # None: the manifest itself is missing or rejected
+    problems: list[Problem]
+
+
+class Scrubber:
+    """Re-reads the copies of one store's tiers (see the module docstring)."""
+
+    def __init__(self, context: StoreContext, drainer: Drainer, retention: Retention,
+                 health: TierHealth):
+        self._context, self._drainer = context, drainer
+        self._retention, self._health = retention, health
+
+    def copies(self) -> list[tuple[Tier, str]]:
+        """Every (tier, checkpoint id) that has a manifest, on every tier that answers."""
+        out = []
+        for tier in self._context.tiers:
+            names = self._health.ask(tier, "scrub()", tier.checkpoint_names, [])
+            out += [(tier, cid) for cid in names
+                    if self._health.ask(tier, "scrub()", lambda c=cid, t=tier: t.stored_size(
+                        f"{c}/{MANIFEST_NAME}"), None) is not None]
+        return out
+
+    def scrub(self, repair: bool = False) -> ScrubReport:
+        """Re-read every copy; with ``repair``, replace each bad one from a good copy on
+        another tier and re-read it. Nothing is deleted without a good copy to replace it."""
+        copies = [self.check(tier, cid) for tier, cid in self.copies()]
+        bad = [p for c in copies for p in c.problems]
+        if not repair:
+            return ScrubReport(len(copies), bad, [], bad)
+        repaired, unrepaired = [], []
+        for copy in (c for c in copies if c.problems):
+            fixed, left = self.repair(copy, copies)
+            if fixed is not None:
+                repaired.append(fixed)
+            unrepaired += left
+        return ScrubReport(len(copies), bad, repaired, unrepaired)
+
+    def check(self, tier: Tier, checkpoint_id: str) -> _Copy:
+        """Re-read one copy (kept from ``keep`` meanwhile, as a load is)."""
+        ctx = self._context
+        self._retention.loading(checkpoint_id, begins=True)
+        try:
+            manifest, _why = tier.checked_manifest(checkpoint_id)
+
+            def announce(rel: str, size: int) -> None:
+                ctx.host.phase(Phase.VERIFY_FILE, checkpoint_id, tier.name, ctx.rank,
+                               file=rel, size=size)
+
+            problems = self._health.ask(tier, "scrub()",
+                                        lambda: tier.verify(checkpoint_id, announce), None)
+        finally:
+            self._retention.loading(checkpoint_id, begins=False)
+        if problems is None:
+            problems = [Problem(tier.name, checkpoint_id, None,
+                                "the tier did not answer while it was re-read")]
+        return _Copy(tier, checkpoint_id, manifest, problems)
+
+    def repair(self, bad: "_Copy", copies: list["_Copy"]
+               ) -> tuple[Repair | None, list[Problem]]:
+        """Replace ``bad`` from the first good copy of the same checkpoint on another tier
+        (fastest first) holding every file of it; returns the repair or what is still bad."""
+        cid, target = bad.checkpoint_id, bad.tier
+        sources = [c for c in copies if c.checkpoint_id == cid and not c.problems
+                   and c.tier is not target and c.manifest is not None
+                   and c.manifest.parts == 1
+                   and (bad.manifest is None or set(c.manifest.files) >= set(bad.manifest.files))]
+        if not sources:
+            return None, [_still(p, "no good copy of it on another tier to repair it from")
+                          for p in bad.problems]
+        source = sources[0]
+        job = DrainJob(cid, source.tier, targets=[target], token=uuid.uuid4().hex[:16],
+                       all_files=source.manifest.files, replace=True,
+                       pin=bad.manifest is not None and bad.manifest.pinned)
+        try:
+            self._drainer.copy_now(job)
+        except Exception as exc:  # noqa: BLE001 - reported; the other copies go on
+            log.error("scrub: repairing %s on tier '%s' failed: %s", cid, target.name, exc)
+            return None, [_still(p, f"the repair failed: {exc}") for p in bad.problems]
+        after = self.check(target, cid)
+        if after.problems:
+            return None, [_still(p, "still bad after the repair") for p in after.problems]
+        files = sorted({p.file or cid for p in bad.problems})
+        ctx = self._context
+        ctx.host.event(Event(EventKind.REPAIRED, cid, target.name, ctx.rank,
+                             detail={"files": files, "source": source.tier.name}))
+        log.info("scrub: repaired %s on tier '%s' from tier '%s' (%s)", cid, target.name,
+                 source.tier.name, ", ".join(files))
+        return Repair(cid, target.name, files, source.tier.name), []
+
+
+def _still(problem: Problem, why: str) -> Problem:
+    return Problem(problem.tier, problem.checkpoint_id, problem.file, f"{problem.what} ({why})")
+
+
+class BackgroundScrub:
+    """Re-reads one copy every ``every_s`` seconds, round robin over every copy of every tier
+    (``[store] scrub_every_s``), so that rot in a cold copy is found while a good copy is still
+    around: a bad copy is logged, announced (a ``failed`` event, ``during: scrub``) and, with
+    ``repair``, replaced from a good one."""
+
+    def __init__(self, scrubber: Scrubber, every_s: float, host, rank: int,
+                 repair: bool = True):
+        self._scrubber, self._every = scrubber, every_s
+        self._host, self._rank, self._repair = host, rank, repair
+        self._stop = threading.Event()
+        self._queue: list[tuple[Tier, str]] = []
+        self._thread = threading.Thread(target=self._run, name="tierstore-scrub", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - a scrub never takes the store down
+                log.exception("background scrub failed; it goes on")
+
+    def step(self) -> None:
+        """Re-read the next copy (and repair it, when bad and ``repair``)."""
+        if not self._queue:
+            self._queue = self._scrubber.copies()
+            if not self._queue:
+                return
+        tier, cid = self._queue.pop(0)
+        copy = self._scrubber.check(tier, cid)
+        if not copy.problems:
+            return
+        error = "; ".join(map(str, copy.problems))
+        log.error("scrub: %s", error)
+        self._host.event(Event(EventKind.FAILED, cid, tier.name, self._rank,
+                               detail={"during": "scrub", "error": error}))
+        if self._repair:
+            others = [self._scrubber.check(t, c) for t, c in self._scrubber.copies()
+                      if c == cid and t is not tier]
+            self._scrubber.repair(copy, others)
+
+    def close(self) -> None:
+        """Stop after the copy being re-read, if any."""
+        self._stop.set()
+        self._thread.join(timeout=10)
