@@ -307,3 +307,34 @@ def test_background_scrub_repairs_a_cold_copy_on_its_own(tmp_path):
     failed = [e for e in rec.events if e.kind == EventKind.FAILED]
     assert failed and failed[0].detail["during"] == "scrub"
     assert victim.read_bytes() == good
+
+
+def test_wait_finishes_the_copies_a_crash_left_pending(tmp_path):
+    """Saves committed on the RAM tier only (the job died before its drains): `tierstore wait`
+    copies them to the slower tier and says which."""
+    tiers = _tiers(tmp_path)[:2]
+    with tierstore.open({"tier": [tiers[0]]}) as store:
+        for step in (1, 2):
+            dcp.save(_state(step), storage_writer=store.writer(), checkpoint_id=f"step-{step}")
+    toml = _write_toml(tmp_path / "tiers.toml", tiers)
+    proc, waited = cli("wait", toml, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert set(waited) == {"copied", "seconds"}
+    assert {(c["checkpoint_id"], c["tier"]) for c in waited["copied"]} == {
+        ("step-1", "disk"), ("step-2", "disk")}
+    _assert_equal(_load_alone(tmp_path, tiers[1], "step-2"), _state(2))
+    proc, waited = cli("wait", toml, "--json")
+    assert proc.returncode == 0 and waited["copied"] == []
+
+
+def test_every_command_answers_json_and_nothing_else_on_stdout(store_toml, tmp_path):
+    for args in (["gc", store_toml], ["pin", store_toml, "step-1"],
+                 ["unpin", store_toml, "step-1"], ["plugins", store_toml]):
+        proc, doc = cli(*args, "--json")
+        assert proc.returncode == 0, (args, proc.stderr)
+        assert isinstance(doc, dict), args
+    proc, doc = cli("plugins", "--json")
+    assert {"name": "local", "plugin": "tierstore_plugins.local", "origin": "built-in"} \
+        in doc["backend"]
+    proc, doc = cli("verify", store_toml, "step-9", "--json")
+    assert proc.returncode == 1 and doc["ok"] is False and "step-9" in proc.stderr
