@@ -12,7 +12,7 @@ import json
 import sys
 import time
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tierstore.cli.progress import ProgressBars
 from tierstore.config.validate import load_config
@@ -35,6 +35,21 @@ def _store(args: argparse.Namespace, bars: ProgressBars | None = None) -> Iterat
 def _bars(args: argparse.Namespace) -> ProgressBars:
     """Bars on stderr when it is a terminal, never under ``--json``."""
     return ProgressBars(enabled=False if args.json else None)
+
+
+@contextlib.contextmanager
+def _bar_for(bars: ProgressBars, store: Any, checkpoint_id: str, label: str,
+             copies: Callable[[Any], int] = lambda info: 1) -> Iterator[None]:
+    """A bar over ``copies(info)`` copies of ``checkpoint_id`` (its bytes and files as
+    ``list()`` gives them) while the block runs; none when it is not listed."""
+    info = next((i for i in store.list() if i.id == checkpoint_id), None)
+    if info is not None:
+        n = copies(info)
+        bars.start(label, info.size_bytes * n, info.files * n)
+    try:
+        yield
+    finally:
+        bars.finish()
 
 
 def _emit(args: argparse.Namespace, document: Any, text: str) -> None:
@@ -136,15 +151,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bars = _bars(args)
     with _store(args, bars) as store:
         try:
-            infos = {i.id: i for i in store.list()}
-            info = infos.get(args.id)
-            if info is not None:
-                copies = 1 if args.tier else len(info.tiers)
-                bars.start(f"verify {args.id}", info.size_bytes * copies, info.files * copies)
-            try:
+            with _bar_for(bars, store, args.id, f"verify {args.id}",
+                          lambda info: 1 if args.tier else len(info.tiers)):
                 report = store.verify(args.id, tier=args.tier)
-            finally:
-                bars.finish()
         except CheckpointNotFound as exc:  # what it checked is missing: "bad", not a usage error
             if args.json:
                 _emit(args, {"id": args.id, "ok": False, "problems": [
@@ -158,14 +167,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_promote(args: argparse.Namespace) -> int:
     """Copy a complete checkpoint to a tier whatever its ``every``."""
     bars = _bars(args)
-    with _store(args, bars) as store:
-        info = next((i for i in store.list() if i.id == args.id), None)
-        if info is not None:
-            bars.start(f"promote {args.id} -> {args.to}", info.size_bytes, info.files)
-        try:
-            result = store.promote(args.id, args.to, pin=args.pin)
-        finally:
-            bars.finish()
+    with _store(args, bars) as store, \
+            _bar_for(bars, store, args.id, f"promote {args.id} -> {args.to}"):
+        result = store.promote(args.id, args.to, pin=args.pin)
     text = (f"{result.checkpoint_id} is already complete on '{result.tier}'"
             if result.source == result.tier else
             f"promoted {result.checkpoint_id} to '{result.tier}' from '{result.source}' "
@@ -177,17 +181,11 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """One consolidated file from the fastest good copy."""
     bars = _bars(args)
-    with _store(args, bars) as store:
-        info = next((i for i in store.list() if i.id == args.id), None)
-        if info is not None:
-            bars.start(f"export {args.id}", info.size_bytes, info.files)
-        try:
-            with warnings.catch_warnings():
-                # DCP warns that a load without torch.distributed runs in one process: it does.
-                warnings.simplefilter("ignore", UserWarning)
-                result = store.export(args.id, args.format, args.out)
-        finally:
-            bars.finish()
+    with _store(args, bars) as store, _bar_for(bars, store, args.id, f"export {args.id}"), \
+            warnings.catch_warnings():
+        # DCP warns that a load without torch.distributed runs in one process: it does.
+        warnings.simplefilter("ignore", UserWarning)
+        result = store.export(args.id, args.format, args.out)
     text = (f"exported {result.checkpoint_id} to {result.path} ({args.format}: "
             f"{result.tensors} tensors, {_size(result.bytes)})")
     if result.skipped:
