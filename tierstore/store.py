@@ -22,8 +22,7 @@ from tierstore.dcp.reader import ReaderServices, TierstoreReader
 from tierstore.dcp.writer import TierstoreWriter, WriterServices
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import Groups, StoreContext
-from tierstore.engine.drain import (DrainJob, Drainer, PendingCopy, finish_at_exit,
-                                   report_unfinished)
+from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_unfinished
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.health import TierHealth
 from tierstore.engine.publish import Publisher
@@ -34,7 +33,7 @@ from tierstore.engine.saves import SaveLedger
 from tierstore.engine.scrub import BackgroundScrub, Scrubber
 from tierstore.engine.stats import TierFigures, TierStats
 from tierstore.engine.watchdog import Watchdog
-from tierstore.errors import CheckpointNotFound, DrainError
+from tierstore.errors import DrainError
 from tierstore.handoff import HandOff, checkpoint_process_store
 from tierstore.preemption import Preemption
 from tierstore.tiers.build import build_tiers
@@ -86,7 +85,7 @@ class Store:
         for name, why in (unreachable or {}).items():
             health.mark_down(tiers.named(name), "open()", why)
         self._catalog = Catalog(ctx, self._retention, health)
-        self._scrubber = Scrubber(ctx, self._drainer, self._retention, health)
+        self._scrubber = Scrubber(ctx, self._drainer, self._retention, health, self._catalog)
         self._background_scrub = None
         if config.scrub_every_s and job.rank == 0 and not hand_off:
             self._background_scrub = BackgroundScrub(self._scrubber, config.scrub_every_s,
@@ -168,7 +167,7 @@ class Store:
         bytes, from DCP's metadata, checked) and the tiers holding a complete copy."""
         self._check_open()
         cid = validate_checkpoint_id(checkpoint_id)
-        holders = self._complete_copies(cid, "inspect")
+        holders = self._catalog.complete_copies(cid, "inspect")
         whole = [m for _, m in holders if m.parts == 1] or [holders[0][1]]
         return describe(whole[0], [t.name for t, _ in holders], self.reader())
 
@@ -179,35 +178,7 @@ class Store:
         already complete there is left as it is (pinned if asked)."""
         self._check_open()
         cid = validate_checkpoint_id(checkpoint_id)
-        target = self._ctx.tiers.named(to)
-        there = target.complete_manifest(cid)
-        if there is not None:
-            if pin:
-                target.set_pinned(cid, True)
-            return PromoteResult(cid, target.name, there.size_bytes, 0.0, target.name,
-                                 pin or there.pinned)
-        sources = [(t, m) for t, m in self._complete_copies(cid, "promote")
-                   if t is not target and m.parts == 1]
-        if not sources:
-            raise CheckpointNotFound(
-                f"cannot promote '{cid}': no tier holds a whole copy of it (node-local tiers "
-                f"hold one node's part); store.list() shows what is stored")
-        failures = []
-        self._retention.loading(cid, begins=True)  # keep spares the source meanwhile
-        try:
-            for source, manifest in sources:
-                job = DrainJob(cid, source, targets=[target], token=manifest.save_token,
-                               all_files=manifest.files, pin=pin)
-                try:
-                    seconds = self._drainer.copy_now(job)
-                except DrainError as exc:
-                    failures.append(exc)
-                    continue
-                return PromoteResult(cid, target.name, manifest.size_bytes, seconds,
-                                     source.name, pin)
-        finally:
-            self._retention.loading(cid, begins=False)
-        raise failures[-1]
+        return self._scrubber.promote(cid, self._ctx.tiers.named(to), pin)
 
     def scrub(self, repair: bool = False) -> ScrubReport:
         """Re-read every copy on every tier (sizes and checksums); ``repair``: replace each bad
@@ -222,24 +193,8 @@ class Store:
         shards are joined into whole tensors."""
         self._check_open()
         cid = validate_checkpoint_id(checkpoint_id)
-        self._complete_copies(cid, "export")
+        self._catalog.complete_copies(cid, "export")
         return export(cid, fmt, path, self.reader())
-
-    def _complete_copies(self, cid: str, what: str) -> list:
-        """(tier, manifest) of every complete copy of ``cid``, fastest first;
-        CheckpointNotFound when there is none."""
-        found = []
-        for tier in self._ctx.tiers:
-            manifest = self._health.ask(tier, f"{what}()",
-                                        lambda t=tier: t.complete_manifest(cid), None)
-            if manifest is not None:
-                found.append((tier, manifest))
-        if not found:
-            raise CheckpointNotFound(
-                f"cannot {what} '{cid}': it is not complete on any tier "
-                f"({', '.join(t.name for t in self._ctx.tiers)}); store.list() shows what is "
-                f"stored")
-        return found
 
     # -- maintenance -------------------------------------------------------------------------
     def pin(self, checkpoint_id: str) -> None:

@@ -14,6 +14,7 @@ from tierstore.events import Phase
 from tierstore.format.ids import validate_checkpoint_id
 from tierstore.format.manifest import MANIFEST_NAME, Manifest
 from tierstore.tiers.reports import CheckpointInfo, StoreStatus, TierStatus, VerifyReport
+from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object
 
 __all__ = ["Catalog", "Coverage"]
@@ -117,6 +118,22 @@ class Catalog:
                 None if manifest is None else max(0.0, now - manifest.committed), behind,
                 sum(m.size_bytes for m in found.values()), free, len(found)))
         return StoreStatus(tiers, pending)
+
+    def complete_copies(self, cid: str, what: str) -> list[tuple[Tier, Manifest]]:
+        """(tier, manifest) of every complete copy of ``cid``, fastest first (tiers that do not
+        answer left out); CheckpointNotFound, saying ``what`` could not be done, when none."""
+        found = []
+        for tier in self._context.tiers:
+            manifest = self._health.ask(tier, f"{what}()",
+                                        lambda t=tier: t.complete_manifest(cid), None)
+            if manifest is not None:
+                found.append((tier, manifest))
+        if not found:
+            raise CheckpointNotFound(
+                f"cannot {what} '{cid}': it is not complete on any tier "
+                f"({', '.join(t.name for t in self._context.tiers)}); store.list() shows what "
+                f"is stored")
+        return found
 
     def verify(self, checkpoint_id: str, tier: str | None = None) -> VerifyReport:
         """Re-read ``checkpoint_id`` on one tier (or every tier holding it) and check every

@@ -1,4 +1,5 @@
-"""Scrubbing: re-reading every copy on every tier, and repairing a bad copy from a good one.
+"""Copies made on demand: scrubbing (re-reading every copy on every tier, and repairing a bad
+copy from a good one) and promoting (copying a checkpoint to a tier whatever its ``every``).
 
 A copy that sits on a tier for weeks can rot (a flipped bit, a truncated object, a file an
 operator deleted by hand) while nobody reads it: a load would find out only when that copy is
@@ -17,13 +18,15 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.drain import DrainJob, Drainer
 from tierstore.engine.health import TierHealth
 from tierstore.engine.retention import Retention
+from tierstore.errors import CheckpointNotFound, DrainError
 from tierstore.events import Event, EventKind, Phase
-from tierstore.format.manifest import MANIFEST_NAME, Manifest
-from tierstore.tiers.reports import Problem, Repair, ScrubReport
+from tierstore.format.manifest import Manifest
+from tierstore.tiers.reports import Problem, PromoteResult, Repair, ScrubReport
 from tierstore.tiers.tier import Tier
 
 __all__ = ["BackgroundScrub", "Scrubber"]
@@ -42,27 +45,57 @@ class _Copy:
 
 
 class Scrubber:
-    """Re-reads the copies of one store's tiers (see the module docstring)."""
+    """Re-reads, repairs and promotes the copies of one store's tiers (see the module
+    docstring)."""
 
     def __init__(self, context: StoreContext, drainer: Drainer, retention: Retention,
-                 health: TierHealth):
+                 health: TierHealth, catalog: Catalog):
         self._context, self._drainer = context, drainer
-        self._retention, self._health = retention, health
+        self._retention, self._health, self._catalog = retention, health, catalog
+
+    def promote(self, cid: str, target: Tier, pin: bool) -> PromoteResult:
+        """Copy ``cid`` to ``target`` through the drain from the fastest whole copy that copies
+        cleanly (see ``Store.promote``)."""
+        there = target.complete_manifest(cid)
+        if there is not None:
+            if pin:
+                target.set_pinned(cid, True)
+            return PromoteResult(cid, target.name, there.size_bytes, 0.0, target.name,
+                                 pin or there.pinned)
+        sources = [(t, m) for t, m in self._catalog.complete_copies(cid, "promote")
+                   if t is not target and m.parts == 1]
+        if not sources:
+            raise CheckpointNotFound(
+                f"cannot promote '{cid}': no tier holds a whole copy of it (node-local tiers "
+                f"hold one node's part); store.list() shows what is stored")
+        failures = []
+        self._retention.loading(cid, begins=True)  # keep spares the source meanwhile
+        try:
+            for source, manifest in sources:
+                job = DrainJob(cid, source, targets=[target], token=manifest.save_token,
+                               all_files=manifest.files, pin=pin)
+                try:
+                    seconds = self._drainer.copy_now(job)
+                except DrainError as exc:
+                    failures.append(exc)
+                    continue
+                return PromoteResult(cid, target.name, manifest.size_bytes, seconds,
+                                     source.name, pin)
+        finally:
+            self._retention.loading(cid, begins=False)
+        raise failures[-1]
 
     def copies(self) -> list[tuple[Tier, str]]:
-        """Every (tier, checkpoint id) that has a manifest, on every tier that answers."""
-        out = []
-        for tier in self._context.tiers:
-            names = self._health.ask(tier, "scrub()", tier.checkpoint_names, [])
-            out += [(tier, cid) for cid in names
-                    if self._health.ask(tier, "scrub()", lambda c=cid, t=tier: t.stored_size(
-                        f"{c}/{MANIFEST_NAME}"), None) is not None]
-        return out
+        """Every (tier, entry) that may be a checkpoint, on every tier that answers (``check``
+        says which are copies: those with a manifest)."""
+        return [(tier, cid) for tier in self._context.tiers
+                for cid in self._health.ask(tier, "scrub()", tier.checkpoint_names, [])]
 
     def scrub(self, repair: bool = False) -> ScrubReport:
         """Re-read every copy; with ``repair``, replace each bad one from a good copy on
         another tier and re-read it. Nothing is deleted without a good copy to replace it."""
-        copies = [self.check(tier, cid) for tier, cid in self.copies()]
+        copies = [c for c in (self.check(tier, cid) for tier, cid in self.copies())
+                  if c is not None]
         bad = [p for c in copies for p in c.problems]
         if not repair:
             return ScrubReport(len(copies), bad, [], bad)
@@ -74,12 +107,18 @@ class Scrubber:
             unrepaired += left
         return ScrubReport(len(copies), bad, repaired, unrepaired)
 
-    def check(self, tier: Tier, checkpoint_id: str) -> _Copy:
-        """Re-read one copy (kept from ``keep`` meanwhile, as a load is)."""
+    def check(self, tier: Tier, checkpoint_id: str) -> _Copy | None:
+        """Re-read one copy (kept from ``keep`` meanwhile, as a load is); None when the entry
+        has no manifest at all (not a copy: a user's own directory, say)."""
         ctx = self._context
         self._retention.loading(checkpoint_id, begins=True)
         try:
-            manifest, _why = tier.checked_manifest(checkpoint_id)
+            try:
+                manifest, why = tier.checked_manifest(checkpoint_id)
+            except Exception:  # noqa: BLE001 - the tier's failure: verify reports it below
+                manifest, why = None, "unreadable"
+            if manifest is None and why is None:
+                return None
 
             def announce(rel: str, size: int) -> None:
                 ctx.host.phase(Phase.VERIFY_FILE, checkpoint_id, tier.name, ctx.rank,
@@ -116,8 +155,9 @@ class Scrubber:
             log.error("scrub: repairing %s on tier '%s' failed: %s", cid, target.name, exc)
             return None, [_still(p, f"the repair failed: {exc}") for p in bad.problems]
         after = self.check(target, cid)
-        if after.problems:
-            return None, [_still(p, "still bad after the repair") for p in after.problems]
+        if after is None or after.problems:
+            left = after.problems if after is not None else bad.problems
+            return None, [_still(p, "still bad after the repair") for p in left]
         files = sorted({p.file or cid for p in bad.problems})
         ctx = self._context
         ctx.host.event(Event(EventKind.REPAIRED, cid, target.name, ctx.rank,
@@ -164,7 +204,7 @@ class BackgroundScrub:
                 return
         tier, cid = self._queue.pop(0)
         copy = self._scrubber.check(tier, cid)
-        if not copy.problems:
+        if copy is None or not copy.problems:
             return
         error = "; ".join(map(str, copy.problems))
         log.error("scrub: %s", error)
@@ -173,7 +213,7 @@ class BackgroundScrub:
         if self._repair:
             others = [self._scrubber.check(t, c) for t, c in self._scrubber.copies()
                       if c == cid and t is not tier]
-            self._scrubber.repair(copy, others)
+            self._scrubber.repair(copy, [o for o in others if o is not None])
 
     def close(self) -> None:
         """Stop after the copy being re-read, if any."""
