@@ -101,17 +101,28 @@ class StagingBuffers:
         # found equal to it, since training keeps the same spec objects from save to save.
         self._expected: dict[int, dict[Any, tuple]] = {}
 
-    def stage(self, state_dict: dict[str, Any], non_blocking: bool, stream: Any = None
-              ) -> dict[str, Any] | None:
-        """Copy ``state_dict`` into the buffers and return the staged tree, or None (nothing
-        copied) when its layout differs from the buffers'. With ``stream`` (CUDA), the copies
-        are queued on it, ``non_blocking``; the caller waits for them."""
+    def prepare(self, state_dict: dict[str, Any]
+                ) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]] | None:
+        """Walk ``state_dict`` beside the buffers: the staged tree (its non-tensor values
+        already taken), and the buffers and source tensors to copy into them, in order; None
+        when its layout differs from the buffers'. Nothing is copied yet."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         try:
             staged = self._walk(state_dict, self.tree, dsts, srcs)
         except _LayoutChanged:
             return None
+        return staged, dsts, srcs
+
+    def stage(self, state_dict: dict[str, Any], non_blocking: bool, stream: Any = None
+              ) -> dict[str, Any] | None:
+        """Copy ``state_dict`` into the buffers and return the staged tree, or None (nothing
+        copied) when its layout differs from the buffers'. With ``stream`` (CUDA), the copies
+        are queued on it, ``non_blocking``; the caller waits for them."""
+        prepared = self.prepare(state_dict)
+        if prepared is None:
+            return None
+        staged, dsts, srcs = prepared
         with torch.no_grad():
             if stream is None:
                 torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)

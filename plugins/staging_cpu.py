@@ -18,13 +18,18 @@ once the save that read them is over.
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tierstore.plugin import hookimpl, Option, Stager, StagingError
+from tierstore.plugin.staging import (CopyBatch, StagingJob, StagingStats, check_unchanged,
+                                      run_copies, split_copies)
 from tierstore_plugins.staging_buffers import (StagingBuffers, StateDictLayout,
                                                describe_state_dict)
+from tierstore_plugins.staging_waves import (WaveBuffer, placeholder_tree, plan_waves,
+                                             stage_in_waves)
 
 __all__ = ["CpuStager", "PinnedStager", "ShmStager"]
 
@@ -40,16 +45,24 @@ class CpuStager(Stager):
 
     options = (
         Option("max_staging_bytes", int, default=0, check=_non_negative,
-               description="most bytes of host memory the staging buffers may take (0: no limit)"),
+               description="most bytes of host memory staging may take; a larger state dict is "
+                           "staged in waves through that much, each written to the first tier "
+                           "before its buffer is reused (0: no limit)"),
+        Option("lazy", bool, default=False,
+               description="dcp.async_save returns before the state is copied; its "
+                           "staging_completion (or store.hook_optimizer) says when training "
+                           "may change the state"),
     )
     #: True: always page-locked; None: page-locked when a tensor is on CUDA
     pin: ClassVar[bool | None] = None
     #: True: buffers in shared memory (handed to DCP's checkpoint process without a copy)
     share: ClassVar[bool] = False
 
-    def __init__(self, max_staging_bytes: int = 0):
+    def __init__(self, max_staging_bytes: int = 0, lazy: bool = False):
         self.max_staging_bytes = max_staging_bytes
+        self.lazy = lazy
         self._buffers: StagingBuffers | None = None
+        self._waves: WaveBuffer | None = None  # the buffer of a budgeted staging
         self._stream: Any = None
         self._warned_no_cuda = False
         #: bytes of tensor data copied by the last ``stage`` call
@@ -60,47 +73,168 @@ class CpuStager(Stager):
     @property
     def pinned(self) -> bool:
         """Whether the current buffers are page-locked."""
+        if self._waves is not None:
+            return self._waves.pin
         return self._buffers is not None and self._buffers.pinned
 
     @property
     def allocated_bytes(self) -> int:
         """Host memory the staging buffers hold now (0 before the first save)."""
+        if self._waves is not None:
+            return self._waves.nbytes
         return 0 if self._buffers is None else self._buffers.layout.nbytes
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into the buffers (allocating them when the layout changed) and
-        return the staged tree; the copy is finished when this returns."""
-        buffers, staged = self._buffers, None
-        if buffers is not None:
-            staged = self._copy(buffers, state_dict)
-        reused = staged is not None
+        return the staged tree; the copy is finished when this returns. (The core calls
+        :meth:`start`; this eager form has no spill, so it refuses a budget it would exceed.)"""
+        job = self._start(state_dict, _no_spill, lazy=False)
+        job.run()
+        return job.result()
+
+    def start(self, state_dict: dict[str, Any], spill: Callable[[], Any]) -> StagingJob:
+        """The staging of one save: into the reused buffers, or in waves through the budget's
+        buffer when the state dict is larger than ``max_staging_bytes``; run now (eager) or on
+        a thread (``lazy``)."""
+        return self._start(state_dict, spill, self.lazy)
+
+    def _start(self, state_dict: dict[str, Any], spill: Callable[[], Any], lazy: bool
+               ) -> StagingJob:
+        if self._waves is not None:  # the save before did not fit the budget
+            return self._start_waves(state_dict, spill, lazy)
+        buffers = self._buffers
+        prepared = buffers.prepare(state_dict) if buffers is not None else None
+        reused = prepared is not None
         if not reused:
             # Drop the old buffers first, so both sets are never held at once.
             self._buffers = None
-            buffers = self._allocate(state_dict)
-            staged = self._copy(buffers, state_dict)
-            if staged is None:
+            layout = describe_state_dict(state_dict)
+            if self.max_staging_bytes and layout.nbytes > self.max_staging_bytes:
+                return self._start_waves(state_dict, spill, lazy)
+            buffers = self._allocate(layout, state_dict)
+            prepared = buffers.prepare(state_dict)
+            if prepared is None:
                 raise StagingError("the state dict changed while it was being staged")
-        self.last_bytes, self.last_reused = buffers.layout.nbytes, reused
-        return staged
+        staged, dsts, srcs = prepared
+        nbytes = buffers.layout.nbytes
+        self.last_bytes, self.last_reused = nbytes, reused
+        stats = StagingStats(nbytes=nbytes, reused=reused, buffer_bytes=nbytes)
+        describe = _describer(state_dict)
+        if buffers.pinned and buffers.layout.on_cuda:
+            return self._cuda_job(staged, dsts, srcs, lazy, stats, describe)
+        batches = split_copies(dsts, srcs) if lazy else [CopyBatch(dsts, srcs, [])]
 
-    def _allocate(self, state_dict: dict[str, Any]) -> StagingBuffers:
-        layout = describe_state_dict(state_dict)
-        if self.max_staging_bytes and layout.nbytes > self.max_staging_bytes:
-            raise StagingError(
-                f"staging this state dict needs {_size(layout.nbytes)} of host memory, more than "
-                f"[store.staging] max_staging_bytes = {self.max_staging_bytes} "
-                f"({_size(self.max_staging_bytes)}) allows; raise max_staging_bytes, or save "
-                f"with dcp.save (which writes without staging)"
-            )
-        pin = self._want_pinned(layout)
+        def work(job: StagingJob) -> dict[str, Any]:
+            for batch in batches:
+                run_copies([batch])
+                if lazy:
+                    check_unchanged(batch, describe)
+            return staged
+
+        return StagingJob(work, lazy=lazy, stats=stats)
+
+    def _cuda_job(self, staged: dict[str, Any], dsts: list, srcs: list, lazy: bool,
+                  stats: StagingStats, describe: Callable[[torch.Tensor], str]) -> StagingJob:
+        """Device -> pinned host copies queued now on a side stream, after the work already
+        queued on the training's current stream (which produced the tensors); an event marks
+        their end. The job waits on that event (never on a stream); the optimizer hook orders
+        the training stream after it instead of blocking the host."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream())
+        batch = CopyBatch(dsts, srcs, [s._version for s in srcs] if lazy else [])
+        run_copies([batch], non_blocking=True, stream=side)
+        for src in srcs:  # the allocator must not reuse a source's memory before the copy
+            if src.is_cuda:
+                src.record_stream(side)
+        done = torch.cuda.Event()
+        done.record(side)
+        races: list[StagingError] = []
+
+        def fence() -> bool:  # the training thread, before it changes the state
+            if lazy and not done.query():
+                try:
+                    check_unchanged(batch, describe)
+                except StagingError as exc:
+                    races.append(exc)
+            torch.cuda.current_stream().wait_event(done)
+            return True
+
+        def work(job: StagingJob) -> dict[str, Any]:
+            done.synchronize()
+            if races:
+                raise races[0]
+            if lazy and not job.fenced:
+                check_unchanged(batch, describe)
+            return staged
+
+        job = StagingJob(work, lazy=lazy, stats=stats)
+        job.set_cuda_fence(fence)
+        return job
+
+    def _start_waves(self, state_dict: dict[str, Any], spill: Callable[[], Any], lazy: bool
+                     ) -> StagingJob:
+        """Stage through the budget's buffer in waves (``staging_waves``); back to whole
+        buffers when the state dict fits the budget again."""
+        staged, pairs = placeholder_tree(state_dict, self._copy_whole)
+        total = sum(src.numel() * src.element_size() for _, src in pairs)
+        if total <= self.max_staging_bytes:
+            self._waves = None
+            return self._start(state_dict, spill, lazy)
+        on_cuda = any(src.is_cuda for _, src in pairs)
+        pin = self._want_pinned(on_cuda)
+        if self._waves is None or self._waves.pin != pin:
+            self._waves = WaveBuffer(self.max_staging_bytes, pin)
+        largest = max(src.numel() * src.element_size() for _, src in pairs)
+        arena = self._waves.arena_for(largest)
+        waves = plan_waves(pairs, max(arena.numel() // 2, 1))
+        sink = spill()
+        self.last_bytes, self.last_reused = total, False
+        stats = StagingStats(nbytes=total, waves=len(waves), buffer_bytes=arena.numel())
+        copy_wave = self._cuda_wave_copier() if on_cuda and pin else _copy_on_host
+        describe = _describer(state_dict)
+
+        def work(job: StagingJob) -> dict[str, Any]:
+            return stage_in_waves(job, arena, waves, sink, staged, check=lazy,
+                                  copy_wave=copy_wave, describe=describe)
+
+        return StagingJob(work, lazy=lazy, stats=stats)
+
+    def _cuda_wave_copier(self) -> Callable[[list, list], None]:
+        """Copies of a wave on the side stream, after what the training stream had queued at the
+        call (an event recorded now), waited for by the staging's own thread."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        side = self._stream
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())
+
+        def copy_wave(dsts: list, srcs: list) -> None:
+            side.wait_event(ready)
+            run_copies([CopyBatch(dsts, srcs, [])], non_blocking=True, stream=side)
+            done = torch.cuda.Event()
+            done.record(side)
+            done.synchronize()
+
+        return copy_wave
+
+    def _copy_whole(self, value: Any) -> Any:
+        """A value budgeted staging does not cut into waves (a ShardedTensor), copied now into
+        buffers of its own."""
+        single = {"value": value}
+        buffers = StagingBuffers(single, describe_state_dict(single), pin=False, share=False)
+        return buffers.stage(single, non_blocking=False)["value"]
+
+    def _allocate(self, layout: StateDictLayout, state_dict: dict[str, Any]) -> StagingBuffers:
+        pin = self._want_pinned(layout.on_cuda)
         self._buffers = StagingBuffers(state_dict, layout, pin=pin, share=self.share)
         log.debug("allocated %s of staging buffers (pinned=%s, shared=%s)",
                   _size(layout.nbytes), pin, self.share)
         return self._buffers
 
-    def _want_pinned(self, layout: StateDictLayout) -> bool:
-        wanted = layout.on_cuda if self.pin is None else self.pin
+    def _want_pinned(self, on_cuda: bool) -> bool:
+        wanted = on_cuda if self.pin is None else self.pin
         if wanted and not torch.cuda.is_available():
             if not self._warned_no_cuda:
                 log.warning("staging '%s': CUDA is not available, so staging buffers use "
@@ -109,22 +243,46 @@ class CpuStager(Stager):
             return False
         return wanted
 
-    def _copy(self, buffers: StagingBuffers, state_dict: dict[str, Any]) -> dict[str, Any] | None:
-        if not (buffers.pinned and buffers.layout.on_cuda):
-            return buffers.stage(state_dict, non_blocking=False)
-        # Device -> pinned host copies on a side stream, after the work already queued on the
-        # current stream (which produced the tensors), then waited for: the staged copy must be
-        # complete when async_save returns.
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        staged = buffers.stage(state_dict, non_blocking=True, stream=self._stream)
-        self._stream.synchronize()
-        return staged
-
     def close(self) -> None:
         """Free the staging buffers."""
         self._buffers = None
+        self._waves = None
+
+
+def _copy_on_host(dsts: list, srcs: list) -> None:
+    run_copies([CopyBatch(dsts, srcs, [])])
+
+
+def _no_spill() -> Any:
+    raise StagingError("staging in waves (max_staging_bytes smaller than the state dict) needs "
+                       "the store's spill; save through dcp.async_save with the store's writer")
+
+
+def _describer(state_dict: dict[str, Any]) -> Callable[[torch.Tensor], str]:
+    """Names a source tensor by its path in ``state_dict`` (searched only when an error needs
+    it)."""
+
+    def describe(tensor: torch.Tensor) -> str:
+        found = _path_of(state_dict, tensor, [])
+        return f"tensor '{'.'.join(found)}'" if found is not None else "a tensor of the state dict"
+
+    return describe
+
+
+def _path_of(value: Any, tensor: torch.Tensor, path: list[str]) -> list[str] | None:
+    if value is tensor or (isinstance(value, DTensor) and value._local_tensor is tensor):
+        return path
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, v in items:
+        found = _path_of(v, tensor, [*path, str(key)])
+        if found is not None:
+            return found
+    return None
 
 
 class PinnedStager(CpuStager):

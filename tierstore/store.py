@@ -11,6 +11,7 @@ import atexit
 import signal
 import time
 import weakref
+from concurrent import futures
 from typing import Any, Iterable
 
 import torch.distributed as dist
@@ -243,6 +244,21 @@ class Store:
             if failures:
                 raise failures[0]
 
+    def wait_staging(self, timeout: float | None = None) -> float:
+        """Block until the newest ``dcp.async_save`` has taken every value of its state dict
+        (with lazy staging it copies after ``async_save`` returned), so that training may
+        change the state; returns the seconds waited (0.0 when nothing is in flight). On CUDA,
+        the training's current stream is made to wait for the copies instead of the host.
+        Never raises a staging failure: the save's own futures carry it."""
+        return self._ledger.wait_staging(timeout)
+
+    def hook_optimizer(self, optimizer: Any) -> Any:
+        """Make ``optimizer.step()`` first wait for the staging in flight (a step pre-hook
+        calling :meth:`wait_staging`): the pattern for lazy staging, where forward and backward
+        run while the state is copied and only the optimizer step must wait. Returns the hook's
+        handle (``handle.remove()`` takes it off)."""
+        return optimizer.register_step_pre_hook(_StagingWait(self._ledger))
+
     def preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> Preemption:
         """Install a handler for ``signals`` (SIGTERM) that turns preemption into an emergency
         checkpoint at a step all ranks agree on; see :class:`tierstore.preemption.Preemption`.
@@ -275,6 +291,10 @@ class Store:
             self._drainer.close()
             if self._replicator is not None:
                 self._replicator.close(timeout=None if wait else 0)
+            staging = self._ledger.staging
+            if staging is not None:  # a lazy copy still running reads the buffers
+                futures.wait([staging.future])
+            self._ledger.release_spill()
             self._stager.close()
             for tier in [*ctx.tiers, *ctx.tiers.replica_tiers.values()]:
                 tier.backend.close()
@@ -292,6 +312,17 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<tierstore.Store tiers={[t.name for t in self._ctx.tiers]} rank={self._ctx.rank}>"
+
+
+class _StagingWait:
+    """The optimizer step pre-hook of :meth:`Store.hook_optimizer` (holds the store's ledger,
+    not the store)."""
+
+    def __init__(self, ledger: SaveLedger):
+        self._ledger = ledger
+
+    def __call__(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._ledger.wait_staging()
 
 
 def _destroy(*groups: Any) -> None:

@@ -15,7 +15,7 @@ import pickle
 import shutil
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future as ConcurrentFuture, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +32,7 @@ from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.publish import Publisher
 from tierstore.engine.replication import ReplicationJob, Replicator
 from tierstore.engine.saves import SaveLedger
+from tierstore.dcp.spill import Spill, SpillIndex, SpillReader
 from tierstore.engine.watchdog import Watchdog
 from tierstore.errors import CommitError, TierFullError
 from tierstore.events import Event, EventKind, Phase
@@ -41,6 +42,7 @@ from tierstore.format.item_io import (HashingWriter, ItemLocation, item_size, sp
                                       write_items)
 from tierstore.format.manifest import METADATA_NAME, FileEntry
 from tierstore.plugin.bases import Stager
+from tierstore.plugin.staging import StagingJob
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object, broadcast_object
 
@@ -87,6 +89,7 @@ class _SaveState:
     set_up: bool = False
     drain: bool = True  # queue copies to slower tiers after the commit (not for emergency saves)
     seq: int = 0  # the store's save counter at reset
+    spill: SpillIndex | None = None  # where a budgeted staging put the tensors' records
     watch: int | None = None  # the watchdog's token of this save
 
 
@@ -96,7 +99,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     Reusable across saves; one save at a time per writer (``reset`` starts the next one).
     """
 
-    # dcp.async_save need not call synchronize_staging: stage() returns a finished copy.
+    # dcp.async_save need not call synchronize_staging: stage() returns a finished copy, or
+    # (lazy staging) a future DCP waits on itself.
     _synchronize_after_execute = False
 
     def __init__(self, services: WriterServices | None, *, emergency: bool = False):
@@ -107,6 +111,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         self._save: _SaveState | None = None
         self._rank = 0
         self._is_coordinator = True
+        # The spilled records of the save staged last (budgeted staging), until its reset
+        # takes them; a save that was not staged here (dcp.save) has none.
+        self._staged_spill: SpillIndex | None = None
 
     # -- DCP's process executor pickles the writer to its checkpoint process ------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -115,41 +122,72 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         process opens the same store (same config and plugins) to write the first tier; this
         process queues the drains to slower tiers once the save is committed."""
         services = self._services
+        spill = self._staged_spill
         if services is None:
-            return {"reopen": self._reopen, "emergency": self._emergency}
+            return {"reopen": self._reopen, "emergency": self._emergency, "spill": spill}
         services.ledger.slot.carried_here()
-        return {"reopen": services.hand_off(), "emergency": self._emergency}
+        return {"reopen": services.hand_off(), "emergency": self._emergency, "spill": spill}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(None, emergency=state["emergency"])  # type: ignore[misc]
         self._reopen = state["reopen"]
+        self._staged_spill = state.get("spill")
 
     # -- AsyncStager ---------------------------------------------------------------------------
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` to host memory with the store's staging plugin (async_save).
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | ConcurrentFuture:
+        """Copy ``state_dict`` to host memory with the store's staging plugin (async_save):
+        the staged tree when the copy is done (eager), or a future of it (lazy staging, which
+        makes ``dcp.async_save`` return DCP's ``AsyncSaveResponse`` at once).
 
         Waits first for the store's previous save to finish (one save in flight): its files may
         still be written from the same staging buffers."""
         services = self._services
-        host, rank, slot = services.context.host, services.context.rank, services.ledger.slot
-        host.phase(Phase.STAGE, rank=rank)
-        waited = slot.staged()
-        stager = services.stager
+        ctx, ledger = services.context, services.ledger
+        ctx.host.phase(Phase.STAGE, rank=ctx.rank)
+        waited = ledger.slot.staged()
+        ledger.release_spill()  # the save before is over
+        self._staged_spill = None
         try:
-            started = time.perf_counter()
-            staged = stager.stage(state_dict)
+            job = services.stager.start(state_dict, self._open_spill)
         except BaseException:
-            slot.release_pending()
+            ledger.release_spill()
+            ledger.slot.release_pending()
             raise
+        ledger.staging = job
+        job.on_done(lambda j: self._staging_done(j, waited))
+        job.run()
+        if job.lazy:
+            return job.future
+        return job.result()
+
+    def _open_spill(self) -> Spill:
+        """The spill of a budgeted staging: on the store's first tier, owned by the store until
+        this save is over."""
+        spill = Spill(self._services.context.tiers[0])
+        self._services.ledger.keep_spill(spill)
+        return spill
+
+    def _staging_done(self, job: StagingJob, waited: float) -> None:
+        services = self._services
+        ctx, ledger = services.context, services.ledger
+        stats = job.stats
+        detail = {"waited_s": waited, "reused": stats.reused, "lazy": job.lazy,
+                  "waves": stats.waves, "buffer_bytes": stats.buffer_bytes}
+        if job.error is not None:
+            ledger.release_spill()
+            ledger.slot.release_pending()
+            ctx.host.event(Event(EventKind.FAILED, rank=ctx.rank, seconds=stats.seconds,
+                                 detail={"during": "staging", "error": str(job.error), **detail}))
+            return
+        self._staged_spill = stats.extra.get("spill")
+        ledger.slot.still_pending()
         # After the copy, not beside it: the scan and keep's deletes would compete for CPU.
         services.adopt_later()
-        host.event(Event(EventKind.STAGED, rank=rank, seconds=time.perf_counter() - started,
-                         nbytes=stager.last_bytes,
-                         detail={"waited_s": waited, "reused": stager.last_reused}))
-        return staged
+        ctx.host.event(Event(EventKind.STAGED, rank=ctx.rank, seconds=stats.seconds,
+                             nbytes=stats.nbytes, detail=detail))
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: ``stage`` returns a finished copy."""
+        """Nothing to wait for: ``stage`` returns a finished copy or a future DCP waits on."""
 
     def close(self) -> None:
         """Nothing to release; staging buffers belong to the store."""
@@ -182,7 +220,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         ledger.save_running(None)  # a new save on this thread: any earlier one is over
         self._over()
         self._save = _SaveState(cid, step, tier, time.perf_counter(), drain=not self._emergency,
-                                seq=ledger.save_seq)
+                                seq=ledger.save_seq, spill=self._staged_spill)
+        self._staged_spill = None
         if services.watchdog is not None:
             self._save.watch = services.watchdog.begin(f"save of '{cid}'")
 
@@ -251,6 +290,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         # Ranks that do not commit this directory let go of it once their save is over.
         ledger.hold_until_over(lambda staging=save.staging: tier.end_writing(staging))
         buckets = split_items(plan.items, ctx.config.io_threads)
+        spilled = (SpillReader(ctx.tiers.named(save.spill.tier), save.spill)
+                   if save.spill is not None else None)
 
         def write_file(n: int) -> list[WriteResult]:
             relative = f"{data.prefix}{n}.distcp"
@@ -261,7 +302,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 with tier.backend.open_write(f"{save.staging}/{relative}") as raw:
                     out = HashingWriter(raw)
                     results = write_items(out, buckets[n], planner, relative,
-                                          [c.extension() for c in tier.codecs])
+                                          [c.extension() for c in tier.codecs],
+                                          written_before=spilled)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
@@ -290,6 +332,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             # What this save wrote stays in its hidden staging directory until the next save's
             # (or gc's) collection removes it; readers never see it.
             failure = exc
+        if spilled is not None:
+            spilled.close()
+            self._drop_spill(save.spill)
         try:
             if layout.parts > 1:
                 # Every rank takes part, failed or not, so that no rank waits forever.
@@ -304,6 +349,18 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _drop_spill(self, spill: SpillIndex) -> None:
+        """The spilled records are in the data files now (or the write failed): remove them.
+        The store that spilled them owns the spill; in DCP's checkpoint process, which only
+        read it, its files are deleted and the owner lets go of the directory later."""
+        ledger = self._services.ledger
+        if ledger.release_spill(spill.directory):
+            return
+        try:
+            self._services.context.tiers.named(spill.tier).backend.delete(spill.directory)
+        except Exception:  # the owner removes it when the save is over, or gc does
+            log.warning("removing the staging spill %s failed", spill.directory, exc_info=True)
 
     def _queue_replication(self, save: _SaveState, wrote: bool) -> None:
         """Every rank, once per save the peer tier takes (so that the ranks' replication jobs

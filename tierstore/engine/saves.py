@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from tierstore.format.ids import step_of
 
@@ -79,6 +79,13 @@ class SaveSlot:
             self._cond.notify_all()
             return waited
 
+    def still_pending(self) -> None:
+        """A lazy staging just finished: the grace for DCP to start the save counts from now,
+        not from the call (a budgeted staging may take longer than the grace)."""
+        with self._cond:
+            if self._pending_since is not None:
+                self._pending_since = time.monotonic()
+
     def release_pending(self) -> None:
         """A staged save will not start (its staging failed)."""
         with self._cond:
@@ -98,6 +105,35 @@ class SaveLedger:
         # thread ident -> (token of the save that thread is running, what ends its hold on
         # its staging directory)
         self._in_flight: dict[int, tuple[str, list[Callable[[], None]]]] = {}
+        #: the staging of the newest save (a ``StagingJob``; the optimizer hook waits on it)
+        self.staging: Any = None
+        #: the spill of the newest budgeted save (``tierstore.dcp.spill.Spill``), removed when
+        #: that save is over
+        self._spill: Any = None
+
+    def wait_staging(self, timeout: float | None = None) -> float:
+        """Wait until the newest save's staging has taken every value (``StagingJob.fence``);
+        the seconds waited."""
+        job = self.staging
+        return 0.0 if job is None else job.fence(timeout)
+
+    def keep_spill(self, spill: Any) -> None:
+        """Own ``spill`` until :meth:`release_spill` (the save that wrote it is over)."""
+        with self._lock:
+            previous, self._spill = self._spill, spill
+        if previous is not None:
+            previous.release()
+
+    def release_spill(self, directory: str | None = None) -> bool:
+        """Remove the spill of the save that is over (only the one in ``directory``, when
+        given); returns whether there was one to remove."""
+        with self._lock:
+            spill = self._spill
+            if spill is None or (directory is not None and spill.directory != directory):
+                return False
+            self._spill = None
+        spill.release()
+        return True
 
     @property
     def save_seq(self) -> int:

@@ -30,7 +30,7 @@ from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, sa
                                              storage_alignment, template_for, tensor_bytes)
 
 __all__ = ["NoCloseWriter",
-           "ItemLocation", "HashingWriter", "write_items", "split_items", "read_items",
+           "ItemLocation", "HashingWriter", "write_items", "write_tensor_record", "split_items", "read_items",
            "FileReadError", "DIRECT_READ_MIN"]
 
 # Tensors smaller than this are decoded with torch.load; reading them in place gains nothing.
@@ -179,20 +179,37 @@ def encode_to(out: IO[bytes], extensions: list) -> tuple[IO[bytes], list[str] | 
 
 
 def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner,
-                relative_path: str, extensions: list = ()) -> list[WriteResult]:
+                relative_path: str, extensions: list = (),
+                written_before: Callable[[WriteItem, IO[bytes]], tuple[int, int] | None | bool]
+                | None = None) -> list[WriteResult]:
     """Write ``items`` into ``out`` as stock DCP does (through the codecs' stream transforms
-    when there are any); resolve each one lazily (it may copy)."""
+    when there are any); resolve each one lazily (it may copy).
+
+    ``written_before(item, stream)``, when given, writes the record of an item whose record was
+    made before (a budgeted staging's spill) into ``stream`` and returns where the tensor's raw
+    bytes are from the record's start (or None when unknown); it returns False for an item it
+    does not hold, which is then resolved through the planner."""
     results = []
     alignment = storage_alignment()
     for item in items:
         offset = out.offset
-        data = planner.resolve_data(item)
         stream, descriptors = encode_to(out, list(extensions))
         span = None
-        if item.type == WriteItemType.BYTE_IO:
-            stream.write(data.getbuffer())
+        copied = False if written_before is None else written_before(item, stream)
+        if copied is not False:
+            if copied is not None and descriptors is None:
+                span = (offset + copied[0], copied[1])
+        elif item.type == WriteItemType.BYTE_IO:
+            stream.write(planner.resolve_data(item).getbuffer())
         else:
-            span = _write_tensor(host_tensor(data), stream, out, alignment)
+            data = planner.resolve_data(item)
+            if data.device.type == "meta":
+                raise ValueError(
+                    f"item {item.index.fqn} of the staged state dict has no data (a meta "
+                    f"tensor): a budgeted staging spilled it under a name the save planner "
+                    f"does not use; use DCP's default save planner (it flattens the state dict) "
+                    f"or remove [store.staging] max_staging_bytes")
+            span = write_tensor_record(host_tensor(data), stream, out, alignment)
             if descriptors is not None:
                 span = None  # the bytes on the tier are encoded
         if stream is not out:
@@ -205,7 +222,7 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
     return results
 
 
-def _write_tensor(tensor: torch.Tensor, stream: IO[bytes], out: HashingWriter, alignment: int
+def write_tensor_record(tensor: torch.Tensor, stream: IO[bytes], out: HashingWriter, alignment: int
                   ) -> tuple[int, int] | None:
     """Write ``tensor``'s record into ``stream`` (``out`` itself, or a codec's stream into it);
     returns where its raw bytes lie in ``out`` (meaningful only when ``stream is out``)."""

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import IO, Any, Callable, ClassVar, Collection
+from typing import IO, TYPE_CHECKING, Any, Callable, ClassVar, Collection
 
 from tierstore.plugin.options import Option
 from tierstore.transport.ends import TransferEnd, WrittenFile
+
+if TYPE_CHECKING:
+    from tierstore.plugin.staging import StagingJob
 
 __all__ = ["Backend", "DirectoryLock", "CommitProtocol", "Codec", "Stager", "ReplicationStrategy"]
 
@@ -245,12 +248,28 @@ class Stager(abc.ABC):
     #: whether the last :meth:`stage` reused the buffers of the one before (None: not reported)
     last_reused: bool | None = None
 
+    #: True: ``dcp.async_save`` returns before the copy is done (see :meth:`start`)
+    lazy: bool = False
+
     @abc.abstractmethod
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Return a copy of ``state_dict`` whose tensors are on the host and will not change when
         training updates the originals. The copy may live in buffers the next ``stage`` reuses
         (and overwrites): the core stages again only once the save of the previous copy is
         over (one save in flight per store)."""
+
+    def start(self, state_dict: dict[str, Any], spill: Callable[[], Any]) -> "StagingJob":
+        """Begin staging ``state_dict`` for one save; the core calls this (not :meth:`stage`)
+        and runs the job it returns (``job.run()``: now when eager, on the job's own thread
+        when lazy). Non-tensor values must be taken here, at the call.
+
+        ``spill()`` gives the save's spill (:class:`tierstore.dcp.spill.Spill`: ``write_wave``
+        and ``finish``) for a plugin that stages in waves under a memory budget; call it only
+        then. The default: a finished job holding :meth:`stage`'s copy."""
+        from tierstore.plugin.staging import StagingJob, StagingStats
+        staged = self.stage(state_dict)
+        return StagingJob.finished(staged, StagingStats(nbytes=self.last_bytes or 0,
+                                                        reused=bool(self.last_reused)))
 
     def close(self) -> None:
         """Free staging buffers."""

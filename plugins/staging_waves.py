@@ -1,0 +1,182 @@
+"""Staging under a memory budget: the state dict copied in waves through one reused buffer of at
+most ``max_staging_bytes`` (or the largest tensor, when that is larger), each wave written out
+(to the first tier's spill, :mod:`tierstore.dcp.spill`) before its part of the buffer is reused.
+
+The staged tree DCP plans from holds ``meta`` placeholders of the tensors' shapes and dtypes
+(DTensors keep their placements around a meta local tensor); ``write_data`` copies each planned
+item's record from the spill.
+
+Ordering: the buffer is used as two halves that take turns, so that the next wave is copied while
+the one before it is written; the copy of every tensor is therefore over (and training may
+change the state) when the last wave is copied, one wave's write before the staging ends. A
+tensor larger than half the buffer is a wave of its own and waits for the buffer to be free.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import io
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+
+from tierstore.plugin.staging import CopyBatch, StagingJob, check_unchanged
+
+__all__ = ["WaveBuffer", "placeholder_tree", "plan_waves", "Wave"]
+
+log = logging.getLogger("tierstore.staging")
+
+#: tensors start at multiples of this in the buffer (any dtype's alignment, and a cache line)
+_ALIGN = 64
+
+_IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def placeholder_tree(state_dict: dict[str, Any], copy_whole: Callable[[Any], Any]
+                     ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``state_dict`` staged without its tensor data: every tensor replaced by a ``meta``
+    tensor of its shape and dtype (a DTensor by a DTensor of its spec around a meta local
+    tensor), non-tensor values taken now (copied when mutable). Returns the tree and the
+    (placeholder, source) pairs of the tensors to copy, in the state dict's order.
+    ``copy_whole(value)`` stages a value the waves do not handle (a ShardedTensor) at once."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        ph = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        pairs.append((ph, t))
+        return ph
+
+    def walk(value: Any) -> Any:
+        kind = type(value)
+        if kind in _IMMUTABLE:
+            return value
+        if kind is dict or kind is collections.OrderedDict:
+            return kind((k, walk(v)) for k, v in value.items())
+        if isinstance(value, DTensor):
+            local = plain(value._local_tensor)
+            return DTensor(local, value._spec, requires_grad=False)
+        if isinstance(value, ShardedTensor):
+            return copy_whole(value)
+        if isinstance(value, torch.Tensor):
+            return plain(value.detach().as_subclass(torch.Tensor)
+                         if type(value) not in (torch.Tensor, torch.nn.Parameter) else value)
+        if kind is list or kind is tuple:
+            staged = [walk(v) for v in value]
+            return staged if kind is list else tuple(staged)
+        if isinstance(value, io.BytesIO):
+            return io.BytesIO(value.getvalue())
+        if isinstance(value, _IMMUTABLE):
+            return value
+        if isinstance(value, dict):
+            return type(value)((k, walk(v)) for k, v in value.items())
+        return copy.deepcopy(value)
+
+    return walk(state_dict), pairs
+
+
+@dataclass
+class Wave:
+    """Tensors copied and written together: (placeholder, source, offset from the wave's
+    start, the source's version at the call) each, and the wave's bytes in the buffer."""
+
+    items: list[tuple[torch.Tensor, torch.Tensor, int, int]]
+    nbytes: int
+
+
+def plan_waves(pairs: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> list[Wave]:
+    """Cut the pairs into waves of at most ``capacity`` bytes (in order); a larger tensor is a
+    wave alone. The sources' versions are noted now (the call)."""
+    waves: list[Wave] = []
+    cur = Wave([], 0)
+    for ph, src in pairs:
+        n = _aligned(src.numel() * src.element_size())
+        if cur.items and cur.nbytes + n > capacity:
+            waves.append(cur)
+            cur = Wave([], 0)
+        cur.items.append((ph, src, cur.nbytes, src._version))
+        cur.nbytes += n
+    if cur.items:
+        waves.append(cur)
+    return waves
+
+
+class WaveBuffer:
+    """The reused buffer of a budgeted staging (allocated on first use, kept while it is the
+    right size)."""
+
+    def __init__(self, budget: int, pin: bool):
+        self.budget = budget
+        self.pin = pin
+        self._arena: torch.Tensor | None = None
+
+    def arena_for(self, largest: int) -> torch.Tensor:
+        """The buffer for a state dict whose largest tensor has ``largest`` bytes: the budget,
+        or that tensor when it is larger (the bound is the budget plus one tensor)."""
+        size = max(self.budget, _aligned(largest))
+        if self._arena is None or self._arena.numel() != size:
+            self._arena = None
+            self._arena = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        return self._arena
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer holds now."""
+        return 0 if self._arena is None else self._arena.numel()
+
+    def close(self) -> None:
+        """Free the buffer."""
+        self._arena = None
+
+
+def stage_in_waves(job: StagingJob, arena: torch.Tensor, waves: list[Wave], spill: Any,
+                   staged: dict[str, Any], *, check: bool,
+                   copy_wave: Callable[[list[torch.Tensor], list[torch.Tensor]], None],
+                   describe: Callable[[torch.Tensor], str]) -> dict[str, Any]:
+    """The work of a budgeted job: copy each wave into its half of ``arena`` (``copy_wave``),
+    hand it to a writing thread (``spill.write_wave``), and reuse a part of the buffer only
+    once the wave in it is written. ``check``: compare the sources' versions after each wave
+    (lazy). Returns ``staged``; the spill's index goes to ``job.stats.extra["spill"]``."""
+    size = arena.numel()
+    in_flight: list[tuple[tuple[int, int], Future, Wave]] = []
+    placed: list[tuple[torch.Tensor, Any]] = []
+
+    def collect(done: tuple[tuple[int, int], Future, Wave]) -> None:
+        records = done[1].result()
+        placed.extend((item[0], rec) for item, rec in zip(done[2].items, records))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="tierstore-spill") as writer:
+        try:
+            for number, wave in enumerate(waves):
+                start = 0 if number % 2 == 0 else size - wave.nbytes
+                region = (start, start + wave.nbytes)
+                for entry in list(in_flight):
+                    if entry[0][0] < region[1] and region[0] < entry[0][1]:
+                        in_flight.remove(entry)
+                        collect(entry)
+                views = [arena[start + off:start + off + src.nbytes].view(src.dtype)
+                         .view(src.shape) for _, src, off, _ in wave.items]
+                srcs = [item[1] for item in wave.items]
+                copy_wave(views, srcs)
+                if check:
+                    check_unchanged(CopyBatch(views, srcs, [item[3] for item in wave.items]),
+                                    describe)
+                in_flight.append((region, writer.submit(spill.write_wave, number, views), wave))
+            job.mark_copied()
+            for entry in in_flight:
+                collect(entry)
+        except BaseException:
+            for _, fut, _ in in_flight:
+                fut.cancel()
+            raise
+    job.stats.extra["spill"] = spill.finish(staged, placed)
+    return staged
