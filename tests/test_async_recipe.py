@@ -59,3 +59,18 @@ def test_every_ranks_wait_covers_the_drains_of_the_last_save(tmp_path):
     Rank 1 runs no drain itself (rank 0 commits the shared tiers), so this checks that
     ``store.wait(all_ranks=True)`` waits for the whole job's drains on every rank."""
     run_recipe(tmp_path / "tiers", "slow-drain")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["lazy", "lazy-budget"])
+def test_the_recipe_with_lazy_staging_and_the_optimizer_hook_restores_bitwise(tmp_path, mode):
+    """The recipe as the README's lazy training loop writes it: ``lazy = true`` and
+    ``store.hook_optimizer(optimizer)``, no other wait for the staging (the next step's forward
+    and backward run while the state is copied), and with a budget of a quarter of a rank's
+    state (waves spilled to "ram"). Every checkpoint holds the state of its own step."""
+    root = tmp_path / "tiers"
+    out = run_recipe(root, mode)
+    for rank in range(2):
+        assert f"RANK {rank} TRAINED 10 STEPS" in out, out
+    for tier in ("ram", "disk"):
+        assert not [n for n in os.listdir(root / tier) if n.startswith(".")], tier

@@ -52,3 +52,34 @@ def test_a_full_tier_fails_the_save_clearly_and_the_process_lives(small_fs):
         got = {"w": torch.zeros(big)}
         dcp.load(got, storage_reader=store.reader(), checkpoint_id="step-2")
     assert torch.equal(got["w"], torch.full((big,), 2.0))
+
+
+def test_a_budgeted_spill_that_fills_the_first_tier_fails_clearly_and_loses_nothing(small_fs):
+    """A budgeted save spills its waves to the first tier; when they do not fit there the save
+    fails with the tier, the cause and the fix, the checkpoint before still loads, nothing of
+    the spill stays behind, and the process goes on saving."""
+    root = small_fs / "nvme"
+    config = {"store": {"staging": {"name": "cpu", "lazy": True, "max_staging_bytes": 1 << 20}},
+              "tier": [{"name": "nvme", "backend": "local", "path": str(root)}]}
+    small = {"w": torch.full((1 << 16,), 1.0)}
+    with tierstore.open(config) as store:
+        dcp.async_save(small, storage_writer=store.writer(),
+                       checkpoint_id="step-1").upload_completion.result()
+        big = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(6)}  # 6 MiB on 4 MiB
+        resp = dcp.async_save(big, storage_writer=store.writer(), checkpoint_id="step-2")
+        with pytest.raises(tierstore.StagingError) as info:
+            resp.staging_completion.result()
+        message = str(info.value)
+        assert "budgeted staging to tier 'nvme'" in message and "No space left" in message
+        assert "free space there or raise max_staging_bytes" in message
+        with pytest.raises(tierstore.StagingError):
+            resp.upload_completion.result()
+        assert store.latest() == "step-1"
+        got = {"w": torch.zeros(1 << 16)}
+        dcp.load(got, storage_reader=store.reader(), checkpoint_id="step-1")
+        assert torch.equal(got["w"], small["w"])
+        # The failed save's spill is gone at once, and the next save that fits commits.
+        assert sorted(p.name for p in root.iterdir()) == ["step-1"]
+        dcp.async_save(small, storage_writer=store.writer(),
+                       checkpoint_id="step-3").upload_completion.result()
+        assert store.latest() == "step-3"

@@ -4,7 +4,9 @@ Run under ``torchrun --nproc-per-node=2`` (gloo, CPU) by tests/test_async_recipe
 argv: ROOT [MODE]. ROOT holds the tier roots. MODE "recipe" (the default) or "slow-drain": the
 same job with the drain of the last checkpoint to "disk" slowed down (1 s before its commit, as a
 slow disk or object store would), which makes every rank check ``store.list()`` right after its
-own ``store.wait()`` (see the test module).
+own ``store.wait()`` (see the test module). "lazy": lazy staging, with the optimizer hooked to
+the store (``store.hook_optimizer``) and no other wait for the staging, as the README's training
+loop; "lazy-budget": the same with ``max_staging_bytes`` a quarter of a rank's state (waves).
 
 The recipe (recipes_source/distributed_async_checkpoint_recipe.rst) with FSDP2
 (``fully_shard``) instead of FSDP1: its ToyModel and Adam, 10 training steps, ``dcp.async_save``
@@ -49,6 +51,8 @@ STEPS = 10
 RAM_KEEP = 3
 
 SLOW_DRAIN_S = 1.0
+#: "lazy-budget": bytes of staging memory, about a quarter of a rank's model and Adam state
+BUDGET = 616
 
 problems: list[str] = []
 
@@ -169,6 +173,18 @@ class SlowLastDrain:
             time.sleep(SLOW_DRAIN_S)
 
 
+class StagingLog:
+    """The ``staged`` events of this rank's saves."""
+
+    def __init__(self):
+        self.events = []
+
+    @tierstore.hookimpl
+    def tierstore_event(self, event):
+        if event.kind == tierstore.EventKind.STAGED:
+            self.events.append(event)
+
+
 def check_listing(listed, root: str, when: str) -> None:
     """step-9 on both tiers, the newest 3 in "ram", every checkpoint on "disk"."""
     tiers_of = {c.id: c.tiers for c in listed}
@@ -197,15 +213,19 @@ def upload_future(response):
 def main() -> int:
     root = sys.argv[1]
     mode = sys.argv[2] if len(sys.argv) > 2 else "recipe"
-    assert mode in ("recipe", "slow-drain"), mode
+    assert mode in ("recipe", "slow-drain", "lazy", "lazy-budget"), mode
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     assert dist.get_world_size() == WORLD, dist.get_world_size()
     mesh = init_device_mesh("cpu", (WORLD,))
-    store = tierstore.open({"tier": [
+    staging = {"name": "cpu", "lazy": mode.startswith("lazy")}
+    if mode == "lazy-budget":
+        staging["max_staging_bytes"] = BUDGET
+    stagings = StagingLog()
+    store = tierstore.open({"store": {"staging": staging}, "tier": [
         {"name": "ram", "backend": "local", "path": f"{root}/ram", "keep": RAM_KEEP},
         {"name": "disk", "backend": "local", "path": f"{root}/disk"},
-    ]}, plugins=[SlowLastDrain()] if mode == "slow-drain" else ())
+    ]}, plugins=[stagings, *([SlowLastDrain()] if mode == "slow-drain" else [])])
     pg = store.process_group
     if pg is None:
         fail("store.process_group is None under torch.distributed")
@@ -213,6 +233,9 @@ def main() -> int:
         fail("store.process_group is the default group")
 
     model, optimizer = build(seed=0, mesh=mesh)
+    if staging["lazy"]:
+        # The only wait for the staging: the optimizer step, which changes the state in place.
+        store.hook_optimizer(optimizer)
     if not isinstance(model.net1.weight, DTensor):
         fail(f"fully_shard left net1.weight a {type(model.net1.weight).__name__}")
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
@@ -233,6 +256,11 @@ def main() -> int:
             {"app": AppState(model, optimizer)}, storage_writer=store.writer(),
             checkpoint_id=f"step-{step}", process_group=pg))
     checkpoint_future.result()
+    if [e.detail["lazy"] for e in stagings.events] != [staging["lazy"]] * STEPS:
+        fail(f"stagings {[e.detail for e in stagings.events]}, expected {STEPS} with lazy = "
+             f"{staging['lazy']}")
+    if mode == "lazy-budget" and not all(e.detail["waves"] > 1 for e in stagings.events):
+        fail(f"budgeted stagings took waves {[e.detail['waves'] for e in stagings.events]}")
     # Drains of a shared first tier run on rank 0; all_ranks=True returns on every rank once
     # they are done everywhere ("slow-drain" checks that on every rank).
     store.wait(all_ranks=(mode == "slow-drain"))

@@ -1,0 +1,214 @@
+"""Lazy staging (``lazy = true``: ``dcp.async_save`` returns before the copy, DCP's
+``AsyncSaveResponse`` says when it is done) and the staging memory budget (``max_staging_bytes``
+smaller than the state dict: waves through one buffer, spilled to the first tier, never a
+failure), as a training loop uses them."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import (assert_trees_equal, free_port, load_like, make_async_state,
+                     mutate_everything, run_script)
+from recording import Recorder
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+import tierstore
+from tierstore import EventKind
+
+
+def tiers(tmp_path: Path, staging: dict) -> dict:
+    return {"store": {"staging": staging},
+            "tier": [{"name": "ram", "backend": "local", "path": str(tmp_path / "ram"), "keep": 2},
+                     {"name": "disk", "backend": "local", "path": str(tmp_path / "disk")}]}
+
+
+def tensor_bytes(tree) -> tuple[int, int]:
+    """(all bytes of tensor data in ``tree``, the largest tensor's)."""
+    sizes = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            sizes.append(v.numel() * v.element_size())
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(tree)
+    return sum(sizes), max(sizes)
+
+
+def training_state(seed: int = 0) -> dict:
+    """make_async_state (nested, non-contiguous, 0-d, bf16, bool, BytesIO, ints) plus tensors
+    of several sizes, one of them larger than a quarter of the whole."""
+    sd = make_async_state(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    sd["layers"] = [torch.randn(256, 64, generator=g), torch.randn(3000, generator=g).double(),
+                    torch.randn(7, 5, generator=g)]
+    return sd
+
+
+def no_spill_left(root: Path) -> bool:
+    return not [n for n in os.listdir(root) if n.startswith(".tierstore-tmp.spill")]
+
+
+@pytest.mark.parametrize("staging", ["cpu", "pinned", "shm"])
+def test_lazy_save_returns_at_once_and_holds_the_values_of_the_call(tmp_path, staging):
+    sd = training_state()
+    with tierstore.open(tiers(tmp_path, {"name": staging, "lazy": True})) as store:
+        expected = []
+        for i in range(3):
+            resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{i}")
+            assert isinstance(resp, AsyncSaveResponse)
+            expected.append(copy.deepcopy(sd))
+            resp.staging_completion.result()
+            # Training changes every tensor (and the BytesIO) right after the staging completes.
+            mutate_everything(sd)
+            resp.upload_completion.result()
+        store.wait()
+        for i in (1, 2):
+            assert_trees_equal(load_like(store, f"step-{i}", expected[i]), expected[i])
+
+
+def test_a_hooked_optimizer_steps_only_once_the_state_is_copied(tmp_path):
+    """A real loop with no explicit wait: the optimizer step (which changes every parameter
+    and Adam moment in place) runs right after async_save; the step pre-hook makes it wait,
+    so each checkpoint is the state at its call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 512))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rec = Recorder()
+    with tierstore.open(tiers(tmp_path, {"name": "cpu", "lazy": True}), plugins=[rec]) as store:
+        handle = store.hook_optimizer(opt)
+        snapshots, responses = {}, []
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randn(32, 512)).square().mean().backward()
+            if step:
+                sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+                snapshots[step] = copy.deepcopy(sd)
+                responses.append(dcp.async_save(sd, storage_writer=store.writer(),
+                                                checkpoint_id=f"step-{step}"))
+            opt.step()
+        for resp in responses:
+            resp.upload_completion.result()
+        handle.remove()
+        store.wait()
+        for step in (2, 3):
+            assert_trees_equal(load_like(store, f"step-{step}", snapshots[step]), snapshots[step])
+        staged = [e for e in rec.events if e.kind == EventKind.STAGED]
+        assert [e.detail["lazy"] for e in staged] == [True] * 3
+
+
+def test_a_change_before_the_lazy_copy_fails_that_save_clearly_and_loses_nothing(tmp_path):
+    """Training that changes a tensor before the lazy copy took it (no hook, no wait): the
+    version counter shows it, the save fails through both futures with a message that names
+    the tensor and the fix, nothing is committed, and the checkpoint before still loads."""
+    sd = {f"t{i}": torch.full((4 << 20,), float(i)) for i in range(16)}  # 256 MiB
+    with tierstore.open(tiers(tmp_path, {"name": "cpu", "lazy": True})) as store:
+        first = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
+        first.upload_completion.result()
+        resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-2")
+        sd["t15"].add_(1)  # the optimizer step, too early: the copy is at the first tensors
+        with pytest.raises(tierstore.StagingError) as info:
+            resp.staging_completion.result()
+        message = str(info.value)
+        assert "tensor 't15' was changed in place while lazy staging was copying it" in message
+        assert "store.hook_optimizer(optimizer)" in message
+        with pytest.raises(tierstore.StagingError):
+            resp.upload_completion.result()
+        assert store.latest() == "step-1"
+        assert not (tmp_path / "ram" / "step-2").exists()
+        got = load_like(store, "step-1", {"t15": sd["t15"]})
+        assert torch.equal(got["t15"], torch.full((4 << 20,), 15.0))
+        # The next save, waited for as documented, goes through.
+        resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-3")
+        store.wait_staging()
+        resp.upload_completion.result()
+        assert store.latest() == "step-3"
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+@pytest.mark.parametrize("fraction", [4, 16])
+def test_a_budget_smaller_than_the_state_stages_in_waves_and_round_trips(tmp_path, fraction, lazy):
+    sd = training_state()
+    total, largest = tensor_bytes(sd)
+    budget = total // fraction
+    rec = Recorder()
+    staging = {"name": "cpu", "lazy": lazy, "max_staging_bytes": budget}
+    with tierstore.open(tiers(tmp_path, staging), plugins=[rec]) as store:
+        expected = []
+        for i in range(3):
+            resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{i}")
+            if lazy:
+                resp.staging_completion.result()
+            expected.append(copy.deepcopy(sd))
+            mutate_everything(sd)
+            getattr(resp, "upload_completion", resp).result()
+        store.wait()
+        for i in (1, 2):
+            assert_trees_equal(load_like(store, f"step-{i}", expected[i]), expected[i])
+        staged = [e for e in rec.events if e.kind == EventKind.STAGED]
+        assert len(staged) == 3
+        for event in staged:
+            assert event.nbytes == total
+            assert event.detail["waves"] > 1
+            # The bound: the budget, or the largest tensor where it is larger.
+            assert event.detail["buffer_bytes"] <= max(budget, largest) + 64
+    # No lock-in: stock DCP reads the budgeted checkpoint from the tier's directory.
+    got = copy.deepcopy(expected[2])
+    mutate_everything(got)
+    dcp.load(got, checkpoint_id=str(tmp_path / "ram" / "step-2"))
+    assert_trees_equal(got, expected[2])
+    assert no_spill_left(tmp_path / "ram")
+
+
+def test_a_state_that_fits_the_budget_again_goes_back_to_whole_buffers(tmp_path):
+    rec = Recorder()
+    staging = {"name": "cpu", "max_staging_bytes": 64 << 10}
+    with tierstore.open(tiers(tmp_path, staging), plugins=[rec]) as store:
+        big = {f"w{i}": torch.randn(8 << 10) for i in range(8)}  # 256 KiB: waves
+        small = {"w0": torch.randn(1000)}  # fits
+        for i, sd in enumerate([big, small, small, big]):
+            dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{i}").result()
+        staged = [e for e in rec.events if e.kind == EventKind.STAGED]
+        assert [e.detail["waves"] > 1 for e in staged] == [True, False, False, True]
+        assert [e.detail["reused"] for e in staged] == [False, False, True, False]
+        assert_trees_equal(load_like(store, "step-3", big), big)
+
+
+def test_non_tensor_values_are_taken_at_the_call_in_every_mode(tmp_path):
+    for staging in ({"name": "cpu", "lazy": True},
+                    {"name": "cpu", "lazy": True, "max_staging_bytes": 1024}):
+        sd = {"w": torch.randn(4096), "blob": io.BytesIO(b"before"), "meta": {"lr": [0.1]}}
+        with tierstore.open(tiers(tmp_path / str(len(staging)), staging)) as store:
+            resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
+            sd["blob"] = io.BytesIO(b"after")  # replaced and changed before the copy is done
+            sd["meta"]["lr"].append(0.2)
+            resp.upload_completion.result()
+            got = {"w": torch.zeros(4096), "blob": io.BytesIO(), "meta": {"lr": []}}
+            dcp.load(got, storage_reader=store.reader(), checkpoint_id="step-1")
+            assert got["blob"].getvalue() == b"before" and got["meta"]["lr"] == [0.1]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("staging", [
+    {"name": "shm", "lazy": True, "budget_fraction": 4},
+    {"name": "cpu", "budget_fraction": 16},
+], ids=["shm-lazy-quarter", "cpu-eager-sixteenth"])
+def test_budgeted_saves_with_the_process_executor_round_trip(tmp_path, staging):
+    proc = run_script("async_process_worker.py", tmp_path / "tiers", json.dumps(staging),
+                      free_port(), timeout=200)
+    assert proc.returncode == 0 and "PROCESS EXECUTOR OK" in proc.stdout, \
+        f"{proc.stdout}\n{proc.stderr[-8000:]}"
+    assert "WAVES" in proc.stdout, proc.stdout
