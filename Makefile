@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test faults bench clean
+.PHONY: demo test gpu-test faults bench clean
 
 # torch first, pinned: a bare `torch` requirement would pull several GB of CUDA wheels.
 $(VENV)/.torch:
@@ -29,6 +29,13 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
+
+# The CUDA paths (pinned buffers, side-stream copies, lazy staging on a GPU), on a machine with
+# an NVIDIA GPU, where PyPI's torch wheel is a CUDA build. Everywhere else these tests skip (and
+# this target says why it ran nothing).
+gpu-test: $(VENV)/.installed-test
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-test: CUDA is not available to torch ' + torch.__version__)"
+	$(PY) -m pytest -q tests/gpu
 
 # The fault matrix: every phase x every fault kind, invariants checked from a fresh process;
 # prints the table (tests/faults/). Add TABLE=path.md to write it as Markdown too.

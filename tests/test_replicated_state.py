@@ -13,6 +13,16 @@ def test_replicated_state_on_a_tier_per_rank_loads_on_every_rank(tmp_path):
     assert "RANK 0 OK" in out and "RANK 1 OK" in out
 
 
+def test_budgeted_lazy_staging_of_replicated_state_loads_on_every_rank(tmp_path):
+    """Each rank spills all of its (replicated) state; DCP's plan has each replicated item
+    written by one rank, from that rank's spill."""
+    out = run_torchrun("replicated_state_worker.py", str(tmp_path), "budget", nproc=2)
+    assert "RANK 0 OK" in out and "RANK 1 OK" in out
+    for rank in (0, 1):
+        assert not [p for p in (tmp_path / "ram" / str(rank)).iterdir()
+                    if p.name.startswith(".")], rank
+
+
 def test_replicated_state_loads_after_a_node_is_lost(tmp_path):
     """2 simulated nodes x 2 ranks, RAM and a peer tier: node 1 is replaced (its RAM and peer
     directories are gone); every rank loads its own tensor and the replicated step from the
