@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tierstore
-from tierstore.plugin import Stager, hookimpl
+from tierstore.plugin import Stager, StagingJob, hookimpl
 
 from ._helpers import assert_options_declared, assert_trees_equal, tensor_bytes
 from .roundtrip import _empty_like, assert_state_dicts_equal, make_state_dict
@@ -242,6 +242,22 @@ class StagerTests:
                 assert stager.last_reused in (None, False), \
                     "last_reused is True after the first stage: there was nothing to reuse"
 
+    def test_a_started_job_holds_the_state_of_the_call(self, stager, source_device):
+        """``start()`` (what the core calls) returns a StagingJob; run, its result equals the
+        state at the call, and once ``fence()`` has returned, training may change every tensor
+        without reaching it (a lazy stager's copy ends after the call, an eager one's before)."""
+        sd = self.on_device(make_training_state(3), source_device)
+        want = self.snapshot(sd)
+        job = stager.start(sd, _no_spill)
+        assert isinstance(job, StagingJob), \
+            f"start() returned a {type(job).__name__}, not a tierstore.plugin.StagingJob"
+        job.run()
+        job.fence(timeout=60)
+        assert job.copied, "fence() returned before the job said every value was taken"
+        mutate_in_place(sd)
+        assert_trees_equal(job.result(timeout=60), want, "the started job's tree")
+        stager.close()
+
     def test_close_is_safe_to_repeat(self, stager, source_device):
         """close() before any stage, after one, and twice in a row does not raise."""
         stager.close()
@@ -252,18 +268,28 @@ class StagerTests:
         stager.close()
 
     def test_async_save_through_a_store(self, tmp_path, stager):
-        """dcp.async_save through a store using the stager saves the state as it was when the
-        call returned, even as training updates the tensors before the save ends."""
+        """dcp.async_save through a store using the stager saves the state as it was at the
+        call, even as training updates the tensors before the save ends (once the staging is
+        over: when async_save returns, or, for a lazy stager, at its staging_completion)."""
         config = {"store": {"staging": self.staging_name},
                   "tier": [{"name": "nvme", "backend": "local", "path": str(tmp_path / "t")}]}
         sd = make_state_dict(4)
         want = copy.deepcopy(sd)
         with tierstore.open(config, plugins=[_StagerPlugin(self.staging_name, stager)]) as store:
-            future = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
+            resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
+            if stager.lazy:
+                assert hasattr(resp, "staging_completion"), \
+                    "a lazy stager's async_save did not return DCP's AsyncSaveResponse"
+                resp.staging_completion.result()
             sd["model"]["embed.weight"].add_(1.0)
             sd["optim"]["counts"].zero_()
-            future.result()
+            getattr(resp, "upload_completion", resp).result()
             store.wait()
             loaded = _empty_like(want)
             dcp.load(loaded, storage_reader=store.reader(), checkpoint_id="step-1")
         assert_state_dicts_equal(loaded, want)
+
+
+def _no_spill() -> Any:
+    raise AssertionError("the stager asked for a spill, which the kit only gives to a stager "
+                         "with a memory budget smaller than the state dict")

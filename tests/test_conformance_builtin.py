@@ -119,6 +119,14 @@ class TestShmStager(_BuiltinStager):
     staging = "shm"
 
 
+class TestLazyCpuStager(_BuiltinStager):
+    """``cpu`` with ``lazy = true``: start() returns before the copy; stage() stays eager."""
+
+    @pytest.fixture
+    def stager(self):
+        return _build("staging", "cpu", lazy=True)
+
+
 # -- replication -----------------------------------------------------------------------------
 
 class TestCliqueFactor2Jump1(ReplicationStrategyTests):

@@ -39,12 +39,14 @@ from tierstore.plugin.bases import (Backend, Codec, CommitProtocol, DirectoryLoc
 from tierstore.plugin.host import hookimpl
 from tierstore.plugin.options import Option
 from tierstore.plugin.retry import GaveUp, RetryPolicy, with_retries
+from tierstore.plugin.staging import StagingJob, StagingStats
 from tierstore.transport.ends import (DescriptorEnd, FileSource, MappedFile, TransferEnd,
                                       WrittenFile, map_populated)
 
 __all__ = [
     "hookimpl", "Option",
-    "Backend", "CommitProtocol", "Codec", "Stager", "ReplicationStrategy", "DirectoryLock",
+    "Backend", "CommitProtocol", "Codec", "Stager", "StagingJob", "StagingStats",
+    "ReplicationStrategy", "DirectoryLock",
     "TransferEnd", "DescriptorEnd", "MappedFile", "WrittenFile", "FileSource", "map_populated",
     "Event", "EventKind", "Phase",
     "MANIFEST_NAME", "METADATA_NAME", "Manifest", "FileEntry", "Hasher", "checksum_of",
