@@ -8,11 +8,19 @@ shape or dtype, a key added or removed) the buffers are allocated anew; the old 
 once the save that read them is over.
 
 - ``cpu``: pageable memory; pinned automatically when tensors are on CUDA (the copy is then a
-  non-blocking copy on a side stream, waited for before ``async_save`` returns).
+  non-blocking copy on a side stream, ended by an event).
 - ``pinned``: page-locked memory always (falls back to pageable memory, with a warning, where
   CUDA is not available).
 - ``shm``: shared memory, so that DCP's process executor hands the buffers to its checkpoint
   process without copying them again.
+
+Each takes two options:
+
+- ``lazy``: ``start`` takes the non-tensor values and notes what to copy, and the copy itself
+  runs on the job's own thread (on CUDA it is queued at the call and the job waits for its
+  event); ``dcp.async_save`` returns at once.
+- ``max_staging_bytes``: a state dict larger than this is staged in waves through one buffer of
+  that size instead of whole buffers (``staging_waves``); one that fits again goes back to them.
 """
 
 from __future__ import annotations
