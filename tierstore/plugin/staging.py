@@ -208,14 +208,15 @@ class StagingJob:
 
     def fence(self, timeout: float | None = None) -> float:
         """Make it safe for training to change the state: returns once every value has been
-        taken, or (CUDA) once the training stream is ordered after the device-to-host copies.
-        Returns the seconds the host waited."""
+        taken, or (CUDA) once the training stream is ordered after the device-to-host copies,
+        or after ``timeout`` seconds (then :attr:`copied` is still False). Returns the seconds
+        the host waited."""
         started = time.perf_counter()
         if not self._copied.is_set() and self._cuda_fence is not None and self._cuda_fence():
             self._fenced = True
             return time.perf_counter() - started
-        self._copied.wait(timeout)
-        self._fenced = True
+        if self._copied.wait(timeout):
+            self._fenced = True
         return time.perf_counter() - started
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
