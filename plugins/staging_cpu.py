@@ -26,6 +26,7 @@ Each takes two options:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -108,8 +109,9 @@ class CpuStager(Stager):
 
     def _start(self, state_dict: dict[str, Any], spill: Callable[[], Any], lazy: bool
                ) -> StagingJob:
+        started = time.perf_counter()
         if self._waves is not None:  # the save before did not fit the budget
-            return self._start_waves(state_dict, spill, lazy)
+            return self._start_waves(state_dict, spill, lazy, started)
         buffers = self._buffers
         prepared = buffers.prepare(state_dict) if buffers is not None else None
         reused = prepared is not None
@@ -118,7 +120,7 @@ class CpuStager(Stager):
             self._buffers = None
             layout = describe_state_dict(state_dict)
             if self.max_staging_bytes and layout.nbytes > self.max_staging_bytes:
-                return self._start_waves(state_dict, spill, lazy)
+                return self._start_waves(state_dict, spill, lazy, started)
             buffers = self._allocate(layout, state_dict)
             prepared = buffers.prepare(state_dict)
             if prepared is None:
@@ -129,7 +131,7 @@ class CpuStager(Stager):
         stats = StagingStats(nbytes=nbytes, reused=reused, buffer_bytes=nbytes)
         describe = _describer(state_dict)
         if buffers.pinned and buffers.layout.on_cuda:
-            return self._cuda_job(staged, dsts, srcs, lazy, stats, describe)
+            return self._cuda_job(staged, dsts, srcs, lazy, stats, describe, started)
         batches = split_copies(dsts, srcs) if lazy else [CopyBatch(dsts, srcs, [])]
 
         def work(job: StagingJob) -> dict[str, Any]:
@@ -139,10 +141,11 @@ class CpuStager(Stager):
                     check_unchanged(batch, describe)
             return staged
 
-        return StagingJob(work, lazy=lazy, stats=stats)
+        return StagingJob(work, lazy=lazy, stats=stats, started=started)
 
     def _cuda_job(self, staged: dict[str, Any], dsts: list, srcs: list, lazy: bool,
-                  stats: StagingStats, describe: Callable[[torch.Tensor], str]) -> StagingJob:
+                  stats: StagingStats, describe: Callable[[torch.Tensor], str], started: float
+                  ) -> StagingJob:
         """Device -> pinned host copies queued now on a side stream, after the work already
         queued on the training's current stream (which produced the tensors); an event marks
         their end. The job waits on that event (never on a stream); the optimizer hook orders
@@ -177,12 +180,12 @@ class CpuStager(Stager):
                 check_unchanged(batch, describe)
             return staged
 
-        job = StagingJob(work, lazy=lazy, stats=stats)
+        job = StagingJob(work, lazy=lazy, stats=stats, started=started)
         job.set_cuda_fence(fence)
         return job
 
-    def _start_waves(self, state_dict: dict[str, Any], spill: Callable[[], Any], lazy: bool
-                     ) -> StagingJob:
+    def _start_waves(self, state_dict: dict[str, Any], spill: Callable[[], Any], lazy: bool,
+                     started: float) -> StagingJob:
         """Stage through the budget's buffer in waves (``staging_waves``); back to whole
         buffers when the state dict fits the budget again."""
         staged, pairs = placeholder_tree(state_dict, self._copy_whole)
@@ -207,7 +210,7 @@ class CpuStager(Stager):
             return stage_in_waves(job, arena, waves, sink, staged, check=lazy,
                                   copy_wave=copy_wave, describe=describe)
 
-        return StagingJob(work, lazy=lazy, stats=stats)
+        return StagingJob(work, lazy=lazy, stats=stats, started=started)
 
     def _cuda_wave_copier(self) -> Callable[[list, list], None]:
         """Copies of a wave on the side stream, after what the training stream had queued at the

@@ -1,6 +1,7 @@
 """dcp.async_save through store.writer(): staging into reused buffers, what training may do once
 a save has staged, one save in flight, the memory bound, errors through the future, and the
-process executor (in a subprocess, which DCP needs a process group for)."""
+process executor (in a subprocess, which DCP needs a process group for). Lazy staging and
+the budget's waves: tests/test_lazy_staging.py."""
 
 from __future__ import annotations
 
@@ -187,23 +188,22 @@ def test_a_plain_save_waits_for_an_async_save_in_flight(tmp_path):
         assert [c.id for c in store.list()] == ["step-2", "step-1"]
 
 
-def test_staging_over_the_memory_bound_is_a_clear_error_and_loses_nothing(tmp_path):
+def test_a_tensor_larger_than_the_memory_bound_is_staged_alone_not_refused(tmp_path):
+    """The bound is never a reason to fail: a tensor larger than it is a wave of its own, in a
+    buffer of its size (the bound plus one tensor)."""
+    rec = Recorder()
     config = two_tiers(tmp_path, {"name": "cpu", "max_staging_bytes": 1 << 20})
-    with tierstore.open(config) as store:
+    with tierstore.open(config, plugins=[rec]) as store:
         small = {"w": torch.ones(1000)}
         dcp.async_save(small, storage_writer=store.writer(), checkpoint_id="step-1").result()
-        big = {"w": torch.ones(1 << 19)}  # 2 MiB
-        with pytest.raises(tierstore.StagingError) as info:
-            dcp.async_save(big, storage_writer=store.writer(), checkpoint_id="step-2")
-        message = str(info.value)
-        assert "2.00 MiB" in message and "max_staging_bytes = 1048576" in message
-        assert "raise max_staging_bytes" in message
-        # Nothing of step-2 was written, step-1 still loads, and saving goes on.
-        assert not (tmp_path / "ram" / "step-2").exists()
-        assert store.latest() == "step-1"
-        assert torch.equal(load_like(store, "step-1", small)["w"], small["w"])
-        dcp.async_save(small, storage_writer=store.writer(), checkpoint_id="step-3").result()
-        assert store.latest() == "step-3"
+        big = {"w": torch.arange(1 << 19, dtype=torch.float32), "b": torch.ones(10)}  # 2 MiB
+        dcp.async_save(big, storage_writer=store.writer(), checkpoint_id="step-2").result()
+        assert store.latest() == "step-2"
+        assert_trees_equal(load_like(store, "step-2", big), big)
+        assert_trees_equal(load_like(store, "step-1", small), small)
+        staged = [e for e in rec.events if e.kind == EventKind.STAGED]
+        assert staged[1].detail["buffer_bytes"] == 2 << 20  # the 2 MiB tensor, not the 1 MiB bound
+        assert store._stager.allocated_bytes == 2 << 20
 
 
 def test_a_negative_memory_bound_is_a_config_error(tmp_path):

@@ -70,8 +70,9 @@ class TierFullError(TierstoreError, OSError):
 
 
 class StagingError(TierstoreError):
-    """A state dict could not be staged for ``dcp.async_save`` (e.g. it exceeds
-    ``[store.staging] max_staging_bytes``); nothing was written."""
+    """A state dict could not be staged for ``dcp.async_save``: training changed a tensor before
+    a lazy staging had copied it, or a budgeted staging's waves could not be written to the
+    first tier. That save fails (through its futures); the checkpoints before it are intact."""
 
 
 class RanksLostError(TierstoreError, RuntimeError):

@@ -116,12 +116,14 @@ class StagingJob:
 
     Made by a staging plugin with ``work``, a callable that does the copy and returns the staged
     tree; it calls :meth:`mark_copied` once every value is taken (else that is marked when it
-    returns). ``fence_cuda``, when given, orders the training's CUDA stream after the copies
+    returns). ``started``: the ``time.perf_counter()`` of the call, from which the stats'
+    seconds count (default: now). ``fence_cuda``, when given, orders the training's CUDA stream after the copies
     instead of blocking the host (see :meth:`fence`).
     """
 
     def __init__(self, work: Callable[["StagingJob"], dict[str, Any]], *, lazy: bool,
-                 stats: StagingStats | None = None, name: str = "tierstore-staging"):
+                 stats: StagingStats | None = None, started: float | None = None,
+                 name: str = "tierstore-staging"):
         self.lazy = lazy
         self.stats = stats or StagingStats()
         self.future: Future = Future()
@@ -130,7 +132,8 @@ class StagingJob:
         self._cuda_fence: Callable[[], bool] | None = None
         self._fenced = False
         self._on_done: list[Callable[["StagingJob"], None]] = []
-        self._started = time.perf_counter()
+        # ``stats.seconds`` count from here (``started``: when the plugin's start() began)
+        self._started = time.perf_counter() if started is None else started
         self._thread: threading.Thread | None = None
         self._name = name
         #: what the copy raised (set before the callbacks run); None while running or after
