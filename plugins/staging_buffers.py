@@ -100,6 +100,14 @@ class StagingBuffers:
         # expectation (see _expectation); a DTensor's spec is replaced by the first spec object
         # found equal to it, since training keeps the same spec objects from save to save.
         self._expected: dict[int, dict[Any, tuple]] = {}
+        self._smallest_first: list[int] | None = None
+
+    def smallest_first(self, dsts: list[torch.Tensor]) -> list[int]:
+        """The positions of ``dsts`` (the buffers :meth:`prepare` returns, in its order) from
+        the smallest buffer to the largest; worked out once (it depends on the layout alone)."""
+        if self._smallest_first is None:
+            self._smallest_first = sorted(range(len(dsts)), key=lambda i: dsts[i].nbytes)
+        return self._smallest_first
 
     def prepare(self, state_dict: dict[str, Any]
                 ) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]] | None:

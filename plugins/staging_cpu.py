@@ -130,9 +130,19 @@ class CpuStager(Stager):
         self.last_bytes, self.last_reused = nbytes, reused
         stats = StagingStats(nbytes=nbytes, reused=reused, buffer_bytes=nbytes)
         describe = _describer(state_dict)
+        if lazy:
+            order = buffers.smallest_first(dsts)
+            dsts, srcs = [dsts[i] for i in order], [srcs[i] for i in order]
         if buffers.pinned and buffers.layout.on_cuda:
             return self._cuda_job(staged, dsts, srcs, lazy, stats, describe, started)
-        batches = split_copies(dsts, srcs) if lazy else [CopyBatch(dsts, srcs, [])]
+        if not lazy:
+            batches = [CopyBatch(dsts, srcs, [])]
+        else:
+            # The smallest tensors now, on the caller's thread: forward changes some of them
+            # in place (BatchNorm's running statistics) long before the optimizer step.
+            head = _head_count(dsts)
+            run_copies([CopyBatch(dsts[:head], srcs[:head], [])])
+            batches = split_copies(dsts[head:], srcs[head:])
 
         def work(job: StagingJob) -> dict[str, Any]:
             for batch in batches:
@@ -152,9 +162,18 @@ class CpuStager(Stager):
         the training stream after it instead of blocking the host."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        side = self._stream
-        side.wait_stream(torch.cuda.current_stream())
-        batch = CopyBatch(dsts, srcs, [s._version for s in srcs] if lazy else [])
+        side, training = self._stream, torch.cuda.current_stream()
+        side.wait_stream(training)
+        head = _head_count(dsts) if lazy else 0
+        if head:
+            # The smallest tensors first, and the training stream waits for them (on the
+            # device): forward changes some in place (BatchNorm's running statistics).
+            run_copies([CopyBatch(dsts[:head], srcs[:head], [])], non_blocking=True, stream=side)
+            head_done = torch.cuda.Event()
+            head_done.record(side)
+            training.wait_event(head_done)
+        batch = CopyBatch(dsts[head:], srcs[head:], [s._version for s in srcs[head:]] if lazy
+                          else [])
         run_copies([batch], non_blocking=True, stream=side)
         for src in srcs:  # the allocator must not reuse a source's memory before the copy
             if src.is_cuda:
@@ -198,6 +217,8 @@ class CpuStager(Stager):
         if self._waves is None or self._waves.pin != pin:
             self._waves = WaveBuffer(self.max_staging_bytes, pin)
         largest = max(src.numel() * src.element_size() for _, src in pairs)
+        # Smallest first: forward changes some small tensors in place (BatchNorm's statistics).
+        pairs.sort(key=lambda pair: pair[1].numel() * pair[1].element_size())
         arena = self._waves.arena_for(largest)
         waves = plan_waves(pairs, max(arena.numel() // 2, 1))
         sink = spill()
@@ -258,6 +279,20 @@ class CpuStager(Stager):
         """Free the staging buffers."""
         self._buffers = None
         self._waves = None
+
+
+#: bytes of the smallest tensors a lazy staging copies at the call, before it returns
+INLINE_BYTES = 1 << 20
+
+
+def _head_count(dsts: list) -> int:
+    """How many of the first (smallest) copies fit in :data:`INLINE_BYTES`."""
+    total = 0
+    for n, d in enumerate(dsts):
+        total += d.nbytes
+        if total > INLINE_BYTES:
+            return n
+    return len(dsts)
 
 
 def _copy_on_host(dsts: list, srcs: list) -> None:

@@ -110,6 +110,36 @@ def test_a_hooked_optimizer_steps_only_once_the_state_is_copied(tmp_path):
         assert [e.detail["lazy"] for e in staged] == [True] * 3
 
 
+def test_batchnorm_statistics_changed_by_the_next_forward_are_saved_as_at_the_call(tmp_path):
+    """Forward changes BatchNorm's running statistics in place, long before the optimizer step
+    the hook guards: lazy staging copies the smallest tensors at the call, so the next step's
+    forward can start at once and each checkpoint still holds the state of its call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 2048),
+                                torch.nn.BatchNorm1d(2048), torch.nn.ReLU(),
+                                torch.nn.Linear(2048, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with tierstore.open(tiers(tmp_path, {"name": "cpu", "lazy": True})) as store:
+        store.hook_optimizer(opt)
+        snapshots, responses = {}, []
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randn(64, 256)).square().mean().backward()  # running stats change here
+            opt.step()
+            sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+            snapshots[step] = copy.deepcopy(sd)
+            responses.append(dcp.async_save(sd, storage_writer=store.writer(),
+                                            checkpoint_id=f"step-{step}"))
+        for resp in responses:
+            resp.upload_completion.result()
+        store.wait()
+        for step in (2, 3):
+            got = load_like(store, f"step-{step}", snapshots[step])
+            assert_trees_equal(got, snapshots[step])
+            assert not torch.equal(got["model"]["0.running_mean"],
+                                   snapshots[step - 1]["model"]["0.running_mean"])
+
+
 def test_a_change_before_the_lazy_copy_fails_that_save_clearly_and_loses_nothing(tmp_path):
     """Training that changes a tensor before the lazy copy took it (no hook, no wait): the
     version counter shows it, the save fails through both futures with a message that names

@@ -101,6 +101,7 @@ def check_unchanged(batch: CopyBatch, describe: Callable[[torch.Tensor], str]) -
 def run_copies(batches: list[CopyBatch], *, non_blocking: bool = False,
                stream: Any = None) -> None:
     """Copy every batch (``torch._foreach_copy_``), on ``stream`` when given (CUDA)."""
+    batches = [b for b in batches if b.dsts]
     with torch.no_grad():
         if stream is None:
             for b in batches:
