@@ -11,20 +11,12 @@ import copy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from recording import Recorder
 
 import tierstore
 from tierstore import EventKind
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-class Recorder:
-    def __init__(self):
-        self.events = []
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event):
-        self.events.append(event)
 
 
 def config(tmp_path, staging: dict) -> dict:
