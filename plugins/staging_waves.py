@@ -122,7 +122,9 @@ class WaveBuffer:
     def arena_for(self, largest: int) -> torch.Tensor:
         """The buffer for a state dict whose largest tensor has ``largest`` bytes: the budget,
         or that tensor when it is larger (the bound is the budget plus one tensor)."""
-        size = max(self.budget, _aligned(largest))
+        # Whole multiples of the alignment (the second half's waves end at the buffer's end),
+        # the budget rounded down: the buffer never exceeds it but for one larger tensor.
+        size = max(self.budget // _ALIGN * _ALIGN, _aligned(largest))
         if self._arena is None or self._arena.numel() != size:
             self._arena = None
             self._arena = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
