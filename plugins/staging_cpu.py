@@ -33,8 +33,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tierstore.plugin import hookimpl, Option, Stager, StagingError
-from tierstore.plugin.staging import (CopyBatch, StagingJob, StagingStats, check_unchanged,
-                                      run_copies, split_copies)
+from tierstore.plugin.staging import (CopyBatch, StagingJob, StagingStats, StagingWorker,
+                                      check_unchanged, run_copies, split_copies)
 from tierstore_plugins.staging_buffers import (StagingBuffers, StateDictLayout,
                                                describe_state_dict)
 from tierstore_plugins.staging_waves import (WaveBuffer, placeholder_tree, plan_waves,
@@ -74,6 +74,7 @@ class CpuStager(Stager):
         self._waves: WaveBuffer | None = None  # the buffer of a budgeted staging
         self._stream: Any = None
         self._warned_no_cuda = False
+        self._worker = StagingWorker(nice=STAGING_NICE)
         #: bytes of tensor data copied by the last ``stage`` call
         self.last_bytes = 0
         #: whether the last ``stage`` call reused the buffers of the one before
@@ -151,7 +152,8 @@ class CpuStager(Stager):
                     check_unchanged(batch, describe)
             return staged
 
-        return StagingJob(work, lazy=lazy, stats=stats, started=started)
+        return StagingJob(work, lazy=lazy, stats=stats, started=started,
+                          worker=self._worker)
 
     def _cuda_job(self, staged: dict[str, Any], dsts: list, srcs: list, lazy: bool,
                   stats: StagingStats, describe: Callable[[torch.Tensor], str], started: float
@@ -199,7 +201,8 @@ class CpuStager(Stager):
                 check_unchanged(batch, describe)
             return staged
 
-        job = StagingJob(work, lazy=lazy, stats=stats, started=started)
+        job = StagingJob(work, lazy=lazy, stats=stats, started=started,
+                          worker=self._worker)
         job.set_cuda_fence(fence)
         return job
 
@@ -231,7 +234,8 @@ class CpuStager(Stager):
             return stage_in_waves(job, arena, waves, sink, staged, check=lazy,
                                   copy_wave=copy_wave, describe=describe)
 
-        return StagingJob(work, lazy=lazy, stats=stats, started=started)
+        return StagingJob(work, lazy=lazy, stats=stats, started=started,
+                          worker=self._worker)
 
     def _cuda_wave_copier(self) -> Callable[[list, list], None]:
         """Copies of a wave on the side stream, after what the training stream had queued at the
@@ -276,11 +280,14 @@ class CpuStager(Stager):
         return wanted
 
     def close(self) -> None:
-        """Free the staging buffers."""
+        """Free the staging buffers (and end the staging thread)."""
         self._buffers = None
         self._waves = None
+        self._worker.close()
 
 
+#: how much lower the lazy staging thread's scheduling priority is than training's (nice)
+STAGING_NICE = 0
 #: bytes of the smallest tensors a lazy staging copies at the call, before it returns
 INLINE_BYTES = 1 << 20
 

@@ -19,6 +19,8 @@ compares after copying it; a tensor changed before its copy was taken fails the 
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -29,7 +31,8 @@ import torch
 
 from tierstore.errors import StagingError
 
-__all__ = ["StagingJob", "StagingStats", "CopyBatch", "check_unchanged", "run_copies"]
+__all__ = ["StagingJob", "StagingStats", "StagingWorker", "CopyBatch", "check_unchanged",
+           "run_copies", "split_copies"]
 
 log = logging.getLogger("tierstore.staging")
 
@@ -112,19 +115,59 @@ def run_copies(batches: list[CopyBatch], *, non_blocking: bool = False,
                 torch._foreach_copy_(b.dsts, b.srcs, non_blocking=non_blocking)
 
 
+class StagingWorker:
+    """The thread lazy jobs run on: one per stager, started on its first job and kept, so that a
+    save starts no thread (nor the thread's pool of copy threads) while training waits on
+    ``async_save``. ``nice``: how much lower than training's its scheduling priority is (0:
+    the same); the copy then takes the cores training leaves idle first."""
+
+    def __init__(self, name: str = "tierstore-staging", nice: int = 0):
+        self._name, self._nice = name, nice
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the worker's thread (after the tasks before it)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+        self._queue.put(task)
+
+    def _loop(self) -> None:
+        if self._nice:
+            try:  # Linux: a thread's own priority (its copy threads, made later, inherit it)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except (AttributeError, OSError):
+                log.debug("could not lower the staging thread's priority", exc_info=True)
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            task()
+
+    def close(self) -> None:
+        """Let the thread end once the tasks queued before are done."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+
+
 class StagingJob:
     """The staging of one save (see the module docstring).
 
     Made by a staging plugin with ``work``, a callable that does the copy and returns the staged
     tree; it calls :meth:`mark_copied` once every value is taken (else that is marked when it
-    returns). ``started``: the ``time.perf_counter()`` of the call, from which the stats'
+    returns). A lazy job runs on ``worker`` (see :class:`StagingWorker`). ``started``: the ``time.perf_counter()`` of the call, from which the stats'
     seconds count (default: now). ``fence_cuda``, when given, orders the training's CUDA stream after the copies
     instead of blocking the host (see :meth:`fence`).
     """
 
     def __init__(self, work: Callable[["StagingJob"], dict[str, Any]], *, lazy: bool,
                  stats: StagingStats | None = None, started: float | None = None,
-                 name: str = "tierstore-staging"):
+                 worker: StagingWorker | None = None):
         self.lazy = lazy
         self.stats = stats or StagingStats()
         self.future: Future = Future()
@@ -135,8 +178,7 @@ class StagingJob:
         self._on_done: list[Callable[["StagingJob"], None]] = []
         # ``stats.seconds`` count from here (``started``: when the plugin's start() began)
         self._started = time.perf_counter() if started is None else started
-        self._thread: threading.Thread | None = None
-        self._name = name
+        self._worker = worker
         #: what the copy raised (set before the callbacks run); None while running or after
         #: a success
         self.error: BaseException | None = None
@@ -149,12 +191,14 @@ class StagingJob:
 
     # -- running ---------------------------------------------------------------------------------
     def run(self) -> None:
-        """Do the work here and now (eager), or on a thread of its own (lazy)."""
+        """Do the work here and now (eager), or on the worker's thread (lazy; a thread of its
+        own without a worker)."""
         if not self.lazy:
             self._run()
-            return
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
+        elif self._worker is not None:
+            self._worker.submit(self._run)
+        else:
+            threading.Thread(target=self._run, name="tierstore-staging", daemon=True).start()
 
     def _run(self) -> None:
         work, self._work = self._work, None  # the job outlives its copy; its sources must not
