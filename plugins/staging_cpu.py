@@ -74,7 +74,7 @@ class CpuStager(Stager):
         self._waves: WaveBuffer | None = None  # the buffer of a budgeted staging
         self._stream: Any = None
         self._warned_no_cuda = False
-        self._worker = StagingWorker(nice=STAGING_NICE)
+        self._worker = StagingWorker()
         #: bytes of tensor data copied by the last ``stage`` call
         self.last_bytes = 0
         #: whether the last ``stage`` call reused the buffers of the one before
@@ -286,8 +286,6 @@ class CpuStager(Stager):
         self._worker.close()
 
 
-#: how much lower the lazy staging thread's scheduling priority is than training's (nice)
-STAGING_NICE = 0
 #: bytes of the smallest tensors a lazy staging copies at the call, before it returns
 INLINE_BYTES = 1 << 20
 

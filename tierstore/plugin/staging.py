@@ -19,7 +19,6 @@ compares after copying it; a tensor changed before its copy was taken fails the 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -118,11 +117,12 @@ def run_copies(batches: list[CopyBatch], *, non_blocking: bool = False,
 class StagingWorker:
     """The thread lazy jobs run on: one per stager, started on its first job and kept, so that a
     save starts no thread (nor the thread's pool of copy threads) while training waits on
-    ``async_save``. ``nice``: how much lower than training's its scheduling priority is (0:
-    the same); the copy then takes the cores training leaves idle first."""
+    ``async_save`` (that start was most of a lazy ``async_save``'s 7 ms on a busy 2-core
+    machine; 2 ms without it). It runs at training's priority: a lower one (nice 10) changed
+    nothing measurable in ``benchmarks/training_stall.py``."""
 
-    def __init__(self, name: str = "tierstore-staging", nice: int = 0):
-        self._name, self._nice = name, nice
+    def __init__(self, name: str = "tierstore-staging"):
+        self._name = name
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -136,11 +136,6 @@ class StagingWorker:
         self._queue.put(task)
 
     def _loop(self) -> None:
-        if self._nice:
-            try:  # Linux: a thread's own priority (its copy threads, made later, inherit it)
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-            except (AttributeError, OSError):
-                log.debug("could not lower the staging thread's priority", exc_info=True)
         while True:
             task = self._queue.get()
             if task is None:
