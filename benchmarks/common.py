@@ -14,6 +14,7 @@ import copy
 import ctypes
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -469,3 +470,56 @@ def torchrun_main(argv: list[str] | None, parse_args: Callable[[list[str]], argp
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     return worker(args) if under_torchrun() else launch(args, argv)
+
+
+class MlpTrainer:
+    """A CPU training job for the training-loop benchmarks (``training_stall.py``,
+    ``lazy_ordering.py``): square Linear layers with ReLUs between them, fused Adam (no
+    full-size temporaries, so memory stays flat between steps) and one fixed batch, sized so
+    that parameters and Adam's two moments take about ``args.state_mib`` MiB.
+    ``forward_backward`` and ``step`` are the two halves of a step; ``state_dict`` is what a
+    save takes."""
+
+    def __init__(self, args: argparse.Namespace):
+        torch.manual_seed(0)
+        n_params = args.state_mib * (1 << 20) / 4 / 3
+        self.width = max(64, round(math.sqrt(n_params / args.layers) / 64) * 64)
+        mods: list[torch.nn.Module] = []
+        for i in range(args.layers):
+            mods.append(torch.nn.Linear(self.width, self.width))
+            if i < args.layers - 1:
+                mods.append(torch.nn.ReLU())
+        self.model = torch.nn.Sequential(*mods)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5, fused=True)
+        self.x = torch.randn(args.batch, self.width)
+        self.y = torch.randn(args.batch, self.width)
+        self.forward_backward()     # Adam's state exists from here on: the layout never changes
+        self.step()
+
+    def forward_backward(self) -> None:
+        """Forward and backward on the fixed batch (they only read the state)."""
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        loss.backward()
+
+    def step(self) -> None:
+        """The optimizer step (changes every parameter and moment in place), gradients zeroed
+        in place."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a save takes: the model's and the optimizer's state dicts."""
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the state, detached, in state-dict order: the parameters, then per
+        parameter its Adam state (step, exp_avg, exp_avg_sq)."""
+        out = [t.detach() for t in self.model.state_dict().values()]
+        for st in self.optimizer.state.values():
+            out.extend(v.detach() for v in st.values() if isinstance(v, torch.Tensor))
+        return out
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the model."""
+        return sum(p.numel() for p in self.model.parameters())

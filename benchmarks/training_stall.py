@@ -134,7 +134,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import shutil
 import statistics
@@ -154,7 +153,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import tierstore
 
-from common import GB, finish_report, fs_type, progress_log, remove
+from common import GB, MlpTrainer as Trainer, finish_report, fs_type, progress_log, remove
 
 CONTENDERS = ("none", "stock", "stock-async-staging", "tierstore-eager", "tierstore-lazy",
               "tierstore-budget")
@@ -170,51 +169,6 @@ MiB = 1 << 20
 
 
 # -- the training loop ----------------------------------------------------------------------------
-
-class Trainer:
-    """The MLP, its fused Adam, one fixed batch; ``forward_backward`` and ``step`` are the two
-    halves of a training step, ``state_dict`` what is saved."""
-
-    def __init__(self, args: argparse.Namespace):
-        torch.manual_seed(0)
-        n_params = args.state_mib * MiB / 4 / 3
-        self.width = max(64, round(math.sqrt(n_params / args.layers) / 64) * 64)
-        mods: list[torch.nn.Module] = []
-        for i in range(args.layers):
-            mods.append(torch.nn.Linear(self.width, self.width))
-            if i < args.layers - 1:
-                mods.append(torch.nn.ReLU())
-        self.model = torch.nn.Sequential(*mods)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5, fused=True)
-        self.x = torch.randn(args.batch, self.width)
-        self.y = torch.randn(args.batch, self.width)
-        self.forward_backward()     # Adam's state exists from here on: the layout never changes
-        self.step()
-
-    def forward_backward(self) -> None:
-        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
-        loss.backward()
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the state dict (parameters, exp_avg, exp_avg_sq, step counters)."""
-        out: list[torch.Tensor] = list(self.model.state_dict().values())
-        for st in self.optimizer.state.values():
-            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-        return out
-
-    @property
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
-
-# -- RSS sampling ---------------------------------------------------------------------------------
 
 def read_rss() -> tuple[int, int]:
     """(VmRSS, RssAnon) of this process in bytes."""
@@ -407,9 +361,8 @@ class TierstoreSaver(Saver):
 
 
 def budget_of(state_bytes: int) -> int:
-    """``tierstore-budget``'s ``max_staging_bytes``: a quarter of the state, in whole 4 KiB
-    pages."""
-    return state_bytes // 4 // 4096 * 4096
+    """``tierstore-budget``'s ``max_staging_bytes``: a quarter of the state."""
+    return state_bytes // 4
 
 
 def make_saver(name: str, env: Env) -> Saver:
