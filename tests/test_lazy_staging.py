@@ -195,6 +195,11 @@ def test_a_budget_smaller_than_the_state_stages_in_waves_and_round_trips(tmp_pat
             assert event.detail["waves"] > 1
             # The bound: the budget, or the largest tensor where it is larger.
             assert event.detail["buffer_bytes"] <= max(budget, largest) + 64
+        # The spilled waves became the data files (written once), checksums and all.
+        adopted = [e for e in rec.events if e.kind == EventKind.WRITTEN
+                   and e.detail.get("from") == "spill" and e.checkpoint_id == "step-2"]
+        assert len(adopted) == staged[-1].detail["waves"]
+        assert store.verify("step-2").ok
     # No lock-in: stock DCP reads the budgeted checkpoint from the tier's directory.
     got = copy.deepcopy(expected[2])
     mutate_everything(got)
@@ -213,6 +218,29 @@ def test_a_budget_of_any_byte_count_works(tmp_path, budget):
                        checkpoint_id="step-1").upload_completion.result()
         assert_trees_equal(load_like(store, "step-1", sd), sd)
         assert store._stager.allocated_bytes <= budget
+
+
+def test_a_budgeted_save_to_a_tier_with_codecs_copies_the_spilled_records_through_them(
+        tmp_path):
+    """The spill holds plain records; a first tier with zstd gets them encoded, item by item,
+    in the data files (and the spill files are not taken as they are)."""
+    sd = training_state()
+    rec = Recorder()
+    config = tiers(tmp_path, {"name": "cpu", "lazy": True,
+                              "max_staging_bytes": tensor_bytes(sd)[0] // 4})
+    config["tier"][0]["codecs"] = ["zstd"]
+    with tierstore.open(config, plugins=[rec]) as store:
+        resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
+        resp.staging_completion.result()
+        expected = copy.deepcopy(sd)
+        mutate_everything(sd)
+        resp.upload_completion.result()
+        store.wait()
+        assert_trees_equal(load_like(store, "step-1", expected), expected)
+        assert store.verify("step-1").ok
+        assert not [e for e in rec.events if e.kind == EventKind.WRITTEN
+                    and e.detail.get("from") == "spill"]
+        assert no_spill_left(tmp_path / "ram")
 
 
 def test_a_state_that_fits_the_budget_again_goes_back_to_whole_buffers(tmp_path):

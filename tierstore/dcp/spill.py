@@ -63,6 +63,8 @@ class SpillIndex:
     tier: str
     directory: str
     records: dict[tuple[str, tuple[int, ...]], SpilledRecord] = field(default_factory=dict)
+    #: each spill file's size and checksum (as a data file's manifest entry has them)
+    files: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     def find(self, fqn: str, offset: Any) -> SpilledRecord | None:
         """The record of DCP's write item at ``fqn`` and chunk ``offset``."""
@@ -80,6 +82,7 @@ class Spill:
         self._alignment = storage_alignment()
         self._lock = threading.Lock()
         self._released = False
+        self._files: dict[str, tuple[int, str]] = {}
 
     def write_wave(self, number: int, tensors: list[torch.Tensor]) -> list[SpilledRecord]:
         """Write one wave's tensors (contiguous CPU tensors, views of staging buffers are fine)
@@ -95,6 +98,8 @@ class Spill:
                     raw_at = None if span is None else (span[0] - start, span[1])
                     records.append(SpilledRecord(relative, start, out.offset - start, raw_at))
                 out.flush()
+            with self._lock:
+                self._files[relative] = (out.offset, out.hasher.hexdigest())
         except OSError as exc:
             raise StagingError(
                 f"writing wave {number} of a budgeted staging to tier '{self.tier.name}' "
@@ -111,7 +116,7 @@ class Spill:
         placeholder in place of every spilled tensor) is flattened as DCP's default planner
         flattens it, so that ``write_data`` finds each planned item's record."""
         by_placeholder = {id(t): rec for t, rec in placed}
-        index = SpillIndex(self.tier.name, self.directory)
+        index = SpillIndex(self.tier.name, self.directory, files=dict(self._files))
         flat, _ = flatten_state_dict(staged)
         for fqn, value in flat.items():
             local = value._local_tensor if isinstance(value, DTensor) else value

@@ -8,6 +8,7 @@ which DCP lets through unwrapped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import logging
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -32,7 +33,7 @@ from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.publish import Publisher
 from tierstore.engine.replication import ReplicationJob, Replicator
 from tierstore.engine.saves import SaveLedger
-from tierstore.dcp.spill import Spill, SpillIndex, SpillReader
+from tierstore.dcp.spill import Spill, SpilledRecord, SpillIndex, SpillReader
 from tierstore.engine.watchdog import Watchdog
 from tierstore.errors import CommitError, TierFullError
 from tierstore.events import Event, EventKind, Phase
@@ -289,7 +290,10 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         save.staging = tier.begin_save(save.checkpoint_id, data.token)
         # Ranks that do not commit this directory let go of it once their save is over.
         ledger.hold_until_over(lambda staging=save.staging: tier.end_writing(staging))
-        buckets = split_items(plan.items, ctx.config.io_threads)
+        items, adopted = plan.items, []
+        if save.spill is not None and _can_adopt(save.spill, tier):
+            items, adopted = self._adopt_spill_files(save, data.prefix, items)
+        buckets = split_items(items, ctx.config.io_threads)
         spilled = (SpillReader(ctx.tiers.named(save.spill.tier), save.spill)
                    if save.spill is not None else None)
 
@@ -318,7 +322,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                                    time.perf_counter() - started, entry.size, {"file": relative}))
             return results
 
-        results: list[WriteResult] = []
+        results: list[WriteResult] = adopted
         failure: BaseException | None = None
         try:
             if len(buckets) <= 1:
@@ -349,6 +353,43 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _adopt_spill_files(self, save: _SaveState, prefix: str, items: list[WriteItem]
+                           ) -> tuple[list[WriteItem], list[WriteResult]]:
+        """A budgeted staging spilled its waves to this very tier as DCP records: a spill file
+        all of whose records this rank's plan writes becomes a data file as it is (renamed into
+        the save's directory, its checksum taken when it was written), so the state is written
+        once. Returns the items left to write and the results of those adopted. (A file with a
+        record DCP's plan gave to another rank, a replicated item, is copied from instead.)"""
+        spill, tier, ctx = save.spill, save.tier, self._services.context
+        by_file: dict[str, list[tuple[WriteItem, SpilledRecord]]] = {}
+        for item in items:
+            record = spill.find(item.index.fqn, item.index.offset)
+            if record is not None and item.type != WriteItemType.BYTE_IO:
+                by_file.setdefault(record.file, []).append((item, record))
+        records_in = collections.Counter(r.file for r in spill.records.values())
+        taken: set[int] = set()
+        results: list[WriteResult] = []
+        for name, pairs in by_file.items():
+            if len(pairs) != records_in[name] or name not in spill.files:
+                continue
+            relative = f"{prefix}{name.removesuffix('.rec')}.distcp"
+            tier.backend.rename(f"{spill.directory}/{name}", f"{save.staging}/{relative}")
+            pairs.sort(key=lambda pair: pair[1].offset)
+            mine = [WriteResult(index=item.index, size_in_bytes=rec.length,
+                                storage_data=_spilled_location(relative, rec))
+                    for item, rec in pairs]
+            spans = [[r.storage_data.info.offset, *r.storage_data.raw_span] for r in mine
+                     if r.storage_data.raw_span is not None]
+            size, checksum = spill.files[name]
+            entry = FileEntry(size, checksum, self._rank, spans or None)
+            mine[0] = dataclasses.replace(mine[0], storage_data=dataclasses.replace(
+                mine[0].storage_data, file=(relative, entry)))
+            ctx.host.event(Event(EventKind.WRITTEN, save.checkpoint_id, tier.name, self._rank,
+                                 0.0, size, {"file": relative, "from": "spill"}))
+            results += mine
+            taken.update(id(item) for item, _ in pairs)
+        return [i for i in items if id(i) not in taken], results
 
     def _drop_spill(self, spill: SpillIndex) -> None:
         """The spilled records are in the data files now (or the write failed): remove them.
@@ -457,6 +498,18 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 "dcp.save(sd, storage_writer=store.writer(), checkpoint_id='step-100')"
             )
         return self._save
+
+
+def _spilled_location(relative: str, record: SpilledRecord) -> ItemLocation:
+    """Where an adopted spill file (now ``relative``) holds ``record``'s item."""
+    raw = None if record.raw is None else (record.offset + record.raw[0], record.raw[1])
+    return ItemLocation(_StorageInfo(relative, record.offset, record.length), raw_span=raw)
+
+
+def _can_adopt(spill: SpillIndex, tier: Tier) -> bool:
+    """Whether the save's tier can take the spill's files as its data files: the same tier,
+    with no codecs (the records are plain), and renames within it."""
+    return spill.tier == tier.name and not tier.codecs and tier.backend.supports_rename
 
 
 def _world_size() -> int:
