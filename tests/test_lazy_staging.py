@@ -273,12 +273,13 @@ def test_non_tensor_values_are_taken_at_the_call_in_every_mode(tmp_path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("staging", [
+    {"name": "shm", "lazy": True},
     {"name": "shm", "lazy": True, "budget_fraction": 4},
     {"name": "cpu", "budget_fraction": 16},
-], ids=["shm-lazy-quarter", "cpu-eager-sixteenth"])
-def test_budgeted_saves_with_the_process_executor_round_trip(tmp_path, staging):
+], ids=["shm-lazy", "shm-lazy-quarter", "cpu-eager-sixteenth"])
+def test_lazy_and_budgeted_saves_with_the_process_executor_round_trip(tmp_path, staging):
     proc = run_script("async_process_worker.py", tmp_path / "tiers", json.dumps(staging),
                       free_port(), timeout=200)
     assert proc.returncode == 0 and "PROCESS EXECUTOR OK" in proc.stdout, \
         f"{proc.stdout}\n{proc.stderr[-8000:]}"
-    assert "WAVES" in proc.stdout, proc.stdout
+    assert ("WAVES" in proc.stdout) == ("budget_fraction" in staging), proc.stdout
