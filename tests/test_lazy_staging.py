@@ -283,3 +283,19 @@ def test_lazy_and_budgeted_saves_with_the_process_executor_round_trip(tmp_path, 
     assert proc.returncode == 0 and "PROCESS EXECUTOR OK" in proc.stdout, \
         f"{proc.stdout}\n{proc.stderr[-8000:]}"
     assert ("WAVES" in proc.stdout) == ("budget_fraction" in staging), proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_save_during_a_lazy_staging_waits_for_that_save(tmp_path):
+    """dcp.save on the training thread while a lazy async_save is still copying: the plain save
+    waits for the async one (one save in flight), and both commit."""
+    sd = {f"t{i}": torch.full((4 << 20,), float(i)) for i in range(8)}  # 128 MiB
+    with tierstore.open(tiers(tmp_path, {"name": "cpu", "lazy": True})) as store:
+        resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
+        other = {"w": torch.ones(10)}
+        dcp.save(other, storage_writer=store.writer(), checkpoint_id="step-2")
+        resp.upload_completion.result(timeout=60)
+        store.wait()
+        assert [c.id for c in store.list()] == ["step-2", "step-1"]
+        assert_trees_equal(load_like(store, "step-1", sd), sd)
+        assert_trees_equal(load_like(store, "step-2", other), other)

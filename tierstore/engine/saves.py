@@ -35,6 +35,9 @@ class SaveSlot:
         self._cond = threading.Condition()
         self._carrier: threading.Thread | None = None
         self._pending_since: float | None = None  # staged, carrier not known yet
+        # The thread that staged the pending save (training's): it never carries it (DCP
+        # hands it to another thread), so a save it starts meanwhile is a new one that waits.
+        self._staged_by: threading.Thread | None = None
 
     def _busy(self) -> bool:
         me = threading.current_thread()
@@ -64,6 +67,7 @@ class SaveSlot:
             waited = self.wait_idle()
             self._pending_since = time.monotonic()
             self._carrier = None
+            self._staged_by = threading.current_thread()
             return waited
 
     def carried_here(self) -> float:
@@ -72,7 +76,9 @@ class SaveSlot:
         with self._cond:
             me = threading.current_thread()
             waited = 0.0
-            if self._pending_since is None:
+            if self._pending_since is None or me is self._staged_by:
+                # A new save (not the staged one: its stager's thread never carries it) waits
+                # for the one in flight, staged or carried (a lazy staging takes a while).
                 waited = self.wait_idle()
             self._pending_since = None
             self._carrier = me
