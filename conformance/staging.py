@@ -253,7 +253,8 @@ class StagerTests:
             f"start() returned a {type(job).__name__}, not a tierstore.plugin.StagingJob"
         job.run()
         job.fence(timeout=60)
-        assert job.copied, "fence() returned before the job said every value was taken"
+        assert job.copied or job.fenced, \
+            "fence() returned before every value was taken, and ordered nothing after the copies"
         mutate_in_place(sd)
         assert_trees_equal(job.result(timeout=60), want, "the started job's tree")
         stager.close()

@@ -101,6 +101,8 @@ class StagingBuffers:
         # found equal to it, since training keeps the same spec objects from save to save.
         self._expected: dict[int, dict[Any, tuple]] = {}
         self._smallest_first: list[int] | None = None
+        #: the DTensors whose local tensors the last :meth:`prepare` copies, by position
+        self.dtensor_sources: dict[int, DTensor] = {}
 
     def smallest_first(self, dsts: list[torch.Tensor]) -> list[int]:
         """The positions of ``dsts`` (the buffers :meth:`prepare` returns, in its order) from
@@ -116,11 +118,21 @@ class StagingBuffers:
         when its layout differs from the buffers'. Nothing is copied yet."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        self.dtensor_sources = {}
         try:
             staged = self._walk(state_dict, self.tree, dsts, srcs)
         except _LayoutChanged:
             return None
         return staged, dsts, srcs
+
+    def watched(self, srcs: list[torch.Tensor]) -> list[Any]:
+        """What tells whether each source of the last :meth:`prepare` changed in place: the
+        tensor itself, or for a DTensor's local tensor the DTensor (an in-place op on a DTensor
+        bumps its own version counter, not its local tensor's)."""
+        owners = self.dtensor_sources
+        if not owners:
+            return srcs
+        return [owners.get(i, src) for i, src in enumerate(srcs)]
 
     def stage(self, state_dict: dict[str, Any], non_blocking: bool, stream: Any = None
               ) -> dict[str, Any] | None:
@@ -131,6 +143,8 @@ class StagingBuffers:
         if prepared is None:
             return None
         staged, dsts, srcs = prepared
+        if not dsts:
+            return staged
         with torch.no_grad():
             if stream is None:
                 torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
@@ -204,6 +218,7 @@ class StagingBuffers:
                 local = v._local_tensor
                 if v._spec is spec and local.dtype is dtype and local.shape == shape:
                     add_dst(dst)
+                    self.dtensor_sources[len(srcs)] = v
                     add_src(local)
                     staged[key] = b
                 else:  # first seen (or changed): compare the spec by value, then by identity
@@ -224,6 +239,7 @@ class StagingBuffers:
         if value._spec is not buffer._spec and value._spec != buffer._spec:
             raise _LayoutChanged
         dsts.append(mine)
+        self.dtensor_sources[len(srcs)] = value
         srcs.append(local)
         return buffer
 

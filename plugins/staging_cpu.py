@@ -26,6 +26,7 @@ Each takes two options:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, ClassVar
 
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from tierstore.plugin import hookimpl, Option, Stager, StagingError
 from tierstore.plugin.staging import (CopyBatch, StagingJob, StagingStats, StagingWorker,
-                                      check_unchanged, run_copies, split_copies)
+                                      check_unchanged, run_copies, split_copies, watch)
 from tierstore_plugins.staging_buffers import (StagingBuffers, StateDictLayout,
                                                describe_state_dict)
 from tierstore_plugins.staging_waves import (WaveBuffer, placeholder_tree, plan_waves,
@@ -131,19 +132,21 @@ class CpuStager(Stager):
         self.last_bytes, self.last_reused = nbytes, reused
         stats = StagingStats(nbytes=nbytes, reused=reused, buffer_bytes=nbytes)
         describe = _describer(state_dict)
+        watched = buffers.watched(srcs)
         if lazy:
             order = buffers.smallest_first(dsts)
             dsts, srcs = [dsts[i] for i in order], [srcs[i] for i in order]
+            watched = [watched[i] for i in order]
         if buffers.pinned and buffers.layout.on_cuda:
-            return self._cuda_job(staged, dsts, srcs, lazy, stats, describe, started)
+            return self._cuda_job(staged, dsts, srcs, watched, lazy, stats, describe, started)
         if not lazy:
-            batches = [CopyBatch(dsts, srcs, [])]
+            batches = [CopyBatch(dsts, srcs)]
         else:
             # The smallest tensors now, on the caller's thread: forward changes some of them
             # in place (BatchNorm's running statistics) long before the optimizer step.
             head = _head_count(dsts)
-            run_copies([CopyBatch(dsts[:head], srcs[:head], [])])
-            batches = split_copies(dsts[head:], srcs[head:])
+            run_copies([CopyBatch(dsts[:head], srcs[:head])])
+            batches = split_copies(dsts[head:], srcs[head:], watched[head:])
 
         def work(job: StagingJob) -> dict[str, Any]:
             for batch in batches:
@@ -155,9 +158,9 @@ class CpuStager(Stager):
         return StagingJob(work, lazy=lazy, stats=stats, started=started,
                           worker=self._worker)
 
-    def _cuda_job(self, staged: dict[str, Any], dsts: list, srcs: list, lazy: bool,
-                  stats: StagingStats, describe: Callable[[torch.Tensor], str], started: float
-                  ) -> StagingJob:
+    def _cuda_job(self, staged: dict[str, Any], dsts: list, srcs: list, watched: list,
+                  lazy: bool, stats: StagingStats, describe: Callable[[Any], str],
+                  started: float) -> StagingJob:
         """Device -> pinned host copies queued now on a side stream, after the work already
         queued on the training's current stream (which produced the tensors); an event marks
         their end. The job waits on that event (never on a stream); the optimizer hook orders
@@ -170,35 +173,45 @@ class CpuStager(Stager):
         if head:
             # The smallest tensors first, and the training stream waits for them (on the
             # device): forward changes some in place (BatchNorm's running statistics).
-            run_copies([CopyBatch(dsts[:head], srcs[:head], [])], non_blocking=True, stream=side)
+            run_copies([CopyBatch(dsts[:head], srcs[:head])], non_blocking=True, stream=side)
             head_done = torch.cuda.Event()
             head_done.record(side)
             training.wait_event(head_done)
-        batch = CopyBatch(dsts[head:], srcs[head:], [s._version for s in srcs[head:]] if lazy
-                          else [])
+        batch = (watch(dsts[head:], srcs[head:], watched[head:]) if lazy
+                 else CopyBatch(dsts, srcs))
         run_copies([batch], non_blocking=True, stream=side)
         for src in srcs:  # the allocator must not reuse a source's memory before the copy
             if src.is_cuda:
                 src.record_stream(side)
         done = torch.cuda.Event()
         done.record(side)
-        races: list[StagingError] = []
+        # The versions are compared once, by whichever comes first: the hook (before the
+        # optimizer step changes them on purpose) or the job once the copies are over; a
+        # change before that means a kernel queued after the call may have run before a copy.
+        lock, verdict = threading.Lock(), []
 
-        def fence() -> bool:  # the training thread, before it changes the state
-            if lazy and not done.query():
+        def check_once() -> None:
+            with lock:
+                if verdict:
+                    return
                 try:
                     check_unchanged(batch, describe)
+                    verdict.append(None)
                 except StagingError as exc:
-                    races.append(exc)
+                    verdict.append(exc)
+
+        def fence() -> bool:  # the training thread, before it changes the state
+            if lazy:
+                check_once()
             torch.cuda.current_stream().wait_event(done)
             return True
 
         def work(job: StagingJob) -> dict[str, Any]:
             done.synchronize()
-            if races:
-                raise races[0]
-            if lazy and not job.fenced:
-                check_unchanged(batch, describe)
+            if lazy:
+                check_once()
+                if verdict[0] is not None:
+                    raise verdict[0]
             return staged
 
         job = StagingJob(work, lazy=lazy, stats=stats, started=started,
@@ -210,16 +223,18 @@ class CpuStager(Stager):
                      started: float) -> StagingJob:
         """Stage through the budget's buffer in waves (``staging_waves``); back to whole
         buffers when the state dict fits the budget again."""
-        staged, pairs = placeholder_tree(state_dict, self._copy_whole)
-        total = sum(src.numel() * src.element_size() for _, src in pairs)
-        if total <= self.max_staging_bytes:
-            self._waves = None
+        if describe_state_dict(state_dict).nbytes <= self.max_staging_bytes:
+            self._waves = None  # fits whole buffers again (the same measure _start uses)
             return self._start(state_dict, spill, lazy)
-        on_cuda = any(src.is_cuda for _, src in pairs)
+        staged, pairs = placeholder_tree(state_dict, self._copy_whole)
+        if not pairs:  # only values copied whole (ShardedTensors)
+            return StagingJob.finished(staged, StagingStats(buffer_bytes=0))
+        total = sum(src.numel() * src.element_size() for _, src, _ in pairs)
+        on_cuda = any(src.is_cuda for _, src, _ in pairs)
         pin = self._want_pinned(on_cuda)
         if self._waves is None or self._waves.pin != pin:
             self._waves = WaveBuffer(self.max_staging_bytes, pin)
-        largest = max(src.numel() * src.element_size() for _, src in pairs)
+        largest = max(src.numel() * src.element_size() for _, src, _ in pairs)
         # Smallest first: forward changes some small tensors in place (BatchNorm's statistics).
         pairs.sort(key=lambda pair: pair[1].numel() * pair[1].element_size())
         arena = self._waves.arena_for(largest)
@@ -248,7 +263,7 @@ class CpuStager(Stager):
 
         def copy_wave(dsts: list, srcs: list) -> None:
             side.wait_event(ready)
-            run_copies([CopyBatch(dsts, srcs, [])], non_blocking=True, stream=side)
+            run_copies([CopyBatch(dsts, srcs)], non_blocking=True, stream=side)
             done = torch.cuda.Event()
             done.record(side)
             done.synchronize()
@@ -301,7 +316,7 @@ def _head_count(dsts: list) -> int:
 
 
 def _copy_on_host(dsts: list, srcs: list) -> None:
-    run_copies([CopyBatch(dsts, srcs, [])])
+    run_copies([CopyBatch(dsts, srcs)])
 
 
 def _no_spill() -> Any:
@@ -309,7 +324,7 @@ def _no_spill() -> Any:
                        "the store's spill; save through dcp.async_save with the store's writer")
 
 
-def _describer(state_dict: dict[str, Any]) -> Callable[[torch.Tensor], str]:
+def _describer(state_dict: dict[str, Any]) -> Callable[[Any], str]:
     """Names a source tensor by its path in ``state_dict`` (searched only when an error needs
     it)."""
 
@@ -320,7 +335,7 @@ def _describer(state_dict: dict[str, Any]) -> Callable[[torch.Tensor], str]:
     return describe
 
 
-def _path_of(value: Any, tensor: torch.Tensor, path: list[str]) -> list[str] | None:
+def _path_of(value: Any, tensor: Any, path: list[str]) -> list[str] | None:
     if value is tensor or (isinstance(value, DTensor) and value._local_tensor is tensor):
         return path
     if isinstance(value, dict):

@@ -19,7 +19,8 @@ import copy
 import io
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from tierstore.plugin.staging import CopyBatch, StagingJob, check_unchanged
 
-__all__ = ["WaveBuffer", "placeholder_tree", "plan_waves", "Wave"]
+__all__ = ["WaveBuffer", "placeholder_tree", "plan_waves", "Wave", "stage_in_waves"]
 
 log = logging.getLogger("tierstore.staging")
 
@@ -42,18 +43,37 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _is_dcp_leaf(value: Any) -> bool:
+    """Whether DCP saves ``value`` (a list, tuple or other non-mapping) whole, pickled, rather
+    than item by item: the rule of ``torch.distributed.checkpoint._traverse`` (not importable:
+    a nested function there). A tuple is always whole; a list is whole unless it holds a
+    tensor, a mapping or a list that is not whole."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, (Mapping, list)) and not _is_dcp_leaf(entry):
+            return False
+        if isinstance(entry, torch.Tensor):
+            return False
+    return True
+
+
 def placeholder_tree(state_dict: dict[str, Any], copy_whole: Callable[[Any], Any]
-                     ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+                     ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor, Any]]]:
     """``state_dict`` staged without its tensor data: every tensor replaced by a ``meta``
     tensor of its shape and dtype (a DTensor by a DTensor of its spec around a meta local
     tensor), non-tensor values taken now (copied when mutable). Returns the tree and the
-    (placeholder, source) pairs of the tensors to copy, in the state dict's order.
-    ``copy_whole(value)`` stages a value the waves do not handle (a ShardedTensor) at once."""
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    (placeholder, source, what to watch for in-place changes) triples of the tensors to copy,
+    in the state dict's order. ``copy_whole(value)`` stages at once, outside the waves, a value
+    the waves cannot handle: a ShardedTensor, and a container DCP pickles whole (a tuple
+    holding tensors), whose tensors must be real in the pickle."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
 
-    def plain(t: torch.Tensor) -> torch.Tensor:
+    def plain(t: torch.Tensor, watched: Any = None) -> torch.Tensor:
         ph = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        pairs.append((ph, t))
+        pairs.append((ph, t, t if watched is None else watched))
         return ph
 
     def walk(value: Any) -> Any:
@@ -63,7 +83,8 @@ def placeholder_tree(state_dict: dict[str, Any], copy_whole: Callable[[Any], Any
         if kind is dict or kind is collections.OrderedDict:
             return kind((k, walk(v)) for k, v in value.items())
         if isinstance(value, DTensor):
-            local = plain(value._local_tensor)
+            # an in-place op on a DTensor bumps its own version, not its local tensor's
+            local = plain(value._local_tensor, watched=value)
             return DTensor(local, value._spec, requires_grad=False)
         if isinstance(value, ShardedTensor):
             return copy_whole(value)
@@ -71,6 +92,8 @@ def placeholder_tree(state_dict: dict[str, Any], copy_whole: Callable[[Any], Any
             return plain(value.detach().as_subclass(torch.Tensor)
                          if type(value) not in (torch.Tensor, torch.nn.Parameter) else value)
         if kind is list or kind is tuple:
+            if _is_dcp_leaf(value):
+                return copy_whole(value)
             staged = [walk(v) for v in value]
             return staged if kind is list else tuple(staged)
         if isinstance(value, io.BytesIO):
@@ -87,23 +110,28 @@ def placeholder_tree(state_dict: dict[str, Any], copy_whole: Callable[[Any], Any
 @dataclass
 class Wave:
     """Tensors copied and written together: (placeholder, source, offset from the wave's
-    start, the source's version at the call) each, and the wave's bytes in the buffer."""
+    start, what to watch for in-place changes) each, the watched versions at the call, and the
+    wave's bytes in the buffer."""
 
-    items: list[tuple[torch.Tensor, torch.Tensor, int, int]]
+    items: list[tuple[torch.Tensor, torch.Tensor, int, Any]]
     nbytes: int
+    versions: list[int] = field(default_factory=list)
 
 
-def plan_waves(pairs: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> list[Wave]:
-    """Cut the pairs into waves of at most ``capacity`` bytes (in order); a larger tensor is a
-    wave alone. The sources' versions are noted now (the call)."""
+def plan_waves(pairs: list[tuple[torch.Tensor, torch.Tensor, Any]], capacity: int
+               ) -> list[Wave]:
+    """Cut the (placeholder, source, watched) triples into waves of at most ``capacity`` bytes
+    (in order); a larger tensor is a wave alone. The watched versions are noted now (the
+    call)."""
     waves: list[Wave] = []
     cur = Wave([], 0)
-    for ph, src in pairs:
+    for ph, src, watched in pairs:
         n = _aligned(src.numel() * src.element_size())
         if cur.items and cur.nbytes + n > capacity:
             waves.append(cur)
             cur = Wave([], 0)
-        cur.items.append((ph, src, cur.nbytes, src._version))
+        cur.items.append((ph, src, cur.nbytes, watched))
+        cur.versions.append(watched._version)
         cur.nbytes += n
     if cur.items:
         waves.append(cur)
@@ -170,8 +198,8 @@ def stage_in_waves(job: StagingJob, arena: torch.Tensor, waves: list[Wave], spil
                 srcs = [item[1] for item in wave.items]
                 copy_wave(views, srcs)
                 if check:
-                    check_unchanged(CopyBatch(views, srcs, [item[3] for item in wave.items]),
-                                    describe)
+                    check_unchanged(CopyBatch(views, srcs, wave.versions,
+                                              [item[3] for item in wave.items]), describe)
                 in_flight.append((region, writer.submit(spill.write_wave, number, views), wave))
             job.mark_copied()
             for entry in in_flight:

@@ -20,6 +20,7 @@ from recording import Recorder
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import tierstore
+import tierstore.engine.saves
 from tierstore import EventKind
 
 
@@ -299,3 +300,47 @@ def test_a_plain_save_during_a_lazy_staging_waits_for_that_save(tmp_path):
         assert [c.id for c in store.list()] == ["step-2", "step-1"]
         assert_trees_equal(load_like(store, "step-1", sd), sd)
         assert_trees_equal(load_like(store, "step-2", other), other)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["lazy", "budget"])
+def test_a_dtensor_changed_before_the_lazy_copy_fails_that_save(tmp_path, mode):
+    """FSDP2's DTensors: an in-place op bumps the DTensor's version, not its local tensor's;
+    the change is caught all the same."""
+    proc = run_script("lazy_dtensor_worker.py", tmp_path, free_port(), mode, timeout=150)
+    assert proc.returncode == 0 and "DETECTED" in proc.stdout, \
+        f"{proc.stdout}\n{proc.stderr[-6000:]}"
+    assert "tensor 'w7' was changed in place" in proc.stdout, proc.stdout
+
+
+def test_tensors_in_a_tuple_under_a_budget_are_saved_with_their_values(tmp_path):
+    """DCP pickles a tuple whole (a BYTE_IO item): a budgeted staging copies it whole instead
+    of putting placeholders in it."""
+    sd = {"w": torch.randn(4096), "pair": (torch.arange(6.0), 3),
+          "nested": [(torch.ones(2), "x")]}
+    staging = {"name": "cpu", "lazy": True, "max_staging_bytes": 4096}
+    with tierstore.open(tiers(tmp_path, staging)) as store:
+        dcp.async_save(sd, storage_writer=store.writer(),
+                       checkpoint_id="step-1").upload_completion.result()
+        got = {"w": torch.zeros(4096), "pair": None, "nested": None}
+        dcp.load(got, storage_reader=store.reader(), checkpoint_id="step-1")
+    assert torch.equal(got["w"], sd["w"])
+    assert torch.equal(got["pair"][0], torch.arange(6.0)) and got["pair"][1] == 3
+    assert torch.equal(got["nested"][0][0], torch.ones(2)) and got["nested"][0][1] == "x"
+
+
+def test_a_long_staging_is_never_taken_for_an_abandoned_save(tmp_path, monkeypatch):
+    """A staged save DCP never starts is given up after a grace; a budgeted staging that takes
+    longer than that grace is still running, and the next save must wait for it, not remove
+    its spill under it."""
+    monkeypatch.setattr(tierstore.engine.saves, "_PENDING_GRACE_S", 0.01)
+    sd = {f"t{i}": torch.full((4 << 20,), float(i)) for i in range(8)}  # 128 MiB
+    staging = {"name": "cpu", "lazy": True, "max_staging_bytes": 32 << 20}
+    with tierstore.open(tiers(tmp_path, staging)) as store:
+        first = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
+        second = dcp.async_save({"w": torch.ones(10)}, storage_writer=store.writer(),
+                                checkpoint_id="step-2")
+        first.upload_completion.result()
+        second.upload_completion.result()
+        store.wait()
+        assert_trees_equal(load_like(store, "step-1", sd), sd)

@@ -245,11 +245,12 @@ class Store:
                 raise failures[0]
 
     def wait_staging(self, timeout: float | None = None) -> float:
-        """Block until the newest ``dcp.async_save`` has taken every value of its state dict
-        (with lazy staging it copies after ``async_save`` returned), so that training may
-        change the state; returns the seconds waited (0.0 when nothing is in flight). On CUDA,
-        the training's current stream is made to wait for the copies instead of the host.
-        Never raises a staging failure: the save's own futures carry it."""
+        """Make it safe for training to change the state of the newest ``dcp.async_save``
+        (with lazy staging it copies after ``async_save`` returned): on the CPU, block until
+        every value has been taken; on CUDA, make the training's current stream wait for the
+        device-to-host copies (the host does not wait). Returns the seconds the host waited
+        (0.0 when nothing is in flight). Never raises a staging failure: the save's own futures
+        carry it."""
         return self._ledger.wait_staging(timeout)
 
     def hook_optimizer(self, optimizer: Any) -> Any:

@@ -6,9 +6,11 @@ the tensors wave by wave into buffers of at most that size, and each wave must b
 before its buffers are reused. DCP plans a save only once staging is complete (its executor
 waits on the staging future), so the waves cannot go into the checkpoint's own files: they go
 into a *spill* directory on the store's first tier, as the very records DCP's data files hold
-(``torch.save`` archives). The staged tree DCP plans from holds ``meta`` tensors in their place,
-and ``write_data`` copies each planned item's record from the spill into the data file (through
-the tier's codecs and the checksum, in chunks: never the whole tensor in memory).
+(``torch.save`` archives), each file's checksum taken as it is written. The staged tree DCP plans
+from holds ``meta`` tensors in their place. ``write_data`` then renames into the save's directory
+each spill file all of whose records its plan writes (the writer's ``_adopt_spill_files``), and
+copies the other planned records from the spill into its data files (:class:`SpillReader`:
+through the tier's codecs and the checksum, in chunks, never a whole tensor in memory).
 
 The spill directory is a save's staging directory on that tier (``Tier.begin_save`` under the
 id ``SPILL_ID``): this process holds its lock until the save is over, gc in any process spares

@@ -126,6 +126,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         spill = self._staged_spill
         if services is None:
             return {"reopen": self._reopen, "emergency": self._emergency, "spill": spill}
+        # The checkpoint process takes the spill; a later save through this writer here (a
+        # dcp.save) must not find it.
+        self._staged_spill = None
         services.ledger.slot.carried_here()
         return {"reopen": services.hand_off(), "emergency": self._emergency, "spill": spill}
 
@@ -147,6 +150,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         ctx.host.phase(Phase.STAGE, rank=ctx.rank)
         waited = ledger.slot.staged()
         ledger.release_spill()  # the save before is over
+        ledger.staging = None  # (its staged tree must not outlive a change of buffers)
         self._staged_spill = None
         try:
             job = services.stager.start(state_dict, self._open_spill)
@@ -181,7 +185,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                                  detail={"during": "staging", "error": str(job.error), **detail}))
             return
         self._staged_spill = stats.extra.get("spill")
-        ledger.slot.still_pending()
+        ledger.slot.staging_done()
         # After the copy, not beside it: the scan and keep's deletes would compete for CPU.
         services.adopt_later()
         ctx.host.event(Event(EventKind.STAGED, rank=ctx.rank, seconds=stats.seconds,
@@ -290,12 +294,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         save.staging = tier.begin_save(save.checkpoint_id, data.token)
         # Ranks that do not commit this directory let go of it once their save is over.
         ledger.hold_until_over(lambda staging=save.staging: tier.end_writing(staging))
-        items, adopted = plan.items, []
-        if save.spill is not None and _can_adopt(save.spill, tier):
-            items, adopted = self._adopt_spill_files(save, data.prefix, items)
-        buckets = split_items(items, ctx.config.io_threads)
-        spilled = (SpillReader(ctx.tiers.named(save.spill.tier), save.spill)
-                   if save.spill is not None else None)
+        buckets: list[list[WriteItem]] = []
+        spilled: SpillReader | None = None
 
         def write_file(n: int) -> list[WriteResult]:
             relative = f"{data.prefix}{n}.distcp"
@@ -322,9 +322,15 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                                    time.perf_counter() - started, entry.size, {"file": relative}))
             return results
 
-        results: list[WriteResult] = adopted
+        results: list[WriteResult] = []
         failure: BaseException | None = None
         try:
+            items = plan.items
+            if save.spill is not None:  # a budgeted staging's records
+                if _can_adopt(save.spill, tier):
+                    items, results = self._adopt_spill_files(save, data.prefix, items)
+                spilled = SpillReader(ctx.tiers.named(save.spill.tier), save.spill)
+            buckets = split_items(items, ctx.config.io_threads)
             if len(buckets) <= 1:
                 for n in range(len(buckets)):
                     results += write_file(n)
@@ -336,8 +342,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             # What this save wrote stays in its hidden staging directory until the next save's
             # (or gc's) collection removes it; readers never see it.
             failure = exc
-        if spilled is not None:
-            spilled.close()
+        if save.spill is not None:
+            if spilled is not None:
+                spilled.close()
             self._drop_spill(save.spill)
         try:
             if layout.parts > 1:

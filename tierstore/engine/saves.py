@@ -35,12 +35,15 @@ class SaveSlot:
         self._cond = threading.Condition()
         self._carrier: threading.Thread | None = None
         self._pending_since: float | None = None  # staged, carrier not known yet
+        self._staging = False  # a staging still copying (no grace runs out meanwhile)
         # The thread that staged the pending save (training's): it never carries it (DCP
         # hands it to another thread), so a save it starts meanwhile is a new one that waits.
         self._staged_by: threading.Thread | None = None
 
     def _busy(self) -> bool:
         me = threading.current_thread()
+        if self._staging:
+            return True
         if self._pending_since is not None:
             if time.monotonic() - self._pending_since > _PENDING_GRACE_S:
                 log.warning("a staged save never started (DCP did not call the writer); "
@@ -61,11 +64,12 @@ class SaveSlot:
         return time.perf_counter() - started
 
     def staged(self) -> float:
-        """``stage()``: wait for the previous save, then mark a save pending. Returns the
-        seconds waited."""
+        """``stage()``: wait for the previous save, then mark a save staging (pending until
+        :meth:`staging_done`). Returns the seconds waited."""
         with self._cond:
             waited = self.wait_idle()
-            self._pending_since = time.monotonic()
+            self._staging = True
+            self._pending_since = None
             self._carrier = None
             self._staged_by = threading.current_thread()
             return waited
@@ -76,25 +80,31 @@ class SaveSlot:
         with self._cond:
             me = threading.current_thread()
             waited = 0.0
-            if self._pending_since is None or me is self._staged_by:
+            staged_save = self._staging or self._pending_since is not None
+            if not staged_save or me is self._staged_by:
                 # A new save (not the staged one: its stager's thread never carries it) waits
                 # for the one in flight, staged or carried (a lazy staging takes a while).
                 waited = self.wait_idle()
+            self._staging = False
             self._pending_since = None
             self._carrier = me
             self._cond.notify_all()
             return waited
 
-    def still_pending(self) -> None:
-        """A lazy staging just finished: the grace for DCP to start the save counts from now,
-        not from the call (a budgeted staging may take longer than the grace)."""
+    def staging_done(self) -> None:
+        """The staging finished: the save is pending until a thread carries it, and the grace
+        for DCP to start it counts from now (a lazy or budgeted staging takes as long as it
+        takes; nothing presumes it abandoned meanwhile)."""
         with self._cond:
-            if self._pending_since is not None:
+            if self._staging:
+                self._staging = False
                 self._pending_since = time.monotonic()
+                self._cond.notify_all()
 
     def release_pending(self) -> None:
         """A staged save will not start (its staging failed)."""
         with self._cond:
+            self._staging = False
             self._pending_since = None
             self._cond.notify_all()
 

@@ -31,7 +31,7 @@ import torch
 from tierstore.errors import StagingError
 
 __all__ = ["StagingJob", "StagingStats", "StagingWorker", "CopyBatch", "check_unchanged",
-           "run_copies", "split_copies"]
+           "run_copies", "split_copies", "watch"]
 
 log = logging.getLogger("tierstore.staging")
 
@@ -60,36 +60,45 @@ class StagingStats:
 
 @dataclass
 class CopyBatch:
-    """Some copies of a job: destination and source tensors, and the sources' versions at the
-    call (None where a source is not checked)."""
+    """Some copies of a job: destination and source tensors, and, to check that the sources
+    were not changed in place before they were copied, what to watch (the source, or the
+    DTensor it is the local tensor of) with its version at the call (empty: not checked)."""
 
     dsts: list[torch.Tensor]
     srcs: list[torch.Tensor]
-    versions: list[int]
+    versions: list[int] = field(default_factory=list)
+    watched: list[Any] = field(default_factory=list)
+
+
+def watch(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
+          watched: Sequence[Any] | None = None) -> CopyBatch:
+    """One batch of copies whose sources are checked: ``watched`` (default: the sources)
+    with their versions now."""
+    watched = list(srcs if watched is None else watched)
+    return CopyBatch(list(dsts), list(srcs), [w._version for w in watched], watched)
 
 
 def split_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
+                 watched: Sequence[Any] | None = None,
                  batch_bytes: int = COPY_BATCH_BYTES) -> list[CopyBatch]:
-    """Cut the pairs into batches of about ``batch_bytes`` (in order), noting the versions."""
+    """Cut the pairs into checked batches of about ``batch_bytes`` (in order)."""
+    watched = srcs if watched is None else watched
     batches: list[CopyBatch] = []
-    cur = CopyBatch([], [], [])
-    size = 0
-    for d, s in zip(dsts, srcs):
-        cur.dsts.append(d)
-        cur.srcs.append(s)
-        cur.versions.append(s._version)
+    start, size = 0, 0
+    for n, d in enumerate(dsts):
         size += d.nbytes
         if size >= batch_bytes:
-            batches.append(cur)
-            cur, size = CopyBatch([], [], []), 0
-    if cur.dsts:
-        batches.append(cur)
+            batches.append(watch(dsts[start:n + 1], srcs[start:n + 1], watched[start:n + 1]))
+            start, size = n + 1, 0
+    if start < len(dsts):
+        batches.append(watch(dsts[start:], srcs[start:], watched[start:]))
     return batches
 
 
-def check_unchanged(batch: CopyBatch, describe: Callable[[torch.Tensor], str]) -> None:
-    """Raise StagingError when a source of ``batch`` was changed in place since the call."""
-    for src, version in zip(batch.srcs, batch.versions):
+def check_unchanged(batch: CopyBatch, describe: Callable[[Any], str]) -> None:
+    """Raise StagingError when a watched source of ``batch`` was changed in place since the
+    call."""
+    for src, version in zip(batch.watched, batch.versions):
         if src._version != version:
             raise StagingError(
                 f"{describe(src)} was changed in place while lazy staging was copying it (its "
@@ -116,8 +125,8 @@ def run_copies(batches: list[CopyBatch], *, non_blocking: bool = False,
 
 class StagingWorker:
     """The thread lazy jobs run on: one per stager, started on its first job and kept, so that a
-    save starts no thread (nor the thread's pool of copy threads) while training waits on
-    ``async_save`` (that start was most of a lazy ``async_save``'s 7 ms on a busy 2-core
+    save starts no thread (nor the thread's pool of copy threads) while training waits in
+    ``async_save`` (a budgeted job starts its spill writer later, on this thread) (that start was most of a lazy ``async_save``'s 7 ms on a busy 2-core
     machine; 2 ms without it). It runs at training's priority: a lower one (nice 10) changed
     nothing measurable in ``benchmarks/training_stall.py``."""
 
@@ -141,6 +150,7 @@ class StagingWorker:
             if task is None:
                 return
             task()
+            task = None  # (a finished job's staged tree must not wait here for the next one)
 
     def close(self) -> None:
         """Let the thread end once the tasks queued before are done."""
@@ -155,9 +165,10 @@ class StagingJob:
 
     Made by a staging plugin with ``work``, a callable that does the copy and returns the staged
     tree; it calls :meth:`mark_copied` once every value is taken (else that is marked when it
-    returns). A lazy job runs on ``worker`` (see :class:`StagingWorker`). ``started``: the ``time.perf_counter()`` of the call, from which the stats'
-    seconds count (default: now). ``fence_cuda``, when given, orders the training's CUDA stream after the copies
-    instead of blocking the host (see :meth:`fence`).
+    returns). A lazy job runs on ``worker`` (see :class:`StagingWorker`). ``started``: the
+    ``time.perf_counter()`` of the call, from which the stats' seconds count (default: now).
+    A CUDA plugin may give a fence (:meth:`set_cuda_fence`) that orders the training's stream
+    after the copies instead of blocking the host (see :meth:`fence`).
     """
 
     def __init__(self, work: Callable[["StagingJob"], dict[str, Any]], *, lazy: bool,
@@ -211,7 +222,9 @@ class StagingJob:
         # The callbacks (events, the save slot) run before the future completes: whoever
         # waits on the future then sees their effects.
         self.error = exc
-        for callback in self._on_done:
+        callbacks, self._on_done = self._on_done, []
+        self._cuda_fence = None  # (it holds the source tensors; every copy is over now)
+        for callback in callbacks:
             try:
                 callback(self)
             except Exception:  # an observer's failure must not lose the staged state
