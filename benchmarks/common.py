@@ -472,6 +472,16 @@ def torchrun_main(argv: list[str] | None, parse_args: Callable[[list[str]], argp
     return worker(args) if under_torchrun() else launch(args, argv)
 
 
+def add_mlp_trainer_args(p: argparse.ArgumentParser) -> None:
+    """The options :class:`MlpTrainer` is built from: ``--state-mib``, ``--batch``,
+    ``--layers``."""
+    p.add_argument("--state-mib", type=int, default=1024,
+                   help="params + Adam state size in MiB (default 1024: ~89M params)")
+    p.add_argument("--batch", type=int, default=320,
+                   help="batch rows (default 320: a ~1.1 s step at 1 GiB on 2 cores)")
+    p.add_argument("--layers", type=int, default=5, help="Linear layers (default 5)")
+
+
 class MlpTrainer:
     """A CPU training job for the training-loop benchmarks (``training_stall.py``,
     ``lazy_ordering.py``): square Linear layers with ReLUs between them, fused Adam (no

@@ -130,7 +130,8 @@ from typing import Callable
 
 import torch
 
-from common import GB, MlpTrainer as Trainer, finish_report, progress_log, rotated
+from common import (GB, MlpTrainer as Trainer, add_mlp_trainer_args, finish_report,
+                    progress_log, rotated)
 
 VARIANTS = ("none", "eager", "thread", "idle", "thread+idle")
 COPYING = VARIANTS[1:]
@@ -537,8 +538,7 @@ def print_report(summary: dict, env: Env) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--state-mib", type=int, default=1024,
-                   help="params + Adam state size in MiB (default 1024: ~89M params)")
+    add_mlp_trainer_args(p)
     p.add_argument("--steps", type=int, default=8,
                    help="measured rounds (one step per variant) per idle fraction (default 8)")
     p.add_argument("--warmup", type=int, default=2,
@@ -551,8 +551,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="no-copy steps whose fastest compute time sets the waits (default 5)")
     p.add_argument("--chunk-mib", type=int, default=64,
                    help="bytes per torch._foreach_copy_ call, in MiB (default 64, as tierstore)")
-    p.add_argument("--batch", type=int, default=320, help="batch rows (default 320)")
-    p.add_argument("--layers", type=int, default=5, help="Linear layers (default 5)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated variants (default all: {', '.join(VARIANTS)}; none is "
                         f"always run)")

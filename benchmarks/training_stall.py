@@ -153,7 +153,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import tierstore
 
-from common import GB, MlpTrainer as Trainer, finish_report, fs_type, progress_log, remove
+from common import (GB, MlpTrainer as Trainer, add_mlp_trainer_args, finish_report,
+                    fs_type, progress_log, remove)
 
 CONTENDERS = ("none", "stock", "stock-async-staging", "tierstore-eager", "tierstore-lazy",
               "tierstore-budget")
@@ -707,15 +708,11 @@ def print_report(summary: dict, env: Env, order: list[str], why: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--state-mib", type=int, default=1024,
-                   help="params + Adam state size in MiB (default 1024: ~89M params)")
+    add_mlp_trainer_args(p)
     p.add_argument("--steps", type=int, default=8,
                    help="measured steps per contender (default 8)")
     p.add_argument("--warmup", type=int, default=2,
                    help="steps run first and discarded, per contender (default 2)")
-    p.add_argument("--batch", type=int, default=320,
-                   help="batch rows (default 320: a ~1.1 s step at 1 GiB on 2 cores)")
-    p.add_argument("--layers", type=int, default=5, help="Linear layers (default 5)")
     p.add_argument("--only", default=None,
                    help="comma-separated contenders to run (default: all): "
                         + ", ".join(CONTENDERS))
