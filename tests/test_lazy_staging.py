@@ -9,6 +9,7 @@ import copy
 import io
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,14 @@ def training_state(seed: int = 0) -> dict:
     sd["layers"] = [torch.randn(256, 64, generator=g), torch.randn(3000, generator=g).double(),
                     torch.randn(7, 5, generator=g)]
     return sd
+
+
+def hold_the_staging_thread(store) -> threading.Event:
+    """Keep the store's staging thread busy until the returned event is set: the next lazy
+    copy starts only then (what a machine busy elsewhere does at random)."""
+    gate = threading.Event()
+    store._stager._worker.submit(lambda: gate.wait(60))
+    return gate
 
 
 def no_spill_left(root: Path) -> bool:
@@ -149,8 +158,10 @@ def test_a_change_before_the_lazy_copy_fails_that_save_clearly_and_loses_nothing
     with tierstore.open(tiers(tmp_path, {"name": "cpu", "lazy": True})) as store:
         first = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1")
         first.upload_completion.result()
+        gate = hold_the_staging_thread(store)
         resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-2")
-        sd["t15"].add_(1)  # the optimizer step, too early: the copy is at the first tensors
+        sd["t15"].add_(1)  # the optimizer step, too early: the copy has not started
+        gate.set()
         with pytest.raises(tierstore.StagingError) as info:
             resp.staging_completion.result()
         message = str(info.value)

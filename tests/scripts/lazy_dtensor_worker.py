@@ -12,6 +12,7 @@ must fail with the StagingError that names the tensor, and nothing be committed.
 
 import os
 import sys
+import threading
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -37,10 +38,13 @@ def main() -> None:
     config = {"store": {"staging": staging},
               "tier": [{"name": "ram", "backend": "local", "path": f"{root}/ram"}]}
     with tierstore.open(config) as store:
+        gate = threading.Event()  # the copy starts only once the change is made
+        store._stager._worker.submit(lambda: gate.wait(60))
         resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id="step-1",
                               process_group=store.process_group)
         with torch.no_grad():
             sd["w7"].add_(100)  # the optimizer step, too early
+        gate.set()
         try:
             resp.upload_completion.result()
         except tierstore.StagingError as exc:
