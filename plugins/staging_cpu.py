@@ -132,7 +132,7 @@ class CpuStager(Stager):
         self.last_bytes, self.last_reused = nbytes, reused
         stats = StagingStats(nbytes=nbytes, reused=reused, buffer_bytes=nbytes)
         describe = _describer(state_dict)
-        watched = buffers.watched(srcs)
+        watched = buffers.watched(srcs) if lazy else srcs
         if lazy:
             order = buffers.smallest_first(dsts)
             dsts, srcs = [dsts[i] for i in order], [srcs[i] for i in order]
