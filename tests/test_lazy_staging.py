@@ -355,3 +355,13 @@ def test_a_long_staging_is_never_taken_for_an_abandoned_save(tmp_path, monkeypat
         second.upload_completion.result()
         store.wait()
         assert_trees_equal(load_like(store, "step-1", sd), sd)
+
+
+@pytest.mark.timeout(180)
+def test_a_sharded_tensor_under_a_budget_is_copied_whole_and_round_trips(tmp_path):
+    """FSDP1's ShardedTensor beside plain tensors, with a budget between the plain tensors'
+    bytes and the whole state's (that once sent staging between whole buffers and waves
+    forever)."""
+    proc = run_script("budget_sharded_worker.py", tmp_path, free_port(), timeout=150)
+    assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, \
+        f"{proc.stdout}\n{proc.stderr[-6000:]}"
