@@ -52,7 +52,9 @@ def main() -> None:
             print("DETECTED", exc, flush=True)
         else:
             raise AssertionError("a DTensor changed before its lazy copy was saved silently")
+    print("STORE CLOSED", flush=True)
     dist.destroy_process_group()
+    print("PROCESS GROUP DESTROYED", flush=True)
 
 
 if __name__ == "__main__":

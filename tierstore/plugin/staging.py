@@ -152,12 +152,15 @@ class StagingWorker:
             task()
             task = None  # (a finished job's staged tree must not wait here for the next one)
 
-    def close(self) -> None:
-        """Let the thread end once the tasks queued before are done."""
+    def close(self, timeout: float = 10.0) -> None:
+        """End the thread once the tasks queued before are done, and wait for it (at most
+        ``timeout`` seconds): nothing of the staging runs on while the process shuts down."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
+            if thread is not threading.current_thread():
+                thread.join(timeout)
 
 
 class StagingJob:
