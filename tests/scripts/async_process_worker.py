@@ -24,23 +24,11 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
-from worker_common import (assert_trees_equal, load_like, make_async_state,  # noqa: E402
-                           mutate_everything)
+from worker_common import (StagedEvents, assert_trees_equal, load_like,  # noqa: E402
+                           make_async_state, mutate_everything)
 from tierstore_plugins.staging_buffers import describe_state_dict  # noqa: E402
 
 import tierstore  # noqa: E402
-
-
-class Waves:
-    """Notes how many waves each staging took."""
-
-    def __init__(self):
-        self.counts = []
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event):
-        if event.kind == tierstore.EventKind.STAGED:
-            self.counts.append(event.detail["waves"])
 
 
 def main() -> None:
@@ -58,7 +46,7 @@ def main() -> None:
     config = {"store": {"staging": staging},
               "tier": [{"name": "ram", "backend": "local", "path": f"{root}/ram", "keep": 1},
                        {"name": "disk", "backend": "local", "path": f"{root}/disk"}]}
-    store = tierstore.open(config, plugins=[waves := Waves()])
+    store = tierstore.open(config, plugins=[staged := StagedEvents()])
     expected = {}
     for i in range(3):
         resp = dcp.async_save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{i}",
@@ -70,8 +58,9 @@ def main() -> None:
         mutate_everything(sd)
         getattr(resp, "upload_completion", resp).result()
     if budgeted:
-        assert len(waves.counts) == 3 and min(waves.counts) > 1, waves.counts
-        print("WAVES", waves.counts, flush=True)
+        waves = [e.detail["waves"] for e in staged.events]
+        assert len(waves) == 3 and min(waves) > 1, waves
+        print("WAVES", waves, flush=True)
     store.wait()  # drains of the checkpoint process's saves run in this process
     tiers = {c.id: c.tiers for c in store.list()}
     assert tiers == {"step-2": ["ram", "disk"], "step-1": ["disk"], "step-0": ["disk"]}, tiers

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
-from worker_common import run_worker
+from worker_common import StagedEvents, run_worker
 
 import tierstore
 from tierstore.events import Phase
@@ -173,18 +173,6 @@ class SlowLastDrain:
             time.sleep(SLOW_DRAIN_S)
 
 
-class StagingLog:
-    """The ``staged`` events of this rank's saves."""
-
-    def __init__(self):
-        self.events = []
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event):
-        if event.kind == tierstore.EventKind.STAGED:
-            self.events.append(event)
-
-
 def check_listing(listed, root: str, when: str) -> None:
     """step-9 on both tiers, the newest 3 in "ram", every checkpoint on "disk"."""
     tiers_of = {c.id: c.tiers for c in listed}
@@ -221,7 +209,7 @@ def main() -> int:
     staging = {"name": "cpu", "lazy": mode.startswith("lazy")}
     if mode == "lazy-budget":
         staging["max_staging_bytes"] = BUDGET
-    stagings = StagingLog()
+    stagings = StagedEvents()
     store = tierstore.open({"store": {"staging": staging}, "tier": [
         {"name": "ram", "backend": "local", "path": f"{root}/ram", "keep": RAM_KEEP},
         {"name": "disk", "backend": "local", "path": f"{root}/disk"},

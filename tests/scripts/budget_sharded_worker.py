@@ -8,7 +8,6 @@ copied whole, outside the waves, and the plain tensors go in waves. Saves twice 
 changed in between), loads both back and compares them bit for bit. Prints ``SHARDED OK``.
 """
 
-import copy
 import os
 import sys
 import warnings

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+import tierstore
 from tierstore_conformance import assert_state_dicts_equal, make_state_dict
 # The kit's comparison also through lists, tuples and io.BytesIO, and its load target.
 from tierstore_conformance._helpers import assert_trees_equal
@@ -128,6 +129,18 @@ def make_async_state(seed: int = 0) -> dict:
         "blob": io.BytesIO(b"opaque bytes"),
         "epoch": 7,
     }
+
+
+class StagedEvents:
+    """An observer of the ``staged`` events of this process's saves (``.events``)."""
+
+    def __init__(self):
+        self.events = []
+
+    @tierstore.hookimpl
+    def tierstore_event(self, event):
+        if event.kind == tierstore.EventKind.STAGED:
+            self.events.append(event)
 
 
 def mutate_everything(sd) -> None:
