@@ -12,6 +12,8 @@ because it has no disk behind it and fsync would be free):
                        (fsync on, the default; ``[store] io_threads`` from ``--io-threads``, else
                        tierstore's default). Includes tierstore's commit: manifest, directory
                        fsyncs and the atomic rename.
+``tierstore-signed``   the same store with ``[store] signing_key``: keyed BLAKE3 digests of every
+                       file and a MAC over the manifest instead of XXH3
 ``dcp-fs-t1``          ``dcp.save`` through stock ``FileSystemWriter(thread_count=1)`` (fsyncs)
 ``dcp-fs-t4``          the same with ``thread_count=4``
 ``torch.save``         ``torch.save(sd)`` into one file, then ``fsync``
@@ -25,9 +27,9 @@ each timed save the earlier outputs of this round are deleted (except the two ch
 the load phase, which are clean, already fsynced data) and ``os.sync()`` is called, so dirty pages
 or pending deletes of one contender are never flushed on the next one's clock.
 
-Then two load contenders read what they just wrote into preallocated tensors of the same shapes:
-``tierstore`` (``store.reader()``, which verifies every file's checksum) loads the tierstore
-checkpoint, and stock ``FileSystemReader`` loads the ``dcp-fs-t4`` checkpoint. Both are read **from
+Then three load contenders read what they just wrote into preallocated tensors of the same shapes:
+``tierstore`` and ``tierstore-signed`` (``store.reader()``, which verifies every file's checksum,
+keyed for the signed one) load their own checkpoints, and stock ``FileSystemReader`` loads the ``dcp-fs-t4`` checkpoint. Both are read **from
 the page cache**: every file of the checkpoint is read once, untimed, right before the timed load.
 The destination tensors are zeroed before each load and compared with ``torch.equal`` afterwards,
 so a fast but wrong load fails the run instead of being reported.
@@ -42,6 +44,7 @@ the acceptance verdicts:
 * tierstore save >= 1.0x the best stock FileSystemWriter (of thread_count 1 and 4)
 * tierstore save >= 0.85x raw write + fsync
 * tierstore load >= 1.5x stock FileSystemReader
+* signed save and load >= 0.8x unsigned (tierstore-signed against tierstore)
 
 Ratios are of medians; the per-round ratios (same round, same machine state) are printed beside
 them as a noise indicator. The table also gives each operation's median process CPU time (user +
@@ -83,8 +86,12 @@ from common import (GB, benchmark_parser, check_equal, disk_parent, finish_repor
                     rounds_text, timing_figures, verdict, warm_page_cache, warmup_then_rounds,
                     write_raw)
 
-SAVE_CONTENDERS = ("tierstore", "dcp-fs-t1", "dcp-fs-t4", "torch.save", "raw-write")
-LOAD_CONTENDERS = ("tierstore", "dcp-fs-reader")
+SAVE_CONTENDERS = ("tierstore", "tierstore-signed", "dcp-fs-t1", "dcp-fs-t4", "torch.save",
+                   "raw-write")
+LOAD_CONTENDERS = ("tierstore", "tierstore-signed", "dcp-fs-reader")
+STORES = ("tierstore", "tierstore-signed")
+#: the environment variable the signed store reads its key from (a fresh random key per run)
+KEY_VARIABLE = "TIERSTORE_BENCH_KEY"
 # The stock checkpoint that FileSystemReader loads: the multi-file stock layout, like tierstore's.
 STOCK_LOAD_SOURCE = "dcp-fs-t4"
 CHECKPOINT_ID = "step-1"
@@ -93,25 +100,31 @@ CHECKPOINT_ID = "step-1"
 SAVE_VS_FS_TARGET = 1.0
 SAVE_VS_RAW_TARGET = 0.85
 LOAD_VS_FS_TARGET = 1.5
+SIGNED_TARGET = 0.8
 
 
 # -- save contenders ---------------------------------------------------------------------------
 # Each takes (state dict, output path) and returns a zero-argument callable that performs the
 # timed save; anything built before that (the store, directories) is setup and not timed.
 
-def open_store(root: str, io_threads: int | None) -> "tierstore.Store":
-    """A store with one ``local`` tier (fsync on, the default) at ``root``."""
-    config: dict = {"tier": [{"name": "nvme", "backend": "local", "path": root}]}
+def open_store(root: str, io_threads: int | None, signed: bool = False) -> "tierstore.Store":
+    """A store with one ``local`` tier (fsync on, the default) at ``root``; ``signed``: with
+    a signing key (read from :data:`KEY_VARIABLE`)."""
+    config: dict = {"store": {},
+                    "tier": [{"name": "nvme", "backend": "local", "path": root}]}
     if io_threads is not None:
-        config["store"] = {"io_threads": io_threads}
+        config["store"]["io_threads"] = io_threads
+    if signed:
+        os.environ.setdefault(KEY_VARIABLE, os.urandom(32).hex())
+        config["store"]["signing_key"] = {"env": KEY_VARIABLE}
     return tierstore.open(config)
 
 
 def prepare_save(name: str, sd: dict[str, torch.Tensor], out: str,
                  io_threads: int | None) -> tuple[Callable[[], None], Callable[[], None]]:
     """Return (timed save, untimed teardown) for save contender ``name`` writing to ``out``."""
-    if name == "tierstore":
-        store = open_store(out, io_threads)
+    if name in STORES:
+        store = open_store(out, io_threads, signed=name == "tierstore-signed")
 
         def save() -> None:
             dcp.save(sd, storage_writer=store.writer(), checkpoint_id=CHECKPOINT_ID)
@@ -150,8 +163,8 @@ def prepare_save(name: str, sd: dict[str, torch.Tensor], out: str,
 def load_into(name: str, dest: dict[str, torch.Tensor], sources: dict[str, str],
               stores: dict[str, "tierstore.Store"]) -> None:
     """Timed part of a load: ``dcp.load`` into ``dest`` with the contender's reader."""
-    if name == "tierstore":
-        dcp.load(dest, storage_reader=stores["tierstore"].reader(), checkpoint_id=CHECKPOINT_ID)
+    if name in STORES:
+        dcp.load(dest, storage_reader=stores[name].reader(), checkpoint_id=CHECKPOINT_ID)
     elif name == "dcp-fs-reader":
         dcp.load(dest, storage_reader=FileSystemReader(sources[STOCK_LOAD_SOURCE]))
     else:
@@ -181,7 +194,7 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], dest: dict[str, torch.Tenso
     os.makedirs(rdir)
     outputs: dict[str, str] = {}
     stores: dict[str, tierstore.Store] = {}
-    keep = {"tierstore", STOCK_LOAD_SOURCE}  # load sources stay until the load phase
+    keep = {*STORES, STOCK_LOAD_SOURCE}  # load sources stay until the load phase
     try:
         for name in rotated(SAVE_CONTENDERS, rnd):
             # Delete earlier outputs first, then sync, so neither their deletion nor any dirty
@@ -198,8 +211,8 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], dest: dict[str, torch.Tenso
             save()
             secs, cpu = time.perf_counter() - t0, time.process_time() - c0
             outputs[name] = out
-            if name == "tierstore":
-                stores["tierstore"] = open_store(out, io_threads)  # for the load phase
+            if name in STORES:  # for the load phase
+                stores[name] = open_store(out, io_threads, signed=name == "tierstore-signed")
             teardown()
             res.save[name].append(secs)
             res.save_cpu[name].append(cpu)
@@ -211,7 +224,7 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], dest: dict[str, torch.Tenso
             for t in dest.values():
                 t.zero_()  # a load that writes nothing must fail check_equal
             # Same conditions for both readers: their files come from the page cache.
-            warm_page_cache(sources["tierstore" if name == "tierstore" else STOCK_LOAD_SOURCE])
+            warm_page_cache(sources[name if name in STORES else STOCK_LOAD_SOURCE])
             gc.collect()
             os.sync()
             c0, t0 = time.process_time(), time.perf_counter()
@@ -241,6 +254,7 @@ def summarize(res: Results, nbytes: int) -> dict:
         return [tb / ta for ta, tb in zip(a, b)]
 
     ts, tl = save["tierstore"], load["tierstore"]
+    ss, sl = save["tierstore-signed"], load["tierstore-signed"]
     verdicts = [
         verdict(f"tierstore save >= {SAVE_VS_FS_TARGET}x best stock FileSystemWriter ({best_fs})",
                 ratio(ts, save[best_fs]), per_round(ts["seconds"], save[best_fs]["seconds"]),
@@ -253,6 +267,10 @@ def summarize(res: Results, nbytes: int) -> dict:
                 ratio(tl, load["dcp-fs-reader"]),
                 per_round(tl["seconds"], load["dcp-fs-reader"]["seconds"]),
                 least=LOAD_VS_FS_TARGET),
+        verdict(f"signed save >= {SIGNED_TARGET}x unsigned", ratio(ss, ts),
+                per_round(ss["seconds"], ts["seconds"]), least=SIGNED_TARGET),
+        verdict(f"signed load >= {SIGNED_TARGET}x unsigned", ratio(sl, tl),
+                per_round(sl["seconds"], tl["seconds"]), least=SIGNED_TARGET),
     ]
     return {"save": save, "load": load, "best_stock_writer": best_fs, "verdicts": verdicts}
 
@@ -274,9 +292,11 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
     save, load = summary["save"], summary["load"]
     for c in SAVE_CONTENDERS:
         s = save[c]
-        if c == "tierstore":
+        if c in STORES:
             r = (f"{s['gbps'] / save[best_fs]['gbps']:.2f}x {best_fs}, "
                  f"{s['gbps'] / save['raw-write']['gbps']:.2f}x raw-write")
+            if c == "tierstore-signed":
+                r += f", {s['gbps'] / save['tierstore']['gbps']:.2f}x unsigned"
         else:
             r = f"{s['gbps'] / save['raw-write']['gbps']:.2f}x raw-write"
         print(f"| save | {c} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
@@ -285,6 +305,8 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
         s = load[c]
         r = (f"{s['gbps'] / load['dcp-fs-reader']['gbps']:.2f}x dcp-fs-reader"
              if c != "dcp-fs-reader" else "1.00x (baseline)")
+        if c == "tierstore-signed":
+            r += f", {s['gbps'] / load['tierstore']['gbps']:.2f}x unsigned"
         print(f"| load | {c} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
               f"{s['median_cpu_s']:.2f} | {rounds_text(s['seconds'])} |")
     print()

@@ -38,7 +38,7 @@ class ManifestLastCommit(CommitProtocol):
 
     def commit(self, backend: Backend, checkpoint_id: str, staging: str, manifest: bytes,
                announce: Callable[[str], None]) -> None:
-        files = Manifest.from_json(manifest).files
+        files = Manifest.from_own_json(manifest).files
         wrong = [f"{rel} ({'missing' if size is None else f'{size} bytes'}, expected {e.size})"
                  for rel, e in sorted(files.items())
                  if (size := backend.size(f"{staging}/{rel}")) != e.size]

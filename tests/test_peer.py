@@ -6,6 +6,7 @@ object-store tier."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -68,6 +69,24 @@ def test_a_lost_node_comes_back_from_its_peers(tmp_path, strategy):
     for rank in range(4):
         assert f"RANK {rank} NOTFOUND" in out, out[-8000:]
     assert "the files of rank(s) [2] are on no tier of any rank" in out
+
+
+@pytest.mark.timeout(600)
+def test_signed_replicas_and_peer_fetches_check_keyed_digests(tmp_path, monkeypatch):
+    """With a signing key, replicas are received and committed with keyed digests and a MAC,
+    and a lost node's shards come back from its peers checked against them."""
+    monkeypatch.setenv("TIERSTORE_TEST_KEY", "5d41402abc4b2a76b9719d911017c592")
+    root = str(tmp_path)
+    run(root, "clique", "obj-signed", "save")
+    for replica in tmp_path.glob("peer/*/.replicas/*/step-3/tierstore.json"):
+        data = json.loads(replica.read_text())
+        assert data["seal"].startswith("blake3_mac:") and data["signed_by"], replica
+        assert all(e["checksum"].startswith("blake3k_") for e in data["files"].values())
+    shutil.rmtree(tmp_path / "ram/1")
+    shutil.rmtree(tmp_path / "peer/1")
+    out = run(root, "clique", "obj-signed", "load", "step-3")
+    assert "RANK 2 FETCHED __2_0.distcp FROM RANK 0" in out, out[-8000:]
+    assert "FROM objects" not in out, out[-8000:]
 
 
 def test_a_world_size_the_strategy_cannot_serve_is_a_config_error(tmp_path):

@@ -64,9 +64,12 @@ class ReplicationError(DrainError):
 
 
 class TierFullError(TierstoreError, OSError):
-    """A tier ran out of space (or quota) while a checkpoint was written to it; the message
-    names the tier, the path, the bytes needed and free. Nothing was committed: the previous
-    checkpoints are intact, and the next save or ``gc`` removes what was written."""
+    """A tier ran out of space (or quota: ``errno`` is ENOSPC or EDQUOT) while a checkpoint was
+    written to it, whichever write found no room (a data file, ``.metadata``, the manifest, the
+    staging directory); the message names the tier, the path, the bytes needed and free.
+    Nothing was committed: the previous checkpoints are intact, and what the save wrote is
+    removed when it fails (where other ranks write the same directory: by the next save or
+    ``gc``)."""
 
 
 class StagingError(TierstoreError):

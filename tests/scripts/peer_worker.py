@@ -2,7 +2,8 @@
 
 Tiers: "ram" (node-local RAM), "peer" (node-local, replicas over torch.distributed with the
 strategy given), and, unless argv says "noobj", "objects" (an fsspec ``file://`` object-store
-tier every rank sees). argv: ROOT STRATEGY OBJ PHASE [EXPECTED]. PHASE "save" saves step-1..3
+tier every rank sees); "obj-signed" also signs with the key in $TIERSTORE_TEST_KEY.
+argv: ROOT STRATEGY OBJ PHASE [EXPECTED]. PHASE "save" saves step-1..3
 and waits for drains and replication; "load" checks latest() == EXPECTED and loads it bitwise,
 printing where each file came from; "load-missing" loads EXPECTED and prints the
 CheckpointNotFound it expects.
@@ -49,16 +50,17 @@ class Observer:
                                     event.detail["from"]))
 
 
-def config(root, strategy, with_objects):
+def config(root, strategy, obj):
     tiers = [
         {"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 2},
         # keep 1: step-3's files and replicas go into the pages of step-1's (recycled)
         {"name": "peer", "backend": "peer", "path": root + "/peer/{node}", "keep": 1,
          "replication": STRATEGIES[strategy]},
     ]
-    if with_objects:
+    if obj.startswith("obj"):
         tiers.append({"name": "objects", "backend": "fsspec", "url": f"file://{root}/objects"})
-    return {"tier": tiers}
+    signed = {"signing_key": {"env": "TIERSTORE_TEST_KEY"}} if obj == "obj-signed" else {}
+    return {"store": signed, "tier": tiers}
 
 
 def replica_inodes(root, rank, seen, cid):
@@ -83,7 +85,7 @@ def main() -> int:
     root, strategy, obj, phase = sys.argv[1:5]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     seen = Observer()
-    store = tierstore.open(config(root, strategy, obj == "obj"), plugins=[seen])
+    store = tierstore.open(config(root, strategy, obj), plugins=[seen])
     if phase == "save":
         inodes = {}
         for step in (1, 2, 3):

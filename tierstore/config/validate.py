@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from tierstore.transport.collectives import RankContext
+from tierstore.config.keys import check_key_reference, keyring_from
 from tierstore.errors import ConfigError
+from tierstore.format.signing import UNSIGNED, Keyring
+from tierstore.format.values import check_trusted_names
 from tierstore.plugin.options import ConfigSource, Option, resolve_env, validate_table
 from tierstore.plugin.host import PluginHost, build_plugin_host
 
@@ -58,6 +61,14 @@ def _str_list(value: Any) -> str | None:
     return None
 
 
+def _trusted_names(value: Any) -> str | None:
+    try:
+        check_trusted_names(value)
+    except ValueError as exc:
+        return str(exc).removeprefix("trusted_pickles: ")
+    return None
+
+
 STORE_OPTIONS: tuple[Option, ...] = (
     Option("plugins", list, default=[], check=_str_list,
            description="extra plugin modules to import, beside entry points"),
@@ -93,6 +104,18 @@ STORE_OPTIONS: tuple[Option, ...] = (
            description="re-read one stored copy every this many seconds in the background, "
                        "round robin over every tier, and repair a bad one from a good copy "
                        "on another tier (0: off; rank 0 only)"),
+    Option("trusted_pickles", list, default=[], check=_trusted_names,
+           description="extra globals ('module.Name') that pickled non-tensor values read from "
+                       "a tier may build, beside the weights_only allow-list"),
+    Option("signing_key", (dict, str), default=None, check=check_key_reference, read_env=False,
+           description="the key that signs and verifies checkpoints: { env = \"NAME\" } or "
+                       "{ file = \"path\" }"),
+    Option("signing_keys", list, default=[], read_env=False,
+           check=lambda keys: next(filter(None, map(check_key_reference, keys)), None),
+           description="several keys for rotation: the first signs, every one verifies"),
+    Option("accept_unsigned", bool, default=False,
+           description="with a signing key, still read checkpoints that are not signed "
+                       "(migrating those written before signing)"),
 )
 
 TIER_OPTIONS: tuple[Option, ...] = (
@@ -165,6 +188,10 @@ class StoreConfig:
     collective_timeout: float = 600
     watchdog: float = 0
     scrub_every_s: float = 0
+    #: globals ("module.Name") non-tensor values from a tier may build beyond weights_only's
+    trusted_pickles: tuple[str, ...] = ()
+    #: the signing keys (tierstore.format.signing); kept out of repr like every secret
+    keyring: Keyring = field(default=UNSIGNED, repr=False)
 
 
 _TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
@@ -379,6 +406,8 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         part_timeout=store_table["part_timeout"],
         collective_timeout=store_table["collective_timeout"], watchdog=store_table["watchdog"],
         scrub_every_s=store_table["scrub_every_s"], tiers=tuple(tiers), source=source,
+        trusted_pickles=tuple(store_table["trusted_pickles"]),
+        keyring=keyring_from(store_table, source),
     )
 
 

@@ -8,14 +8,17 @@ copy, check every byte against the manifest and fall back to slower tiers as a l
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from tierstore.dcp.reader import TierstoreReader
@@ -57,7 +60,12 @@ def export(checkpoint_id: str, fmt: str, path: str, reader: TierstoreReader) -> 
     """Load the whole checkpoint through ``reader`` (DCP's own consolidation: every shard of
     every tensor into one full tensor) and write it to ``path`` as one file: ``torch`` (a
     ``torch.save`` of ``{fqn: value}``) or ``safetensors`` (its tensors; other values are left
-    out and listed in ``skipped``). The file appears complete or not at all."""
+    out and listed in ``skipped``). The file appears complete or not at all.
+
+    Non-tensor values are unpickled only for ``torch``, and only once the reader's check
+    (``tierstore.format.values``, with ``[store] trusted_pickles``) passed them; for
+    ``safetensors`` they are never read. A refused value fails the export with the reader's
+    ``UntrustedValue``, naming its key."""
     if fmt not in EXPORT_FORMATS:
         raise TierstoreError(f"export format {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
     if fmt == "safetensors":
@@ -68,8 +76,11 @@ def export(checkpoint_id: str, fmt: str, path: str, reader: TierstoreReader) -> 
                                  "pip install 'tierstore[export]'") from None
     state: dict[str, Any] = {}
     reader.reset(checkpoint_id)  # what dcp.load does with its checkpoint_id
-    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    planner = _TensorsOnly() if fmt == "safetensors" else _EmptyStateDictLoadPlanner()
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:
+        raise _unwrapped(exc) from None
     flat, _ = flatten_state_dict(state)
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     skipped = sorted(k for k in flat if k not in tensors) if fmt == "safetensors" else []
@@ -92,3 +103,23 @@ def export(checkpoint_id: str, fmt: str, path: str, reader: TierstoreReader) -> 
         raise
     return ExportResult(checkpoint_id, fmt, os.path.abspath(path), len(tensors),
                         sum(t.numel() * t.element_size() for t in tensors.values()), skipped)
+
+
+class _TensorsOnly(_EmptyStateDictLoadPlanner):
+    """Loads the tensors of a checkpoint and never reads its non-tensor values (their keys keep
+    DCP's placeholder, so the export lists them as left out)."""
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's plan without its BYTE_IO reads."""
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, items=[i for i in plan.items
+                                                if i.type != LoadItemType.BYTE_IO])
+
+
+def _unwrapped(exc: CheckpointException) -> BaseException:
+    """What the reader raised inside DCP's step, when it is one of tierstore's errors (its message
+    is the operator's answer, not DCP's traceback text), else ``exc`` itself."""
+    for error, _trace in exc.failures.values():
+        if isinstance(error, TierstoreError):
+            return error
+    return exc

@@ -16,7 +16,6 @@ import time
 
 from tierstore.engine.context import StoreContext
 from tierstore.events import Event, EventKind, Phase
-from tierstore.format.checksum import checksum_of
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object
@@ -45,7 +44,7 @@ def _good_copy(cid: str, rel: str, local: list[tuple[Tier, Manifest]],
         if entry is None or tier.stored_size(f"{cid}/{rel}") != entry.size:
             continue
         if verify:
-            _, digest = tier.checksum_file(f"{cid}/{rel}")
+            _, digest = tier.checksum_file(f"{cid}/{rel}", entry.checksum)
             if digest != entry.checksum:
                 log.warning("checkpoint %s: %s on tier '%s' is corrupt; asking peers", cid, rel,
                             tier.name)
@@ -106,7 +105,8 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
             continue
         entry = entries.get(t.key) or views[t.src][1][t.key]  # ours, else the sender's
         data = buffers[t.key].data if t.key in buffers else bytearray()
-        if entry is None or len(data) != entry.size or checksum_of(data) != entry.checksum:
+        if (entry is None or len(data) != entry.size
+                or ctx.config.keyring.digest(data, like=entry.checksum) != entry.checksum):
             log.warning("checkpoint %s: the copy of %s from rank %d does not match its "
                         "manifest; trying slower tiers", cid, t.key, t.src)
             continue

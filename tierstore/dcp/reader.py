@@ -30,7 +30,7 @@ from tierstore.engine.watchdog import Watchdog
 from tierstore.engine.saves import SaveSlot
 from tierstore.errors import CheckpointNotFound, IntegrityError
 from tierstore.events import Event, EventKind, Phase
-from tierstore.format.checksum import checksum_of
+from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
 from tierstore.format.item_io import FileReadError, read_items
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
@@ -128,8 +128,8 @@ class TierstoreReader(StorageReader):
         elif not sources and rejected:
             raise IntegrityError(
                 f"checkpoint '{cid}' has no copy to trust: " + "; ".join(rejected)
-                + f". Restore it from another copy, or load another checkpoint "
-                  f"(store.latest() gives the newest loadable one)")
+                + ". Restore it from another copy, or load another checkpoint "
+                  "(store.latest() gives the newest loadable one)")
         elif not sources:
             available = [c.id for c in services.catalog.list()[:5]]
             hint = (f"newest available: {', '.join(available)}" if available
@@ -146,9 +146,9 @@ class TierstoreReader(StorageReader):
             )
         # Files can only be mixed between copies that share this metadata: a tier with other
         # codecs holds the same checkpoint at other offsets.
-        meta_sum = checksum_of(raw)
+        keyring = self._services.context.config.keyring
         sources = [(t, m) for t, m in sources
-                   if (m.files[METADATA_NAME].checksum == meta_sum if m.has_metadata
+                   if (_matches(keyring, raw, m.files[METADATA_NAME]) if m.has_metadata
                        else m.codecs == codecs)]
         self._checkpoint_id = cid
         self._sources = sources
@@ -179,7 +179,7 @@ class TierstoreReader(StorageReader):
             except (OSError, IntegrityError) as exc:
                 problems.append(f"tier '{tier.name}': {exc}")
                 continue
-            if checksum_of(raw) != entry.checksum:
+            if not _matches(tier.keyring, raw, entry):
                 problems.append(f"tier '{tier.name}': {METADATA_NAME} does not match its manifest")
                 continue
             return raw, manifest.codecs, problems
@@ -293,7 +293,8 @@ class TierstoreReader(StorageReader):
         if fetched is not None:  # not on this node: a peer sent it (verified)
             entry, data = fetched
             return read_items(io.BytesIO(data), entry, reqs, self._metadata.storage_data,
-                              self._metadata, planner, False)
+                              self._metadata, planner, None,
+                              trusted=ctx.config.trusted_pickles)
         for n, (tier, manifest) in enumerate(self._sources):
             entry = manifest.files.get(relative)
             if entry is None:
@@ -304,8 +305,11 @@ class TierstoreReader(StorageReader):
                 ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative,
                                size=entry.size)
                 with tier.backend.open_read(f"{cid}/{relative}") as f:
+                    verify = (tier.keyring.hasher_for(entry.checksum)
+                              if ctx.config.verify_on_load else None)
                     nbytes = read_items(f, entry, reqs, self._metadata.storage_data,
-                                        self._metadata, planner, ctx.config.verify_on_load)
+                                        self._metadata, planner, verify,
+                                        trusted=ctx.config.trusted_pickles)
             except (FileReadError, OSError, IntegrityError) as exc:
                 problems.append(f"tier '{tier.name}': {exc}")
                 # The message, not the exception: a log handler that keeps records (pytest's,
@@ -330,3 +334,8 @@ class TierstoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return is_valid_checkpoint_id(checkpoint_id)
+
+
+def _matches(keyring: Keyring, raw: bytes, entry: FileEntry) -> bool:
+    """Whether ``raw`` has the size and digest (keyed or not) ``entry`` records."""
+    return len(raw) == entry.size and keyring.digest(raw, like=entry.checksum) == entry.checksum

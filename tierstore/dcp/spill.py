@@ -92,8 +92,9 @@ class Spill:
         relative = f"wave-{number}.rec"
         records = []
         try:
-            with self.tier.backend.open_write(f"{self.directory}/{relative}") as raw:
-                out = HashingWriter(raw)
+            with self.tier.open_write(f"{self.directory}/{relative}",
+                                      sum(t.nbytes for t in tensors)) as raw:
+                out = HashingWriter(raw, self.tier.keyring.new_hasher())
                 for tensor in tensors:
                     start = out.offset
                     span = write_tensor_record(_own_storage(tensor), out, out, self._alignment)

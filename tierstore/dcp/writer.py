@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import logging
 import pickle
-import shutil
 import time
 import uuid
 from concurrent.futures import Future as ConcurrentFuture, ThreadPoolExecutor
@@ -35,9 +33,8 @@ from tierstore.engine.replication import ReplicationJob, Replicator
 from tierstore.engine.saves import SaveLedger
 from tierstore.dcp.spill import Spill, SpilledRecord, SpillIndex, SpillReader
 from tierstore.engine.watchdog import Watchdog
-from tierstore.errors import CommitError, TierFullError
+from tierstore.errors import CommitError
 from tierstore.events import Event, EventKind, Phase
-from tierstore.format.checksum import checksum_of
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
 from tierstore.format.item_io import (HashingWriter, ItemLocation, item_size, split_items,
                                       write_items)
@@ -302,16 +299,12 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             ctx.host.phase(Phase.WRITE_FILE, save.checkpoint_id, tier.name, self._rank,
                              file=relative)
             started = time.perf_counter()
-            try:
-                with tier.backend.open_write(f"{save.staging}/{relative}") as raw:
-                    out = HashingWriter(raw)
-                    results = write_items(out, buckets[n], planner, relative,
-                                          [c.extension() for c in tier.codecs],
-                                          written_before=spilled)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                raise _tier_full(tier, save, relative, buckets[n]) from exc
+            needed = sum(item_size(i) for i in buckets[n])
+            with tier.open_write(f"{save.staging}/{relative}", needed) as raw:
+                out = HashingWriter(raw, tier.keyring.new_hasher())
+                results = write_items(out, buckets[n], planner, relative,
+                                      [c.extension() for c in tier.codecs],
+                                      written_before=spilled)
             spans = [[r.storage_data.info.offset, *r.storage_data.raw_span] for r in results
                      if r.storage_data.raw_span is not None]
             entry = FileEntry(out.offset, out.hasher.hexdigest(), self._rank, spans or None)
@@ -339,9 +332,12 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                     for part in pool.map(write_file, range(len(buckets))):
                         results += part
         except BaseException as exc:
-            # What this save wrote stays in its hidden staging directory until the next save's
-            # (or gc's) collection removes it; readers never see it.
             failure = exc
+            if save.staging is not None and len(layout.part_ranks) == 1:
+                # This rank alone writes the directory: what the save wrote goes now (a full
+                # tier gets its room back). Where other ranks write too, it stays hidden until
+                # the next save's (or gc's) collection removes it; readers never see it.
+                self._abort_quietly(save)
         if save.spill is not None:
             if spilled is not None:
                 spilled.close()
@@ -381,7 +377,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             if len(pairs) != records_in[name] or name not in spill.files:
                 continue
             relative = f"{prefix}{name.removesuffix('.rec')}.distcp"
-            tier.backend.rename(f"{spill.directory}/{name}", f"{save.staging}/{relative}")
+            with tier.writing(f"{save.staging}/{relative}", spill.files[name][0]):
+                tier.backend.rename(f"{spill.directory}/{name}", f"{save.staging}/{relative}")
             pairs.sort(key=lambda pair: pair[1].offset)
             mine = [WriteResult(index=item.index, size_in_bytes=rec.length,
                                 storage_data=_spilled_location(relative, rec))
@@ -397,6 +394,16 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             results += mine
             taken.update(id(item) for item, _ in pairs)
         return [i for i in items if id(i) not in taken], results
+
+    def _abort_quietly(self, save: _SaveState) -> None:
+        """Remove what the failed save wrote to its tier; a failure to is logged (gc collects
+        what is left), never raised over the save's own error."""
+        try:
+            save.tier.abort_save(save.checkpoint_id, save.staging)
+        except Exception:  # noqa: BLE001
+            log.warning("tier '%s': removing %s of the failed save of '%s' failed; gc will "
+                        "collect it", save.tier.name, save.staging, save.checkpoint_id,
+                        exc_info=True)
 
     def _drop_spill(self, spill: SpillIndex) -> None:
         """The spilled records are in the data files now (or the write failed): remove them.
@@ -469,9 +476,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             services.context.host.phase(Phase.WRITE_METADATA, save.checkpoint_id, tier.name,
                                         self._rank)
             raw = pickle.dumps(metadata)
-            tier.backend.write_bytes(f"{save.staging}/{METADATA_NAME}", raw)
-            files[METADATA_NAME] = all_files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw),
-                                                                        None)
+            tier.write_bytes(f"{save.staging}/{METADATA_NAME}", raw)
+            files[METADATA_NAME] = all_files[METADATA_NAME] = FileEntry(
+                len(raw), tier.keyring.digest(raw), None)
             services.publisher.publish(tier, save.checkpoint_id, save.staging, save.token, files,
                                        save.step, seconds=time.perf_counter() - save.started,
                                        all_files=all_files, drain=save.drain)
@@ -521,21 +528,3 @@ def _can_adopt(spill: SpillIndex, tier: Tier) -> bool:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _tier_full(tier: Tier, save: _SaveState, relative: str, items: list) -> TierFullError:
-    """The error of a save that filled its tier: where, how much it needed, how much is free."""
-    local = tier.backend.local_path(save.staging)
-    free = "an unknown number of"
-    if local is not None:
-        try:
-            free = f"{shutil.disk_usage(local).free:,}"
-        except OSError:
-            pass
-    needed = sum(item_size(i) for i in items)
-    return TierFullError(
-        errno.ENOSPC,
-        f"tier '{tier.name}' is full: writing {relative} of checkpoint '{save.checkpoint_id}' "
-        f"at {tier.backend.describe()} needed about {needed:,} bytes and {free} bytes are free. "
-        f"Nothing was committed and the previous checkpoints are intact; free space there, "
-        f"lower the tier's keep, or point it at a larger filesystem")

@@ -29,7 +29,7 @@ from tierstore.engine.manifests import build_manifest
 from tierstore.engine.retention import Retention
 from tierstore.errors import DrainError
 from tierstore.events import Event, EventKind, Phase
-from tierstore.format.checksum import Hasher, checksum_of, hash_stream
+from tierstore.format.checksum import hash_stream
 from tierstore.format.item_io import HashingWriter, decode_item, encode_to
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
@@ -277,8 +277,9 @@ class Drainer(BackgroundJobs[DrainJob]):
                           manifest: Manifest) -> None:
         self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel,
                          size=manifest.files[rel].size)
+        hasher = source.keyring.hasher_for(manifest.files[rel].checksum)
         with source.backend.open_read(f"{cid}/{rel}") as fin:
-            size, checksum = hash_stream(fin, self._chunk)
+            size, checksum = hash_stream(fin, self._chunk, hasher=hasher)
         _check_source(cid, rel, source, target, manifest.files[rel], size, checksum)
 
     def _run_all(self, calls: list[tuple]) -> list:
@@ -297,7 +298,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         cid = job.checkpoint_id
         entry = manifest.files[METADATA_NAME]
         raw = source.backend.read_bytes(f"{cid}/{METADATA_NAME}")
-        if len(raw) != entry.size or checksum_of(raw) != entry.checksum:
+        if len(raw) != entry.size or source.keyring.digest(raw, like=entry.checksum) != entry.checksum:
             raise DrainError(f"checkpoint '{cid}': {METADATA_NAME} on tier '{source.name}' does "
                              f"not match its manifest; it was not copied to '{target.name}'",
                              cid, target.name)
@@ -314,8 +315,8 @@ class Drainer(BackgroundJobs[DrainJob]):
             files[rel] = file_entry
             metadata.storage_data.update(infos)
         raw = pickle.dumps(metadata)
-        target.backend.write_bytes(f"{staging}/{METADATA_NAME}", raw)
-        files[METADATA_NAME] = FileEntry(len(raw), checksum_of(raw), None)
+        target.write_bytes(f"{staging}/{METADATA_NAME}", raw)
+        files[METADATA_NAME] = FileEntry(len(raw), target.keyring.digest(raw), None)
         return self._target_manifest(job, source, target, manifest, False, files=files,
                                      codecs=[c.name for c in target.config.codecs])
 
@@ -325,11 +326,11 @@ class Drainer(BackgroundJobs[DrainJob]):
                          size=manifest.files[rel].size)
         entry = manifest.files[rel]
         extensions = [c.extension() for c in target.codecs]
-        hasher = Hasher()
+        hasher = source.keyring.hasher_for(entry.checksum)
         infos = {}
         with source.backend.open_read(f"{cid}/{rel}") as fin, \
-                target.backend.open_write(f"{staging}/{rel}") as raw:
-            out = HashingWriter(raw)
+                target.open_write(f"{staging}/{rel}", entry.size) as raw:
+            out = HashingWriter(raw, target.keyring.new_hasher())
             pos = 0
 
             def read(n: int) -> bytes:
@@ -405,8 +406,9 @@ class Drainer(BackgroundJobs[DrainJob]):
         dest = f"{staging}/{rel}"
         partial = f"{dest}.part" if publish_each and target.backend.supports_rename else dest
         with source.backend.open_read(f"{cid}/{rel}") as fin, \
-                target.backend.open_write(partial) as fout:
-            copied, checksum = hash_stream(fin, self._chunk, fout.write)
+                target.open_write(partial, manifest.files[rel].size) as fout:
+            copied, checksum = hash_stream(fin, self._chunk, fout.write,
+                                           source.keyring.hasher_for(manifest.files[rel].checksum))
         _check_source(cid, rel, source, target, manifest.files[rel], copied, checksum)
         if partial != dest:
             target.backend.rename(partial, dest, replace=True)

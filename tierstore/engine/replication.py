@@ -15,6 +15,7 @@ land.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -50,10 +51,10 @@ class ReplicationJob(BackgroundJob):
 
 @dataclass
 class _Received:
-    """What arrived of one replica file: its size so far and the running checksum."""
+    """What arrived of one replica file: the running checksum and its size so far."""
 
+    hasher: Hasher
     size: int = 0
-    hasher: Hasher = field(default_factory=Hasher)
 
 
 class Replicator(BackgroundJobs[ReplicationJob]):
@@ -146,12 +147,14 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         self._host.phase(Phase.REPLICATE, job.checkpoint_id, self.peer.name, rank)
         started = time.perf_counter()
         manifest = job.source.read_manifest(job.checkpoint_id)
-        header = {"files": files, "step": job.step, "token": job.token,
-                  "codecs": manifest.codecs, "created": manifest.created,
-                  "world_size": world}
+        # Plain data on the wire (no pickles between ranks): entries as their fields.
+        header = {"files": {rel: dataclasses.asdict(e) for rel, e in files.items()},
+                  "step": job.step, "token": job.token, "codecs": manifest.codecs,
+                  "created": manifest.created, "world_size": world}
         holders = self.strategy.holders(rank, world)
         held = sorted(self.replica_tiers)
-        headers = exchange_objects(self.group, {h: header for h in holders}, held)
+        headers = {src: _with_entries(h, src) for src, h in
+                   exchange_objects(self.group, {h: header for h in holders}, held).items()}
         # Each rank lists the transfers of its own pairs only (it knows their files): both
         # ranks of a pair list that pair's files alike, which is all run_transfers needs.
         transfers = [Transfer(rank, dst, rel, e.size)
@@ -166,7 +169,10 @@ class Replicator(BackgroundJobs[ReplicationJob]):
             return open_to_send(job.source.backend, f"{job.checkpoint_id}/{t.key}", t.size)
 
         def open_target(t: Transfer):
-            received_files[(t.src, t.key)] = _Received()
+            # Digested as the sender's manifest records it (keyed when the store signs).
+            digest = headers[t.src]["files"][t.key].checksum
+            received_files[(t.src, t.key)] = _Received(
+                hasher=self.replica_tiers[t.src].keyring.hasher_for(digest))
             return self.replica_tiers[t.src].backend.receiving_end(
                 f"{staging[t.src]}/{t.key}", t.size)
 
@@ -213,3 +219,14 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         tier.commit_save(job.checkpoint_id, staging, manifest,
                          lambda phase: self._host.phase(phase, job.checkpoint_id, tier.name,
                                                         self._rank))
+
+
+def _with_entries(header: dict, src: int) -> dict:
+    """``header`` as rank ``src`` sent it, its file entries rebuilt from their fields."""
+    try:
+        files = {rel: FileEntry(**fields) for rel, fields in header["files"].items()}
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise ReplicationError(f"rank {src} sent a replication header that is not one "
+                               f"({type(exc).__name__}: {exc}); every rank of a job must run "
+                               f"the same tierstore") from None
+    return {**header, "files": files}

@@ -28,6 +28,7 @@ from tierstore.format.checksum import Hasher
 from tierstore.format.manifest import FileEntry
 from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, save_tensor,
                                              storage_alignment, template_for, tensor_bytes)
+from tierstore.format.values import check_value
 
 __all__ = ["NoCloseWriter",
            "ItemLocation", "HashingWriter", "write_items", "write_tensor_record", "split_items", "read_items",
@@ -63,10 +64,11 @@ class HashingWriter(io.RawIOBase):
     instead of one per record). Larger ones (a tensor's storage) go straight through. Call :meth:`flush` before closing
     the backend file."""
 
-    def __init__(self, raw: IO[bytes]):
+    def __init__(self, raw: IO[bytes], hasher: Hasher | None = None):
         super().__init__()
         self.raw = raw
-        self.hasher = Hasher()
+        #: the store's hasher for files it writes (keyed when it signs: Keyring.new_hasher)
+        self.hasher = hasher if hasher is not None else Hasher()
         self.offset = 0
         #: (offset, length) of every write of at least DIRECT_READ_MIN bytes
         self.large_writes: list[tuple[int, int]] = []
@@ -267,7 +269,7 @@ class _Part:
     end: int
     #: gets the item's bytes once the file is known good (decoded by torch.load); None when the
     #: item's raw bytes go straight into ``target``
-    sink: Callable[[memoryview], None] | None = None
+    sink: "_Decoder | None" = None
     #: the destination tensor (contiguous, on the CPU) of the raw bytes at ``data_start``
     target: torch.Tensor | None = None
     data_start: int = 0
@@ -288,19 +290,23 @@ _SEEK_GAP = 256 << 10
 
 
 def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_data: dict,
-               metadata: Metadata, planner: LoadPlanner, verify: bool) -> int:
+               metadata: Metadata, planner: LoadPlanner, verify: Hasher | None, *,
+               trusted: tuple[str, ...] = ()) -> int:
     """Read the items ``reqs`` of one data file ``f``, hand them to ``planner`` and, when
-    ``verify``, check the whole file against ``entry``. Returns bytes read. Raises
+    ``verify`` (a fresh hasher made for ``entry``'s digest, keyed or not), check the whole file
+    against ``entry``. Returns bytes read. Raises
     FileReadError when the file does not match (the caller may try another tier).
 
     Plain tensors whose raw bytes the manifest locates (its spans) land in their destination
     without ``torch.load``: large ones are read straight into it, small ones are copied from a
     window of many items read at once. Other items (codecs, BYTE_IO, partial reads, other
     dtypes or devices) are decoded from their bytes. Nothing is committed to the planner before
-    the whole file is known good."""
-    parts = _plan_parts(entry, reqs, storage_data, metadata, planner)
+    the whole file is known good, nor before every non-tensor value needed from it passed
+    :func:`tierstore.format.values.check_value` (with ``trusted``: ``[store] trusted_pickles``);
+    a refused one raises its ``UntrustedValue`` (an IntegrityError) with no value loaded."""
+    parts = _plan_parts(entry, reqs, storage_data, metadata, planner, trusted)
     reading = _FileReading(f, entry, verify)
-    pending: list[tuple[Callable, memoryview]] = []
+    pending: list[tuple[_Decoder, memoryview]] = []
     filled: list[_Part] = []
     i = 0
     while i < len(parts):
@@ -329,8 +335,10 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
                 filled.append(p)
         i = j
     reading.finish()
-    # Hand data to the planner only once the whole file is known good.
-    for sink, data in pending:
+    # Hand data to the planner only once the whole file is known good, and its non-tensor
+    # values too: the planner unpickles them with weights_only=False.
+    checked = [(sink, sink.check(data)) for sink, data in pending]
+    for sink, data in checked:
         sink(data)
     for p in filled:
         planner.commit_tensor(p.req, p.target)
@@ -338,7 +346,7 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
 
 
 def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, metadata: Metadata,
-                planner: LoadPlanner) -> list[_Part]:
+                planner: LoadPlanner, trusted: tuple[str, ...] = ()) -> list[_Part]:
     """The stored items ``reqs`` need, in file order, each with where its bytes go."""
     # (No container per item beyond what is needed: see _Part.)
     spans = {span[0]: span for span in entry.spans or ()}  # item offset -> the manifest's triple
@@ -372,7 +380,8 @@ def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, meta
                                req=group[0], in_place=target.nbytes >= DIRECT_READ_MIN))
         else:
             parts.append(_Part(info.offset, end,
-                               sink=_decoder(group, planner, info.transform_descriptors)))
+                               sink=_Decoder(group, planner, info.transform_descriptors,
+                                             trusted)))
     return parts
 
 
@@ -380,9 +389,9 @@ class _FileReading:
     """Reads one data file front to back, hashing every byte when verifying (then every byte
     must be read, in order), seeking over unneeded ones otherwise."""
 
-    def __init__(self, f: IO[bytes], entry: FileEntry, verify: bool):
+    def __init__(self, f: IO[bytes], entry: FileEntry, hasher: Hasher | None):
         self.f, self.entry = f, entry
-        self.hasher = Hasher() if verify else None
+        self.hasher = hasher
         self.pos = 0
         self._scratch = bytearray(min(_WINDOW, max(entry.size, 1)))
 
@@ -473,10 +482,32 @@ def decode_item(data, descriptors) -> bytes:
     return stream.read()
 
 
-def _decoder(group: list[ReadItem], planner: LoadPlanner, descriptors=None):
-    def decode(data: memoryview) -> None:
-        raw = io.BytesIO(decode_item(data, descriptors))
-        for req in group:
+class _Decoder:
+    """Hands one stored item to the planner: ``check`` first (a non-tensor value through
+    :func:`~tierstore.format.values.check_value`, every one of a file before any is loaded),
+    then the call (BYTE_IO to ``load_bytes``, a tensor decoded with ``weights_only=True``)."""
+
+    __slots__ = ("group", "planner", "descriptors", "trusted", "byte_io")
+
+    def __init__(self, group: list[ReadItem], planner: LoadPlanner, descriptors=None,
+                 trusted: tuple[str, ...] = ()):
+        self.group, self.planner, self.descriptors = group, planner, descriptors
+        self.trusted = trusted
+        self.byte_io = any(req.type == LoadItemType.BYTE_IO for req in group)
+
+    def check(self, data: memoryview):
+        """``data`` as the call takes it: a non-tensor value decoded and checked (raises
+        ``UntrustedValue``); a tensor's bytes as they are, decoded only when it is loaded."""
+        if not self.byte_io:
+            return data
+        value = bytes(decode_item(data, self.descriptors))
+        check_value(value, self.group[0].storage_index.fqn, self.trusted)
+        return value
+
+    def __call__(self, data) -> None:
+        planner = self.planner
+        raw = io.BytesIO(data if self.byte_io else decode_item(data, self.descriptors))
+        for req in self.group:
             raw.seek(0)
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(raw.getbuffer()))
@@ -489,4 +520,3 @@ def _decoder(group: list[ReadItem], planner: LoadPlanner, descriptors=None):
                                      f"expected {tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)
-    return decode

@@ -8,6 +8,7 @@ match the files beside it does not exist for any reader.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,8 +16,8 @@ from typing import Any
 import torch
 
 from tierstore.format.checksum import ALGORITHM
-from tierstore.format.manifest_check import (SEAL_KEY, ManifestError, check_fields, check_seal,
-                                             seal_of)
+from tierstore.format.manifest_check import SEAL_KEY, ManifestError, check_fields
+from tierstore.format.signing import UNSIGNED, Keyring
 
 __all__ = ["MANIFEST_NAME", "METADATA_NAME", "FORMAT_VERSION", "FileEntry", "Manifest",
            "ManifestError"]
@@ -24,6 +25,9 @@ __all__ = ["MANIFEST_NAME", "METADATA_NAME", "FORMAT_VERSION", "FileEntry", "Man
 MANIFEST_NAME = "tierstore.json"
 METADATA_NAME = ".metadata"
 FORMAT_VERSION = 1
+
+log = logging.getLogger("tierstore.format")
+_warned_unsealed = False
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,11 @@ class Manifest:
     step: int | None = None
     tierstore_version: str = ""
     torch_version: str = field(default_factory=lambda: torch.__version__)
+    #: set when the manifest is serialized, from its digests and the store's keys
+    #: (tierstore.format.signing): "xxh3_128", or "blake3_keyed" for a signed manifest
     checksum_algorithm: str = ALGORITHM
+    #: public id of the key whose MAC seals the manifest ("" when unsigned)
+    signed_by: str = ""
     format: int = FORMAT_VERSION
 
     @property
@@ -74,17 +82,26 @@ class Manifest:
         """Total bytes of the checkpoint's files."""
         return sum(f.size for f in self.files.values())
 
-    def to_json(self) -> bytes:
+    @property
+    def signed(self) -> bool:
+        """Whether a MAC seals this manifest (as read from a tier, or as last serialized)."""
+        return bool(self.signed_by)
+
+    def to_json(self, keyring: Keyring = UNSIGNED) -> bytes:
         """Serialized form, stable key order so identical manifests are identical bytes, with
-        the seal over every other field (tierstore.format.manifest_check)."""
-        data = asdict(self)
-        data[SEAL_KEY] = seal_of(data)
+        the seal over every other field: a MAC by ``keyring``'s signing key when every
+        digest is keyed, else an XXH3 checksum (tierstore.format.signing). Sets
+        ``checksum_algorithm`` and ``signed_by`` to what was written."""
+        data = keyring.seal(asdict(self))
+        self.checksum_algorithm, self.signed_by = data["checksum_algorithm"], data["signed_by"]
         return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Manifest":
-        """Parse a manifest read from a tier: its seal and every field are checked first.
+    def from_json(cls, raw: bytes, keyring: Keyring = UNSIGNED) -> "Manifest":
+        """Parse a manifest read from a tier: its seal (a MAC by one of ``keyring``'s keys, or
+        an unsigned seal where ``keyring`` accepts those) and every field are checked first.
         ManifestError (an IntegrityError naming the field) when it is not one to trust."""
+        global _warned_unsealed
         try:
             data: dict[str, Any] = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # not UTF-8 / not JSON
@@ -93,7 +110,24 @@ class Manifest:
             raise ManifestError("not a valid manifest: not a JSON object")
         if data.get("format") != FORMAT_VERSION:
             raise ManifestError(f"unknown manifest format {data.get('format')!r}")
-        check_seal(data)
+        if SEAL_KEY not in data and not _warned_unsealed:
+            _warned_unsealed = True
+            log.warning("a manifest without a seal (written by an older tierstore) was read; "
+                        "its fields are checked but not covered by a checksum")
+        keyring.open(data)
+        return cls._from_fields(data)
+
+    @classmethod
+    def from_own_json(cls, raw: bytes) -> "Manifest":
+        """Parse a manifest this process serialized itself (what a commit protocol is handed
+        to publish): every field is checked, the seal is not (it may be a MAC by a key the
+        protocol does not hold). Never for bytes read from a tier: use :meth:`from_json`."""
+        data = json.loads(raw)
+        data.pop(SEAL_KEY, None)
+        return cls._from_fields(data)
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> "Manifest":
         check_fields(data)
         try:
             data["files"] = {k: FileEntry(**v) for k, v in data["files"].items()}

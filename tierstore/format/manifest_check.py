@@ -5,8 +5,9 @@ checks, in this order:
 
 - its *seal*: a checksum over everything else in it (file names, sizes, checksums, spans,
   codecs, the id, part and rank fields, ...), so that no single changed field goes unnoticed.
-  It guards against corruption and careless edits, not against someone who recomputes it; the
-  data files are checked against the checksums it lists either way;
+  Unsigned, it guards against corruption and careless edits, not against someone who
+  recomputes it; signed (``tierstore.format.signing``), it is a MAC nobody without the key can
+  make. The data files are checked against the digests it lists either way;
 - the shape and range of every field, so that nothing malformed reaches a reader, a drain or a
   tensor: each problem is named by its field.
 
@@ -16,22 +17,19 @@ Both raise :class:`ManifestError` (an ``IntegrityError``): the copy is treated a
 from __future__ import annotations
 
 import json
-import logging
 import re
 from typing import Any
 
-from tierstore.format.checksum import ALGORITHM, checksum_of
+from tierstore.format.checksum import ALGORITHM, KEYED_ALGORITHM, KEYED_PREFIX, checksum_of
 from tierstore.format.ids import is_valid_checkpoint_id
 from tierstore.format.paths import is_plain_file_name
 from tierstore.errors import IntegrityError
 
-__all__ = ["ManifestError", "SEAL_KEY", "seal_of", "check_seal", "check_fields"]
+__all__ = ["ManifestError", "SEAL_KEY", "canonical_fields", "seal_of", "check_fields"]
 
-log = logging.getLogger("tierstore.format")
 
 SEAL_KEY = "seal"
-_CHECKSUM = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{8,128}$")
-_warned_unsealed = False
+_CHECKSUM = re.compile(rf"^(?:{ALGORITHM}:[0-9a-f]{{32}}|{KEYED_PREFIX}[0-9a-f]{{16}}:[0-9a-f]{{64}})$")
 
 
 class ManifestError(IntegrityError, ValueError):
@@ -39,27 +37,16 @@ class ManifestError(IntegrityError, ValueError):
     the message names the field."""
 
 
+def canonical_fields(fields: dict[str, Any]) -> bytes:
+    """The bytes a seal or MAC covers: every field but the seal, in one canonical JSON form so
+    that any writer gets the same bytes for the same fields."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"),
+                      allow_nan=False).encode()
+
+
 def seal_of(fields: dict[str, Any]) -> str:
-    """The seal of a manifest's fields (everything but the seal itself), over a canonical
-    JSON form so that any writer gets the same bytes for the same fields."""
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return checksum_of(canonical.encode())
-
-
-def check_seal(data: dict[str, Any]) -> None:
-    """Remove the seal from ``data`` and check it against the rest. A manifest written before
-    seals existed has none: it is accepted, with a warning (once per process)."""
-    global _warned_unsealed
-    seal = data.pop(SEAL_KEY, None)
-    if seal is None:
-        if not _warned_unsealed:
-            _warned_unsealed = True
-            log.warning("a manifest without a seal (written by an older tierstore) was read; "
-                        "its fields are checked but not covered by a checksum")
-        return
-    if seal != seal_of(data):
-        raise ManifestError("its seal does not match its contents: the manifest was changed "
-                            "after it was written")
+    """The unsigned seal of a manifest's fields (everything but the seal itself)."""
+    return checksum_of(canonical_fields(fields))
 
 
 def _fail(field: str, what: str, value: Any) -> ManifestError:
@@ -93,7 +80,8 @@ def _check_entry(name: str, entry: Any) -> None:
         raise _fail(f"{where}.size", "must be an integer >= 0", size)
     checksum = entry.get("checksum")
     if not isinstance(checksum, str) or not _CHECKSUM.match(checksum):
-        raise _fail(f"{where}.checksum", "must be '<algorithm>:<hex digest>'", checksum)
+        raise _fail(f"{where}.checksum", f"must be '{ALGORITHM}:<32 hex digits>' or "
+                    f"'{KEYED_PREFIX}<key id>:<64 hex digits>'", checksum)
     rank = entry.get("rank")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
         raise _fail(f"{where}.rank", "must be a rank (integer >= 0) or null", rank)
@@ -151,6 +139,14 @@ def check_fields(data: dict[str, Any]) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise _fail(name, "must be a time in seconds", value)
     _int(data, "step", 0, optional=True)
-    if data.get("checksum_algorithm") != ALGORITHM:
-        raise _fail("checksum_algorithm", f"must be {ALGORITHM!r} (the only one this version "
-                    f"reads)", data.get("checksum_algorithm"))
+    algorithm = data.get("checksum_algorithm")
+    if algorithm not in (ALGORITHM, KEYED_ALGORITHM):
+        raise _fail("checksum_algorithm", f"must be {ALGORITHM!r} or {KEYED_ALGORITHM!r} (the "
+                    f"ones this version reads)", algorithm)
+    if algorithm == KEYED_ALGORITHM and not all(
+            e["checksum"].startswith(KEYED_PREFIX) for e in files.values()):
+        raise _fail("checksum_algorithm", "says every digest is keyed, but one is not",
+                    algorithm)
+    signed_by = data.get("signed_by", "")
+    if not isinstance(signed_by, str):
+        raise _fail("signed_by", "must be a key id or empty", signed_by)

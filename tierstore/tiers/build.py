@@ -12,6 +12,7 @@ from tierstore.errors import ConfigError, PluginError
 from tierstore.format.item_io import register_extension
 from tierstore.plugin.host import PluginHost
 from tierstore.plugin.options import validate_table
+from tierstore.plugin.retry import cannot_connect, foreground
 from tierstore.tiers.layout import TierLayout, compute_layouts
 from tierstore.tiers.tier import Tier
 from tierstore.tiers.tierset import TierSet
@@ -21,14 +22,18 @@ __all__ = ["build_tiers"]
 
 
 def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: Any,
-                unreachable: dict[str, str] | None = None) -> TierSet:
+                unreachable: dict[str, str], tolerate_unreachable: bool = False) -> TierSet:
     """Every tier of ``config`` for this process. Collective under torch.distributed (the
     layouts are agreed on ``group``). Raises ConfigError / PluginError naming the tier.
 
-    ``unreachable`` (operator tools): a tier whose storage does not answer is built anyway
-    and noted there with why, instead of failing (a dead server must not hide the others)."""
+    A tier whose storage cannot be connected to right now (a dead server: its backend's
+    ``check_reachable`` raised a connection failure) is built anyway and noted in
+    ``unreachable`` with why, as if it had died after the open: a job restarting during an
+    outage opens its store and restores from the other tiers. ``tolerate_unreachable``
+    (operator tools): any other problem of a tier is noted there too, instead of failing."""
     check_tier_locations(config, host, ctx)
-    tiers = [_build_tier(tc, config, host, ctx, unreachable) for tc in config.tiers]
+    tiers = [_build_tier(tc, config, host, ctx, unreachable, tolerate_unreachable)
+             for tc in config.tiers]
     for tier, layout in zip(tiers, compute_layouts(tiers, ctx, group, config.source)):
         tier.layout = layout
     _check_drain_paths(tiers, config)
@@ -37,7 +42,7 @@ def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: 
 
 
 def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: RankContext,
-                unreachable: dict[str, str] | None = None) -> Tier:
+                unreachable: dict[str, str], tolerate_unreachable: bool) -> Tier:
     reg = host.lookup("backend", tc.backend)
     options = tc.expanded_options(ctx, reg.options)
     root = str(options.get("path") or options.get("url") or "")
@@ -50,8 +55,19 @@ def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: Rank
             f"backend '{tc.backend}' ({reg.origin}) failed to start for tier '{tc.name}': "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    problem = backend.check_reachable()
-    if problem and unreachable is not None:
+    try:
+        # Quick to give up on a storage that does not answer: open is on a restart's path.
+        with foreground():
+            problem = backend.check_reachable()
+    except Exception as exc:
+        if not cannot_connect(exc):
+            raise PluginError(
+                f"backend '{tc.backend}' ({reg.origin}) failed checking tier '{tc.name}': "
+                f"{type(exc).__name__}: {config.source.redact(str(exc))}") from exc
+        unreachable[tc.name] = config.source.redact(
+            f"cannot be connected to ({type(exc).__name__}: {exc})")
+        problem = None
+    if problem and tolerate_unreachable:
         unreachable[tc.name] = config.source.redact(problem)
     elif problem:
         key = "url" if "url" in options else "path"
@@ -73,7 +89,8 @@ def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: Rank
         codec = host.lookup("codec", choice.name).factory(**choice.options)
         register_extension(type(codec.extension()))
         codecs.append(codec)
-    return Tier(tc, backend, commit_reg.factory(**commit_options), commit_name, codecs=codecs)
+    return Tier(tc, backend, commit_reg.factory(**commit_options), commit_name, codecs=codecs,
+                keyring=config.keyring)
 
 
 def _check_drain_paths(tiers: list[Tier], config: StoreConfig) -> None:
@@ -137,4 +154,4 @@ def _replica_tier(peer: Tier, src: int, rank: int) -> Tier:
     config = dataclasses.replace(peer.config, name=f"{peer.name}:rank-{src}")
     layout = TierLayout(0, 1, (src,), ((src,),))
     return Tier(config, backend, peer.commit, peer.commit_name, layout=layout,
-                codecs=peer.codecs)
+                codecs=peer.codecs, keyring=peer.keyring)

@@ -3,23 +3,29 @@
 Derives everything the store needs from the backend's primitives: which checkpoints are complete
 (manifest present and matching the files' sizes), verification (sizes and checksums), which
 checkpoints ``keep`` drops, and what interrupted saves left behind. It is the only code that
-talks to a commit protocol: saves, drains and replicas begin, commit and abort through it.
+talks to a commit protocol: saves, drains and replicas begin, commit and abort through it. Bytes
+written here go through :meth:`Tier.writing` (``open_write``, ``write_bytes``): a tier without
+room is a ``TierFullError`` whatever the backend and whichever write found it.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import IO, Callable, Iterator
 
 from tierstore.config.validate import TierConfig
-from tierstore.errors import IntegrityError
+from tierstore.errors import IntegrityError, TierFullError
 from tierstore.format.checksum import hash_stream
 from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
+from tierstore.format.signing import UNSIGNED, Keyring
 from tierstore.plugin.bases import Backend, CommitProtocol, DirectoryLock
 from tierstore.tiers.layout import SINGLE, TierLayout
 from tierstore.tiers.reports import Problem
@@ -31,6 +37,9 @@ log = logging.getLogger("tierstore.tiers")
 #: how often a save makes its staging directory again when gc in another process removes it
 #: between its creation and its lock
 _BEGIN_ATTEMPTS = 3
+
+#: what a filesystem says when it (or the user's quota on it) has no room left
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass
@@ -45,6 +54,9 @@ class Tier:
     layout: TierLayout = SINGLE
     #: codec instances, in the order they are applied on write
     codecs: list = field(default_factory=list)
+    #: the store's signing keys: what manifests here must be sealed with, and how file
+    #: digests are computed (tierstore.format.signing)
+    keyring: Keyring = UNSIGNED
     # staging directory -> (the lock this process holds on it while it writes there, the
     # writer's token) (see begin_save); gc in any process spares a directory someone holds
     _writing: dict[str, tuple[DirectoryLock | None, str]] = field(
@@ -74,8 +86,9 @@ class Tier:
 
     def checked_manifest(self, checkpoint_id: str) -> tuple[Manifest | None, str | None]:
         """``(manifest, None)``; ``(None, None)`` when there is none; ``(None, why)`` when the
-        one stored is rejected: unreadable, unsealed against its contents, a field out of
-        shape, a path out of the tier, or the manifest of another id."""
+        one stored is rejected: unreadable, unsealed against its contents, unsigned or signed
+        with another key where the store signs, a field out of shape, a path out of the tier,
+        or the manifest of another id."""
         try:
             raw = self.backend.read_bytes(f"{checkpoint_id}/{MANIFEST_NAME}")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
@@ -83,7 +96,7 @@ class Tier:
         except IntegrityError as exc:  # a link out of the tier, a hostile name
             return None, f"{MANIFEST_NAME}: {exc}"
         try:
-            manifest = Manifest.from_json(raw)
+            manifest = Manifest.from_json(raw, self.keyring)
         except ManifestError as exc:
             return None, f"{MANIFEST_NAME} rejected: {exc}"
         if manifest.checkpoint_id != checkpoint_id:
@@ -143,7 +156,7 @@ class Tier:
         for rel, entry in sorted(manifest.files.items()):
             announce(rel, entry.size)
             try:
-                size, checksum = self.checksum_file(f"{checkpoint_id}/{rel}")
+                size, checksum = self.checksum_file(f"{checkpoint_id}/{rel}", entry.checksum)
             except FileNotFoundError:
                 problems.append(problem(rel, "missing"))
                 continue
@@ -156,10 +169,13 @@ class Tier:
                 problems.append(problem(rel, f"checksum {checksum}, manifest says {entry.checksum}"))
         return problems
 
-    def checksum_file(self, path: str) -> tuple[int, str]:
-        """Size and checksum of file ``path``, read whole."""
+    def checksum_file(self, path: str, like: str) -> tuple[int, str]:
+        """Size and digest of file ``path``, read whole, computed the way the recorded digest
+        ``like`` was (keyed or not): compare the two. IntegrityError when ``like`` is keyed
+        with a key this store does not hold."""
+        hasher = self.keyring.hasher_for(like)
         with self.backend.open_read(path) as f:
-            return hash_stream(f)
+            return hash_stream(f, hasher=hasher)
 
     # -- the commit protocol (nothing else calls it) ------------------------------------------
     def begin_save(self, checkpoint_id: str, token: str) -> str:
@@ -177,9 +193,11 @@ class Tier:
             self._tokens_writing[token] += 1
         try:
             for _attempt in range(_BEGIN_ATTEMPTS):
-                staging = self.commit.begin(self.backend, checkpoint_id, token)
+                with self.writing(checkpoint_id):  # its staging directory (a marker, a lease)
+                    staging = self.commit.begin(self.backend, checkpoint_id, token)
                 try:
-                    lock = self.backend.lock_directory(staging, exclusive=False)
+                    with self.writing(staging):
+                        lock = self.backend.lock_directory(staging, exclusive=False)
                 except FileNotFoundError:
                     log.info("tier '%s': %s was collected before it was locked; making it "
                              "again", self.name, staging)
@@ -204,8 +222,9 @@ class Tier:
         """Write ``manifest`` last and make the checkpoint visible (``announce(phase)`` right
         before the step that publishes it)."""
         try:
-            self.commit.commit(self.backend, checkpoint_id, staging, manifest.to_json(),
-                               announce)
+            raw = manifest.to_json(self.keyring)
+            with self.writing(f"{staging}/{MANIFEST_NAME}", len(raw)):
+                self.commit.commit(self.backend, checkpoint_id, staging, raw, announce)
         finally:
             self.end_writing(staging)
 
@@ -235,6 +254,52 @@ class Tier:
             if self._tokens_writing[token] <= 0:
                 del self._tokens_writing[token]
 
+    # -- writing bytes here (saves, spills, drains, pins) -----------------------------------
+    @contextlib.contextmanager
+    def writing(self, path: str, needed: int | None = None) -> Iterator[None]:
+        """Run a write of ``path`` (about ``needed`` bytes) to this tier. The rule for a tier
+        without room, whatever its backend: ENOSPC or EDQUOT, wherever it strikes (a write, the
+        flush or fsync of a close, a directory or lease made, a rename), is a
+        :class:`TierFullError` naming the tier, the path and the bytes; a nested write's error
+        (the more precise one) goes through as it is."""
+        try:
+            yield
+        except TierFullError:
+            raise
+        except OSError as exc:
+            if exc.errno not in _FULL:
+                raise
+            raise self.full_error(path, needed, exc) from exc
+
+    @contextlib.contextmanager
+    def open_write(self, path: str, needed: int | None = None) -> Iterator[IO[bytes]]:
+        """``backend.open_write(path)`` under :meth:`writing`, closed (durable) when the block
+        ends; ``needed``: about how many bytes the file takes, for the error's message."""
+        with self.writing(path, needed), self.backend.open_write(path) as f:
+            yield f
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """``backend.write_bytes(path, data)`` under :meth:`writing`."""
+        with self.writing(path, len(data)):
+            self.backend.write_bytes(path, data)
+
+    def full_error(self, path: str, needed: int | None, cause: OSError) -> TierFullError:
+        """The error of a write of ``path`` that found this tier full (``cause``): the tier,
+        where, how much it needed, how much is free."""
+        try:
+            free = self.backend.free_bytes()
+        except Exception:  # noqa: BLE001 - the message does without it
+            free = None
+        root = self.backend.describe()
+        where = f"{root.rstrip('/')}/{path}" if path else root
+        return TierFullError(
+            cause.errno,
+            f"tier '{self.name}' is full ({os.strerror(cause.errno)}): writing {where} "
+            + (f"needed about {needed:,} bytes" if needed is not None else "needed more room")
+            + f" and {'an unknown number of' if free is None else f'{free:,}'} bytes are free. "
+            f"Nothing was committed by this write and the checkpoints already there are intact; "
+            f"free space there, lower the tier's keep, or point it at a larger filesystem")
+
     # -- changing what is there --------------------------------------------------------------
     def set_pinned(self, checkpoint_id: str, pinned: bool) -> bool:
         """Rewrite the manifest's pinned flag; False when the checkpoint is not complete here."""
@@ -243,8 +308,10 @@ class Tier:
             return False
         if manifest.pinned != pinned:
             manifest.pinned = pinned
-            self.commit.update_manifest(self.backend, checkpoint_id, manifest.to_json(),
-                                        uuid.uuid4().hex[:12])
+            raw = manifest.to_json(self.keyring)
+            with self.writing(f"{checkpoint_id}/{MANIFEST_NAME}", len(raw)):
+                self.commit.update_manifest(self.backend, checkpoint_id, raw,
+                                            uuid.uuid4().hex[:12])
         return True
 
     def delete(self, checkpoint_id: str, *, evicted: bool = False) -> None:
