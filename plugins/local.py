@@ -3,22 +3,30 @@
 Both keep the on-tier layout of the contract, so a checkpoint written without codecs loads with
 stock ``dcp.load(checkpoint_id=<tier root>/<id>)``. ``memory`` lives in ``/dev/shm`` by default:
 it survives a crashed process (not a rebooted node), which is what a RAM tier is for.
+
+Every file and directory below a root is reached from the root's descriptor without following
+a symbolic link (:mod:`.safe_fs`), and a root another user could change is refused at open
+(:mod:`.ownership`): ``/dev/shm`` is every local user's.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import io
 import os
 import shutil
+import stat
 import sys
 from typing import IO
 
 from tierstore.plugin import (Backend, confined, DirectoryLock, hookimpl, IntegrityError,
-                              MappedFile, Option, TransferEnd, WrittenFile)
+                              Option, TransferEnd)
 
+from .ownership import root_problem
 from .recycle import RECYCLE_DIR, PageRecycler
+from .safe_fs import TierTree, mapped_end, open_dir_at, open_regular_at, remove_at, written_end
 
 # Start writeback of every this-many bytes while the file is still being written, so that the
 # final fsync has little left to flush: write and disk flush overlap (about +20% on this disk).
@@ -72,17 +80,15 @@ def local_path_problem(path: str) -> str | None:
 class LocalWriteFile(io.RawIOBase):
     """A file being written on a local disk: unbuffered writes, early writeback, fsync on close."""
 
-    def __init__(self, path: str, durable: bool, recycler: PageRecycler | None = None):
+    def __init__(self, fd: int, durable: bool, recycler: PageRecycler | None = None):
+        """``fd``: the file, open for writing at its start (closed with this object);
+        ``recycler``: the file is one it recycled."""
         super().__init__()
         # A recycled file is written over in place (its pages are why it was kept) and cut to
         # the length written at close.
         self._recycler = recycler
-        truncate = 0 if recycler is not None and recycler.take_for_write(path) else os.O_TRUNC
-        self._reused = not truncate
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | truncate
-                           | getattr(os, "O_CLOEXEC", 0), 0o644)
-        if recycler is not None and not self._reused:
-            recycler.owns(self._fd, path)  # a recycled file is recorded as it is taken
+        self._reused = recycler is not None
+        self._fd = fd
         self._durable = durable
         self._pos = 0
         self._flushed_to = 0
@@ -135,10 +141,11 @@ class _FlockedDirectory(DirectoryLock):
             self._fd = -1
 
 
-def _still_named(fd: int, path: str) -> bool:
-    """Whether ``path`` still names the directory open as ``fd``."""
+def _still_named(fd: int, dir_fd: int, name: str) -> bool:
+    """Whether ``name`` in the directory open as ``dir_fd`` still is the directory open as
+    ``fd``."""
     try:
-        named = os.stat(path)
+        named = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except (FileNotFoundError, NotADirectoryError):
         return False
     held = os.fstat(fd)
@@ -158,18 +165,29 @@ class LocalBackend(Backend):
     supports_rename = True
 
     def __init__(self, root: str, path: str | None = None, fsync: bool = True,
-                 recycle: bool = False):
+                 recycle: bool = False, *, inside: str | None = None):
+        """``inside``: the root is a directory below that one (a ``peer`` tier's replicas),
+        reached from it without following links too."""
         self.root = os.path.abspath(os.path.expanduser(path or root))
         # What paths must resolve under (_abs); resolved once, not on every file access.
         self._real_root = os.path.realpath(self.root)
+        # Every file operation goes through the root's descriptor, link-free (safe_fs).
+        self._tree = (TierTree(inside, os.path.relpath(self.root, inside)) if inside
+                      else TierTree(self.root))
         self.durable = fsync
         #: with ``recycle``, dropped checkpoints' pages are reused (see tierstore_plugins.recycle)
-        self.recycler = PageRecycler(self.root) if recycle else None
+        self.recycler = PageRecycler(self._tree) if recycle else None
+
+    def _rel(self, path: str) -> str:
+        """``path`` (relative to the root, untrusted: it may come from a manifest or a
+        listing) when it is made of plain names; ``""`` is the root."""
+        return confined(path.rstrip("/"), f"tier root {self.root}") if path else ""
 
     def _abs(self, path: str) -> str:
         """The OS path of ``path`` (relative to the root, untrusted: it may come from a
         manifest or a listing), refused when it, or a symbolic link on its way, leads out of
-        the root."""
+        the root. Only for :meth:`local_path`, whose callers open by path; this backend's own
+        operations never follow a link (``self._tree``)."""
         if not path:
             return self.root
         target = os.path.join(self.root, confined(path.rstrip("/"), f"tier root {self.root}"))
@@ -183,6 +201,11 @@ class LocalBackend(Backend):
         return target
 
     def check_reachable(self) -> str | None:
+        """Why the tier cannot be used: another user could change its root (ownership), or
+        its nearest existing directory is no directory or not writable; None when it can."""
+        problem = root_problem(self.root)
+        if problem is not None:
+            return problem
         probe = self.root
         while not os.path.exists(probe):
             parent = os.path.dirname(probe)
@@ -196,22 +219,25 @@ class LocalBackend(Backend):
         return None
 
     def open_write(self, path: str) -> IO[bytes]:
-        return LocalWriteFile(self._abs(path), self.durable,  # type: ignore[return-value]
-                              self.recycler)
+        return self._write_file(path, recycled=True)  # type: ignore[return-value]
 
     def open_read(self, path: str) -> IO[bytes]:
-        return open(self._abs(path), "rb", buffering=0)
+        rel = self._rel(path)
+        f = io.FileIO(self._tree.open_file(rel, os.O_RDONLY), "rb")
+        f.name = os.path.join(self.root, rel)  # for messages, as open(path) would name it
+        return f
 
     def size(self, path: str) -> int | None:
         try:
-            st = os.stat(self._abs(path))
+            st = self._tree.status(self._rel(path))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        return st.st_size if not os.path.isdir(self._abs(path)) else None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def list(self, path: str) -> list[str]:
         try:
-            names = sorted(os.listdir(self._abs(path)))
+            with self._tree.directory(self._rel(path)) as fd:
+                names = sorted(os.listdir(fd))
         except (FileNotFoundError, NotADirectoryError):
             return []
         if self.recycler is not None and not path:
@@ -219,13 +245,33 @@ class LocalBackend(Backend):
         return names
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(self._abs(path), exist_ok=True)
+        with self._tree.directory(self._rel(path), create=True):
+            pass
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write a small file (manifest, metadata) new: a recycled file's pages are kept for
         the large files that follow."""
-        with LocalWriteFile(self._abs(path), self.durable) as f:
+        with self._write_file(path, recycled=False) as f:
             f.write(data)
+
+    def _write_file(self, path: str, *, recycled: bool) -> LocalWriteFile:
+        """File ``path`` open for writing, never through a link: with ``recycled`` (and
+        recycling) a recycled file written over in place where the bin holds one, else a new
+        (or truncated) file, which recycling may take back once it is evicted."""
+        rel = self._rel(path)
+        recycler = self.recycler if recycled else None
+        with self._tree.parent(rel) as (dir_fd, name):
+            if recycler is not None:
+                fd = recycler.take_for_write(dir_fd, name)
+                if fd is not None:
+                    return LocalWriteFile(fd, self.durable, recycler)
+            try:
+                fd = open_regular_at(dir_fd, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            except OSError as exc:
+                raise self._tree.refusal(dir_fd, name, rel, exc) from None
+            if recycler is not None:
+                recycler.owns(fd, name)
+            return LocalWriteFile(fd, self.durable)
 
     def delete(self, path: str) -> None:
         self._remove(path, recycle=False)
@@ -236,19 +282,34 @@ class LocalBackend(Backend):
         self._remove(path, recycle=True)
 
     def _remove(self, path: str, recycle: bool) -> None:
-        target = self._abs(path)
-        if os.path.isdir(target) and not os.path.islink(target):
-            if self.recycler is not None and path:
-                if recycle:
-                    self.recycler.recycle(target)
-                else:
-                    self.recycler.forget(target)
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            try:
-                os.remove(target)
-            except FileNotFoundError:
-                pass
+        """Remove ``path`` from its directory's descriptor: a directory's tree without
+        following any link in it, a link itself (never its target), a file."""
+        rel = self._rel(path)
+        if not rel:
+            # The whole tier: its root is the configured path (rmtree refuses a link there).
+            shutil.rmtree(self.root, ignore_errors=True)
+            return
+        try:
+            with self._tree.parent(rel) as (dir_fd, name):
+                if self.recycler is not None:
+                    self._release(dir_fd, name, recycle)
+                remove_at(dir_fd, name)
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # not there: nothing to remove
+
+    def _release(self, dir_fd: int, name: str, recycle: bool) -> None:
+        """The recycler recycles (or forgets) this process's files in directory ``name``."""
+        try:
+            fd = open_dir_at(dir_fd, name)
+        except OSError:
+            return  # a file, a link or nothing: no files of a directory to recycle
+        try:
+            if recycle:
+                self.recycler.recycle(fd)
+            else:
+                self.recycler.forget(fd)
+        finally:
+            os.close(fd)
 
     def free_bytes(self) -> int | None:
         """Free space of the filesystem holding the tier (for an unprivileged user), asked of
@@ -267,10 +328,24 @@ class LocalBackend(Backend):
         dies. Exclusive on a directory that is not there locks nothing; shared raises
         FileNotFoundError when the directory is not there or was removed while the lock
         waited (an exclusive holder deleted it), so a writer never holds a deleted one."""
-        full = self._abs(path)
+        rel = self._rel(path)
         try:
-            fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY)
+            with self._tree.parent(rel) as (dir_fd, name):
+                return self._lock_at(dir_fd, name, os.path.join(self.root, rel), exclusive)
         except (FileNotFoundError, NotADirectoryError):
+            if exclusive:
+                return DirectoryLock()
+            raise
+
+    @staticmethod
+    def _lock_at(dir_fd: int, name: str, full: str, exclusive: bool) -> DirectoryLock | None:
+        """:meth:`lock_directory` of directory ``name`` in ``dir_fd`` (OS path ``full``)."""
+        try:
+            fd = open_dir_at(dir_fd, name)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                raise
+            # Missing, a file, or a link (never followed): no directory of this tier to lock.
             if exclusive:
                 return DirectoryLock()
             raise FileNotFoundError(f"{full} is not there to lock") from None
@@ -288,27 +363,19 @@ class LocalBackend(Backend):
         except BaseException:
             os.close(fd)
             raise
-        if not exclusive and not _still_named(fd, full):
+        if not exclusive and not _still_named(fd, dir_fd, name):
             os.close(fd)
             raise FileNotFoundError(f"{full} was removed while it was being locked")
         return _FlockedDirectory(fd)
 
     def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
-        if replace:
-            os.replace(self._abs(src), self._abs(dst))
-            return
-        if os.path.lexists(self._abs(dst)):
-            raise FileExistsError(f"{self._abs(dst)} already exists")
-        os.rename(self._abs(src), self._abs(dst))
+        self._tree.rename(self._rel(src), self._rel(dst), replace=replace)
 
     def sync_dir(self, path: str) -> None:
         if not self.durable:
             return
-        fd = os.open(self._abs(path), os.O_RDONLY)
-        try:
+        with self._tree.directory(self._rel(path)) as fd:
             os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def local_path(self, path: str) -> str | None:
         return self._abs(path)
@@ -316,18 +383,29 @@ class LocalBackend(Backend):
     def sending_end(self, path: str, size: int) -> TransferEnd:
         """File ``path`` (``size`` bytes) mapped, to send over torch.distributed without a
         copy; with recycling the mapping is kept for the file's next uses."""
+        rel = self._rel(path)
+        shown = os.path.join(self.root, rel)
         if self.recycler is not None:
-            return self.recycler.sending_end(self._abs(path), size)
-        return MappedFile(self._abs(path), size)
+            fd = self._tree.open_file(rel, os.O_RDWR)  # its kept mapping is writable
+            try:
+                return self.recycler.sending_end(fd, shown, size)
+            finally:
+                os.close(fd)
+        return mapped_end(self._tree.open_file(rel, os.O_RDONLY), shown, size)
 
     def receiving_end(self, path: str, size: int) -> TransferEnd:
         """File ``path`` created (with its parents) to receive ``size`` bytes into; with
         recycling, the pages of a dropped file, mapped."""
-        target = self._abs(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if self.recycler is not None:
-            return self.recycler.receiving_end(target, size)
-        return WrittenFile(target, size)
+        rel = self._rel(path)
+        shown = os.path.join(self.root, rel)
+        with self._tree.parent(rel, create=True) as (dir_fd, name):
+            try:
+                if self.recycler is not None:
+                    return self.recycler.receiving_end(dir_fd, name, shown, size)
+                return written_end(open_regular_at(dir_fd, name, os.O_WRONLY | os.O_CREAT
+                                                   | os.O_TRUNC), shown, size)
+            except OSError as exc:
+                raise self._tree.refusal(dir_fd, name, rel, exc) from None
 
     def close(self) -> None:
         """Free the recycled pages and mappings (with recycling)."""

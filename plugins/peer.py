@@ -43,8 +43,10 @@ class PeerBackend(LocalBackend):
 
     def replica_backend(self, src: int, holder: int) -> LocalBackend:
         """Where rank ``holder`` keeps the replicas of rank ``src``'s files (recycling too)."""
+        # Reached from this tier's root without following links: a ``.replicas`` swapped for
+        # a link must not take the replicas (and their recycle bins) elsewhere.
         return LocalBackend(os.path.join(self.root, REPLICA_DIR, f"{src}-held-by-{holder}"),
-                            fsync=self.durable, recycle=True)
+                            fsync=self.durable, recycle=True, inside=self.root)
 
 
 @hookimpl

@@ -1,0 +1,303 @@
+"""Files and directories under a tier's root, reached without following symbolic links.
+
+A tier's directory is shared ground: the ranks of a node, an operator, or (in ``/dev/shm``)
+anyone who got write access may replace a name in it between two calls, with a symbolic link
+to somewhere else for instance. So every name below a root is opened, made, removed or renamed
+relative to a descriptor of the directory holding it (``dir_fd``), one component at a time and
+with ``O_NOFOLLOW``, as CPython's descriptor-based ``shutil.rmtree`` and git's object store do:
+
+- a symbolic link anywhere below the root is refused for reading and writing (IntegrityError
+  naming it, which is how a backend says "this is no copy of the file"), even one that stays
+  inside the root;
+- deleting a link removes the link, never what it points to, and trees are removed by
+  ``shutil.rmtree(name, dir_fd=...)``, which refuses a link at its top and follows none below;
+- only regular files are opened as files (a FIFO planted in a tier would block a reader).
+
+The root itself is the configured path, links in it included (the user chose it); whether
+only this user can change it is checked on its descriptor each time it is opened
+(:mod:`.ownership`). :class:`TierTree` also reaches a tree below another root (a ``peer``
+tier's replica directories), so the way from the configured root down is link-free too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+from typing import Iterator
+
+from tierstore.plugin import IntegrityError, MappedFile, WrittenFile
+
+from .ownership import DIR_MODE, check_open_root
+
+__all__ = ["TierTree", "is_dir_at", "mapped_end", "open_dir_at", "open_regular_at", "remove_at",
+           "written_end"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO someone put in place of a file must not wait for a writer
+# (regular files ignore the flag; it is cleared once the file is known to be one).
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+# What opening a link with O_NOFOLLOW fails with: ELOOP for a file, ENOTDIR with O_DIRECTORY.
+_LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR)
+
+
+def open_dir_at(dir_fd: int, name: str, *, create: bool = False) -> int:
+    """A descriptor of directory ``name`` in the directory open as ``dir_fd``, never through a
+    link (a link or a file there: OSError ENOTDIR); made owner-writable first when ``create``
+    and missing (made meanwhile by another process is fine)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
+    except FileExistsError:
+        pass  # another rank of the node made it first
+    return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def is_dir_at(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` in ``dir_fd`` is a directory itself (a link to one is not)."""
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def remove_at(dir_fd: int, name: str) -> None:
+    """Remove ``name`` from the directory open as ``dir_fd``: a directory with its whole tree,
+    never following a link on the way; anything else (a link included) is unlinked. Missing
+    is fine, and so is a tree partly removed by another process meanwhile."""
+    if is_dir_at(dir_fd, name):
+        # Descriptor-based on Linux (shutil._use_fd_functions): a link swapped in at the top
+        # is refused, and none below it is followed.
+        shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
+        return
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def open_regular_at(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
+    """Descriptor of regular file ``name`` in ``dir_fd`` opened with ``flags``, never through
+    a link: a link is OSError ELOOP, anything but a regular file IsADirectoryError or
+    OSError EINVAL."""
+    fd = os.open(name, flags | _FILE_FLAGS, mode, dir_fd=dir_fd)
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind == stat.S_IFDIR:
+            raise IsADirectoryError(errno.EISDIR, "is a directory", name)
+        if kind != stat.S_IFREG:
+            raise OSError(errno.EINVAL, "is not a regular file", name)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _WrittenAt(WrittenFile):
+    """A :class:`WrittenFile` over a descriptor opened here (``WrittenFile`` itself opens by
+    path, which would follow a link swapped in meanwhile)."""
+
+    def __init__(self, fd: int, path: str, size: int):  # noqa: super() would open the path
+        self.path, self.size, self._fd = path, size, fd
+
+
+class _MappedAt(MappedFile):
+    """A :class:`MappedFile` over a descriptor opened here, for the same reason."""
+
+    def __init__(self, fd: int, path: str, size: int):  # noqa: super() would open the path
+        self.path, self.size, self._fd = path, size, fd
+        held = os.fstat(fd).st_size
+        if held < size:
+            os.close(fd)
+            self._fd = -1
+            raise OSError(f"{path} holds {held} bytes, fewer than the {size} expected")
+
+
+def written_end(fd: int, path: str, size: int) -> WrittenFile:
+    """A receiving end writing ``size`` bytes into the open file ``fd`` (``path``, for
+    messages); it owns ``fd``."""
+    return _WrittenAt(fd, path, size)
+
+
+def mapped_end(fd: int, path: str, size: int) -> MappedFile:
+    """A sending end mapping the open file ``fd`` (``path``, at least ``size`` bytes); it owns
+    ``fd`` (closed here when the file is too short)."""
+    return _MappedAt(fd, path, size)
+
+
+class TierTree:
+    """The files under one tier root, reached from a descriptor of the root without following
+    links (see the module docstring). Paths given to its methods are relative to the root,
+    already checked by ``confined`` (plain names, no ``..``); ``""`` is the root.
+
+    ``below`` (a relative path): the tree's root is that directory under ``root``, reached
+    link-free from ``root`` (and made, owner-writable, when a method creates)."""
+
+    def __init__(self, root: str, below: str = ""):
+        self.base = root
+        self.below = [p for p in below.split("/") if p]
+        #: the OS path of the tree's root, for messages
+        self.root = os.path.join(root, *self.below)
+
+    # -- descriptors ------------------------------------------------------------------------
+    def open_root(self, *, create: bool = False) -> int:
+        """A descriptor of the root (made first when ``create`` and missing): FileNotFoundError
+        when missing, PermissionError when another user could change it."""
+        try:
+            fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not create:
+                raise
+            fd = _make_dirs(self.base)
+        try:
+            check_open_root(fd, self.base)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.below:
+            return self._descend(fd, self.below, create, "")
+        return fd
+
+    @contextlib.contextmanager
+    def directory(self, rel: str, *, create: bool = False) -> Iterator[int]:
+        """A descriptor of directory ``rel`` (made with its parents when ``create``), closed
+        when the block ends."""
+        fd = self._descend(self.open_root(create=create), _parts(rel), create, rel)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def parent(self, rel: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        """``(descriptor of the directory holding rel, rel's last name)`` (the parents made
+        when ``create``), the descriptor closed when the block ends. ``rel`` is not ``""``."""
+        parts = _parts(rel)
+        if not parts:
+            raise IsADirectoryError(errno.EISDIR, "is the tier's root", self.root)
+        fd = self._descend(self.open_root(create=create), parts[:-1], create, rel)
+        try:
+            yield fd, parts[-1]
+        finally:
+            os.close(fd)
+
+    # -- operations -------------------------------------------------------------------------
+    def open_file(self, rel: str, flags: int, *, create_parents: bool = False) -> int:
+        """Descriptor of regular file ``rel`` opened with ``flags``; a link there, or on the
+        way, is an IntegrityError."""
+        with self.parent(rel, create=create_parents) as (dir_fd, name):
+            try:
+                return open_regular_at(dir_fd, name, flags)
+            except OSError as exc:
+                raise self.refusal(dir_fd, name, rel, exc) from None
+
+    def status(self, rel: str) -> os.stat_result:
+        """The status of ``rel`` itself (FileNotFoundError when missing); a link there or on
+        the way is an IntegrityError."""
+        if not rel:
+            with self.directory("") as fd:
+                return os.fstat(fd)
+        with self.parent(rel) as (dir_fd, name):
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise self.refusal(dir_fd, name, rel, OSError(errno.ELOOP, "a link", name))
+            return st
+
+    def rename(self, src: str, dst: str, *, replace: bool) -> None:
+        """Rename ``src`` to ``dst`` (entries themselves: a link is moved, not followed);
+        without ``replace``, FileExistsError when ``dst`` exists."""
+        with self.parent(src) as (src_fd, src_name), self.parent(dst) as (dst_fd, dst_name):
+            if not replace:
+                try:
+                    os.stat(dst_name, dir_fd=dst_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+                else:
+                    raise FileExistsError(errno.EEXIST, "already exists",
+                                          os.path.join(self.root, dst))
+            os.replace(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+
+    def refusal(self, dir_fd: int, name: str, rel: str, exc: OSError) -> OSError | IntegrityError:
+        """What to raise for ``exc``, from opening ``name`` in ``dir_fd`` on the way to
+        ``rel``: an IntegrityError naming the link when ``name`` is one, else ``exc``."""
+        if exc.errno not in _LINK_ERRNOS:
+            return exc
+        try:
+            target = os.readlink(name, dir_fd=dir_fd)
+        except OSError:
+            return exc  # not a link: a file where a directory was expected
+        link = _path_of(dir_fd, name)
+        shown = os.path.join(self.root, rel) if rel else self.root
+        real, real_root = os.path.realpath(link), os.path.realpath(self.root)
+        if real != real_root and not real.startswith(real_root + os.sep):
+            what = (f"a symbolic link leads it out of the tier's root {self.root} "
+                    f"({link} -> {target}, that is {real})")
+        else:
+            what = (f"{link} is a symbolic link (to {target}); links inside a tier's root "
+                    f"{self.root} are not followed either")
+        return IntegrityError(
+            f"refusing {shown}: {what}; tierstore never follows a link in a tier. Remove the "
+            f"link, or restore the checkpoint from another tier")
+
+    # -- under the hood ---------------------------------------------------------------------
+    def _descend(self, fd: int, parts: list[str], create: bool, rel: str) -> int:
+        """From the directory open as ``fd`` (taken over: closed here) down through ``parts``,
+        link-free; the last one's descriptor."""
+        try:
+            for name in parts:
+                try:
+                    below = open_dir_at(fd, name, create=create)
+                except OSError as exc:
+                    raise self.refusal(fd, name, rel, exc) from None
+                os.close(fd)
+                fd = below
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+def _parts(rel: str) -> list[str]:
+    return [p for p in rel.split("/") if p]
+
+
+def _path_of(dir_fd: int, name: str) -> str:
+    """The OS path of ``name`` in the directory open as ``dir_fd`` (for messages)."""
+    try:
+        return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
+    except OSError:
+        return name
+
+
+def _make_dirs(path: str) -> int:
+    """Make the missing directories of ``path`` (owner-writable, each one opened link-free
+    from its parent) and return a descriptor of the last one. The part that exists is the
+    user's configured path and is opened as it is, links included."""
+    missing = []
+    top = path
+    while True:
+        try:
+            fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(top)
+            if parent == top:
+                raise
+            missing.append(os.path.basename(top))
+            top = parent
+    try:
+        for name in reversed(missing):
+            below = open_dir_at(fd, name, create=True)
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
