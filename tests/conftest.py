@@ -6,6 +6,7 @@ import os
 import warnings
 
 import pytest
+import torch.distributed as dist
 
 import tierstore
 
@@ -21,6 +22,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def local_config(tmp_path):
     """A one-tier config (`local` backend) rooted in a fresh directory."""
     return {"tier": [{"name": "nvme", "backend": "local", "path": str(tmp_path / "nvme")}]}
+
+
+@pytest.fixture
+def one_rank_group():
+    """torch.distributed with one gloo rank in this process (for DTensor / ShardedTensor);
+    torn down afterwards so that the other tests run without it."""
+    assert not dist.is_initialized(), "an earlier test left a process group in this process"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

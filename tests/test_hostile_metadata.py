@@ -13,13 +13,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import pathlib
 import pickle
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from helpers import assert_state_dicts_equal, assert_trees_equal, load_like, make_state_dict
 from torch.distributed.checkpoint.metadata import Metadata
@@ -28,7 +28,7 @@ import tierstore
 from tierstore.errors import DrainError, IntegrityError
 from tierstore.format.checksum import checksum_of
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
-from tierstore.format.metadata import load_metadata
+from tierstore.format.metadata import ALLOWED_GLOBALS, load_metadata
 
 REMEDY = "restore it from another tier or delete the checkpoint"
 # os.system pickles under the module that defines it (posix on Linux).
@@ -133,18 +133,22 @@ def test_drain_refuses_code_in_metadata(local_config, tmp_path):
     assert SYSTEM in str(info.value) and f"step-1/{METADATA_NAME}" in str(info.value)
 
 
-@pytest.mark.parametrize("case", ["not a pickle", "truncated", "a plain dict"])
+@pytest.mark.parametrize("case", ["not a pickle", "truncated", "a plain dict",
+                                  "a field left out"])
 def test_unreadable_metadata_is_refused(saved, local_config, case):
     raw = (saved / METADATA_NAME).read_bytes()
     bad = {"not a pickle": b"PK\x03\x04 certainly not a pickle",
            "truncated": raw[:len(raw) // 2],
-           "a plain dict": pickle.dumps({"state_dict_metadata": {}, "storage_data": {}})}[case]
+           "a plain dict": pickle.dumps({"state_dict_metadata": {}, "storage_data": {}}),
+           # every DCP version writes state_dict_metadata (it has no default)
+           "a field left out": pickle.dumps(Metadata.__new__(Metadata))}[case]
     _replace_metadata(saved, bad)
     err = _load_refused(local_config)
     _assert_names_copy(err)
     expected = {"not a pickle": "not a pickle of DCP metadata",
                 "truncated": "not readable as DCP metadata",
-                "a plain dict": "it holds a dict, not DCP's Metadata"}[case]
+                "a plain dict": "it holds a dict, not DCP's Metadata",
+                "a field left out": "its Metadata has no field 'state_dict_metadata'"}[case]
     assert expected in str(err), str(err)
 
 
@@ -167,7 +171,15 @@ def test_path_out_of_the_checkpoint_is_refused(saved, local_config):
     (b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R",
      {"_value_": 7},
      lambda: next(iter(torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING))),
-], ids=["class", "enum member"])
+    # a member of the enum torch <= 2.2 pickled memory formats with
+    (b"ctorch.distributed._shard.sharded_tensor.metadata\nMEM_FORMAT_ENCODING\nK\x00\x85R",
+     {"_value_": 7},
+     lambda: next(iter(torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING))),
+    # the stand-in answering getattr (enum members pickled by name)
+    (b"c__builtin__\ngetattr\n", {"cache": {}},
+     lambda: ALLOWED_GLOBALS[("builtins", "getattr")]),
+    (b"cpathlib._local\nPosixPath\n", {"__reduce__": None}, lambda: pathlib.PosixPath),
+], ids=["class", "enum member", "torch 2.2 enum member", "getattr stand-in", "path class"])
 def test_changing_shared_objects_is_refused_and_undone(saved, local_config, tmp_path, target,
                                                         attrs, holder):
     obj = holder()
@@ -263,18 +275,6 @@ def test_real_metadata_loads_as_pickle_loads_it(local_config, tmp_path):
     stock = tmp_path / "stock"
     dcp.save(sd, checkpoint_id=stock)
     _assert_same_as_pickle((stock / METADATA_NAME).read_bytes())
-
-
-@pytest.fixture
-def one_rank_group():
-    """torch.distributed with one gloo rank in this process (for DTensor / ShardedTensor);
-    torn down afterwards so that the other tests run without it."""
-    assert not dist.is_initialized(), "an earlier test left a process group in this process"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")

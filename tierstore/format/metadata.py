@@ -6,27 +6,56 @@ whatever the pickle asks for (``os.system`` through ``__reduce__``), so :func:`l
 unpickles with an allow-list of the globals that DCP's metadata is made of, then checks the shape
 of what came out before anything (a planner, a read at an offset, a path) relies on it.
 
-The allow-list was taken from the pickles of real saves (plain tensors of every dtype, nested
-dicts, non-tensor values, DTensor shards, ShardedTensor, zstd-encoded items, stock DCP's own
-``FileSystemWriter``); every entry is a (module, name) pair, never a whole module:
+The allow-list holds what DCP's writers (``FileSystemWriter.finish`` and ``FsspecWriter``, which
+``pickle.dump`` the ``Metadata`` the planner made; tierstore's writer does the same) put in that
+file, in every torch and Python version whose checkpoints this torch's ``dcp.load`` still reads:
+torch 1.13 (when DCP became ``torch.distributed.checkpoint``) to today, under any Python. It was
+taken from the pickles of real saves (plain tensors of every dtype, nested dicts,
+non-tensor values, DTensor shards, ShardedTensor, model and optimizer state dicts, zstd-encoded
+items) and from DCP's history; every entry is a (module, name) pair, never a whole module:
 
 - ``torch.distributed.checkpoint.metadata``: ``Metadata``, ``TensorStorageMetadata``,
   ``BytesStorageMetadata``, ``ChunkStorageMetadata``, ``TensorProperties``, ``MetadataIndex``,
   ``StorageMeta`` (the dataclasses the file is made of) and ``_MEM_FORMAT_ENCODING`` (how
-  ``TensorProperties`` pickles its memory format);
+  ``TensorProperties`` pickles its memory format). Files of torch 2.3 and older have no
+  ``storage_meta`` (``StorageMeta`` came with torch 2.4, pytorch#124772) nor ``version`` (the
+  class defaults, None, stand in), older ``StorageMeta`` no ``modules``; ``planner_data`` is a
+  dict of tuples of str and int (the default planner's flattening map), no globals;
+- ``torch.distributed._shard.sharded_tensor.metadata``: ``TensorProperties`` and
+  ``MEM_FORMAT_ENCODING``. Until torch 2.2 DCP's ``metadata.py`` imported ShardedTensor's
+  ``TensorProperties`` instead of defining its own (pytorch#116248 made the copy), so every
+  tensor's properties in those checkpoints name that module; DCP's own
+  ``test_sharded_tensor_dependency`` (``test/distributed/checkpoint/test_compatibility.py``)
+  keeps them loadable. Left out when a torch no longer has the module (its ``dcp.load`` could
+  not read them either);
 - ``torch.distributed.checkpoint.filesystem._StorageInfo``: where each item sits in which data
-  file (``storage_data``, written by tierstore's writer and by stock DCP alike);
+  file (``storage_data``; the class has lived in that module since torch 1.13);
 - ``torch.Size``: tensor sizes and chunk offsets;
 - ``torch.<dtype>`` for each ``torch.dtype`` (``float32``, ``bfloat16``, ...): a dtype pickles as
   a reference to its module-level name, not through ``getattr``; only names that are dtypes are
   allowed, so ``torch.load`` or ``torch.ops`` are not;
-- ``torch.serialization._get_layout``: how a ``torch.layout`` pickles. It is answered with a
-  lookup of this module's own (layout names only), so the pickle never gets hold of torch's
-  function or the cache stored on it;
-- ``pathlib.PosixPath``: stock DCP records ``StorageMeta.checkpoint_id`` as a path.
+- ``torch.serialization._get_layout``: how a ``torch.layout`` pickles (a ``copyreg`` reducer
+  ``torch.serialization`` has registered since before DCP existed). It is answered with a lookup
+  of this module's own (layout names only), so the pickle never gets hold of torch's function
+  or the cache stored on it;
+- ``builtins.getattr`` (``__builtin__.getattr`` in a protocol-2 pickle): early CPython 3.11
+  releases pickle an enum member by name, ``getattr(<enum class>, <member name>)`` (bpo-44342;
+  3.11.2 does, 3.11.7 and 3.12+ pickle ``<enum class>(<value>)`` again), so a checkpoint saved
+  there names it for every tensor's memory format. It is answered by a stand-in that returns a
+  member of the two memory-format enums above and refuses anything else;
+- ``pathlib.PosixPath``, ``PurePosixPath``, ``WindowsPath``, ``PureWindowsPath``, also under
+  ``pathlib._local`` (how Python 3.13 names them): ``StorageMeta.checkpoint_id``.
+  ``FileSystemWriter`` records ``Path(checkpoint_id)``, ``FsspecWriter`` the id as given (a str or
+  any of these paths). A concrete path of the other operating system cannot be made here (a
+  checkpoint saved on Windows, loaded on Linux), so its pure path stands in for it.
 
-No ``builtins`` are needed (protocol 2+ pickles lists, dicts, tuples, sets, bytes and numbers with
-opcodes of their own), and persistent ids are refused.
+Nothing else was ever in DCP's metadata: ``torch.memory_format`` cannot be pickled (hence the
+encoding enums), nor can tensors be in it; no DCP version used ``collections.OrderedDict`` there;
+and ``torch.distributed._shard.metadata.ShardMetadata`` and the ``torch.distributed._shard
+.checkpoint`` classes belong to torch 1.12's prototype format (``ShardedTensorStorageMetadata``),
+which today's ``dcp.load`` cannot read. No ``builtins`` beyond ``getattr`` are needed (protocol
+2+ pickles lists, dicts, tuples, sets, bytes and numbers with opcodes of their own), and
+persistent ids are refused.
 
 Even allowed globals can be abused: pickle's BUILD opcode sets attributes on whatever object is
 on its stack, and a class, an enum member or a function taken from the allow-list is shared by
@@ -38,8 +67,10 @@ pickle changed any, restores them and refuses the file.
 from __future__ import annotations
 
 import copyreg
+import enum
 import io
 import operator
+import os
 import pathlib
 import pickle
 import threading
@@ -55,9 +86,24 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from tierstore.errors import IntegrityError
 from tierstore.format.paths import is_plain_file_name
 
+try:  # ShardedTensor is deprecated: a torch without it cannot load these checkpoints at all
+    from torch.distributed._shard.sharded_tensor import metadata as _sharded_metadata
+except ImportError:  # pragma: no cover - every torch tierstore supports still has it
+    _sharded_metadata = None
+
 __all__ = ["load_metadata", "ALLOWED_GLOBALS"]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_SHARDED_METADATA = "torch.distributed._shard.sharded_tensor.metadata"
+
+#: The classes a tensor's ``properties`` may be: DCP's, and ShardedTensor's (torch <= 2.2).
+_TENSOR_PROPERTIES: tuple[type, ...] = (TensorProperties,) + (
+    (_sharded_metadata.TensorProperties,) if _sharded_metadata is not None else ())
+#: The enums those classes pickle their memory format with.
+_MEMORY_FORMAT_ENUMS: tuple[type[enum.Enum], ...] = (_MEM_FORMAT_ENCODING,) + (
+    (_sharded_metadata.MEM_FORMAT_ENCODING,) if _sharded_metadata is not None else ())
+# Members by name, copied now: what a pickle later does to the classes cannot change them.
+_MEMBERS_BY_NAME = [(cls, dict(cls.__members__)) for cls in _MEMORY_FORMAT_ENUMS]
 
 _LAYOUTS: dict[str, torch.layout] = {str(v): v for v in vars(torch).values()
                                      if isinstance(v, torch.layout)}
@@ -71,24 +117,54 @@ def _layout(name: object) -> torch.layout:
     return layout
 
 
+def _enum_member(cls: object, name: object) -> enum.Enum:
+    """Stands in for ``getattr`` as early CPython 3.11 pickles an enum member,
+    ``getattr(<enum class>, <member name>)``: a member of a memory-format enum, nothing else."""
+    # Identity, not ``in``/``==``: ``cls`` is whatever the pickle put there.
+    members = next((m for c, m in _MEMBERS_BY_NAME if c is cls), None)
+    if members is None or not isinstance(name, str) or name not in members:
+        raise _Refused(f"its pickle calls getattr({_short(cls)}, {_short(name)}), and DCP "
+                       f"metadata only ever looks up a memory-format enum member that way "
+                       f"(refused; getattr was not called)")
+    return members[name]
+
+
+# The path classes StorageMeta.checkpoint_id may be; one of the other operating system cannot be
+# instantiated here (pathlib raises), so its pure counterpart stands in for it.
+_PATHS: dict[str, type] = {
+    "PurePosixPath": pathlib.PurePosixPath,
+    "PureWindowsPath": pathlib.PureWindowsPath,
+    "PosixPath": pathlib.PurePosixPath if os.name == "nt" else pathlib.PosixPath,
+    "WindowsPath": pathlib.WindowsPath if os.name == "nt" else pathlib.PureWindowsPath,
+}
+
 #: (module, name) -> the object a pickle gets for it; anything else is refused.
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     **{(_DCP_METADATA, cls.__name__): cls
        for cls in (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
                    TensorProperties, MetadataIndex, StorageMeta, _MEM_FORMAT_ENCODING)},
+    **({(_SHARDED_METADATA, name): getattr(_sharded_metadata, name)
+        for name in ("TensorProperties", "MEM_FORMAT_ENCODING")}
+       if _sharded_metadata is not None else {}),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     **{("torch", name): value for name, value in vars(torch).items()
        if isinstance(value, torch.dtype)},
     ("torch.serialization", "_get_layout"): _layout,
-    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("builtins", "getattr"): _enum_member,
+    ("__builtin__", "getattr"): _enum_member,  # protocol 2 writes Python 2's module name
+    **{(module, name): cls for module in ("pathlib", "pathlib._local")
+       for name, cls in _PATHS.items()},
 }
 
 # Objects a pickle can reach (globals above and what calling them returns) that outlive the load
-# and carry attributes a BUILD opcode could change: the Python classes, the enum's members and
-# the layout function. dtypes, layouts and torch.Size refuse new attributes by themselves.
-_SHARED: list[object] = [v for v in ALLOWED_GLOBALS.values() if hasattr(v, "__dict__")
-                         and not isinstance(v, torch.dtype)] + list(_MEM_FORMAT_ENCODING)
+# and carry attributes a BUILD opcode could change: the Python classes, the enums' members and
+# the stand-in functions. dtypes, layouts and torch.Size refuse new attributes by themselves.
+# Each object once (several names lead to the same path class), so that a restore is not undone.
+_SHARED: list[object] = list({id(v): v for v in [
+    *(v for v in ALLOWED_GLOBALS.values()
+      if hasattr(v, "__dict__") and not isinstance(v, torch.dtype)),
+    *(member for cls in _MEMORY_FORMAT_ENUMS for member in cls)]}.values())
 # copyreg caches ``__slotnames__`` in a class the first time one of its instances is pickled, by
 # any thread: fill that cache now, so that during a load a new attribute can only be the pickle's.
 for _cls in _SHARED:
@@ -159,6 +235,10 @@ def load_metadata(raw: bytes, where: str) -> Metadata:
         _check(metadata)
     except _Invalid as exc:
         raise IntegrityError(f"{where}: {exc}; {_REMEDY}") from None
+    except AttributeError as exc:
+        # A field without a class default (state_dict_metadata, a chunk's sizes, ...) that the
+        # pickle left out: every DCP version writes them.
+        raise IntegrityError(f"{where}: {_missing_field(exc)}; {_REMEDY}") from None
     return metadata
 
 
@@ -195,8 +275,8 @@ def _restore(snapshot: list[tuple[object, dict[str, Any]]]) -> list[str]:
 def _label(obj: object) -> str:
     if isinstance(obj, type):
         return f"{obj.__module__}.{obj.__qualname__}"
-    if isinstance(obj, _MEM_FORMAT_ENCODING):
-        return f"{_DCP_METADATA}.{obj}"
+    if isinstance(obj, enum.Enum):
+        return f"{type(obj).__module__}.{obj}"
     return getattr(obj, "__qualname__", type(obj).__name__)
 
 
@@ -215,7 +295,7 @@ def _check(metadata: Any) -> None:
             raise _Invalid(f"field 'state_dict_metadata' has a key that is {_type(fqn)}, "
                            f"not a str ({_short(fqn)})")
         field = f"state_dict_metadata[{_short(fqn)}]"
-        if type(md) is TensorStorageMetadata:
+        if type(md) is TensorStorageMetadata:  # the one class of that name since torch 1.13
             _check_tensor(md, field)
         elif type(md) is not BytesStorageMetadata:
             raise _Invalid(f"field '{field}' must be TensorStorageMetadata or "
@@ -236,7 +316,8 @@ def _check(metadata: Any) -> None:
 
 def _check_tensor(md: TensorStorageMetadata, field: str) -> None:
     props = md.properties
-    if type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype):
+    # DCP's TensorProperties, or ShardedTensor's in checkpoints of torch <= 2.2 (same fields)
+    if type(props) not in _TENSOR_PROPERTIES or not isinstance(props.dtype, torch.dtype):
         raise _Invalid(f"field '{field}.properties' must be TensorProperties with a torch dtype")
     size = md.size
     if not _is_dims(size):
@@ -310,6 +391,14 @@ def _not_dims(field: str, value: Any) -> _Invalid:
 
 def _natural(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _missing_field(exc: AttributeError) -> str:
+    """What an AttributeError raised by :func:`_check` says is missing, for the message."""
+    owner, name = getattr(exc, "obj", None), getattr(exc, "name", None)
+    if isinstance(name, str) and owner is not None:
+        return f"its {type(owner).__qualname__} has no field {_short(name)}"
+    return f"a field is missing ({_short(str(exc), 200)})"
 
 
 def _global_name(module: Any, name: Any) -> str:
