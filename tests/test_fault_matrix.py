@@ -1,6 +1,7 @@
-"""The fault matrix in CI: a sample of it (one trial per phase and fault kind, one S3 server
-killed under a drain) must keep every invariant, and the checks it relies on must notice a
-broken promise. ``make faults`` runs the whole matrix (tests/faults/)."""
+"""The fault matrix in CI: a sample of it (one trial per phase and fault kind, one per point of
+an almost full first tier, one S3 server killed under a drain) must keep every invariant, and
+the checks it relies on must notice a broken promise. ``make faults`` runs the whole matrix
+(tests/faults/)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from faults.checks import check
-from faults.inject import FAULTS, GC_ROW, Injector
+from faults.inject import FAULTS, FIRST_FULL, GC_ROW, Injector
+from faults.plan import FIRST_FULL_ROW, ROOMS, Trial
 from faults.scenario import Place, Scenario
 from faults.workload import Journal, run_job
 from helpers import script_env
@@ -53,12 +55,18 @@ def test_every_trial_of_the_sample_keeps_the_invariants(sample):
 def test_the_sample_strikes_every_phase_with_every_fault(sample):
     _, report, _ = sample
     ran = {(r["row"], r["fault"]) for r in report["results"]}
-    local = [f for f in FAULTS if f != "server-death"]
+    local = [f for f in FAULTS if f not in ("server-death", FIRST_FULL)]
     if any(line.startswith("tmpfs-full") for line in report["skipped"]):
         assert os.geteuid() != 0, report["skipped"]  # as root, a tmpfs must be mountable
         local.remove("tmpfs-full")
     missing = [(row, f) for row in CORE_ROWS for f in local if (row, f) not in ran]
     assert not missing, f"cells of the matrix the sample did not run: {missing}"
+    if os.geteuid() == 0:  # an almost full first tier, at every point, on both backends
+        points = {(r["room"], r["backend"]) for r in report["results"]
+                  if r["fault"] == FIRST_FULL}
+        missing = [(room, b) for room in ROOMS for b in ("memory", "local")
+                   if (room, b) not in points]
+        assert not missing, f"first-full points the sample did not run: {missing}"
     assert any(r["fault"] == "server-death" and r["s3"] for r in report["results"])
     assert report["trials"] >= len(CORE_ROWS) * len(local)
 
@@ -96,3 +104,23 @@ def test_the_checks_notice_broken_promises(tmp_path):
     assert "older than step-90" in text, text
     assert "shows step-80/" in text, text
     assert f"{newest} (latest()) does not load" in text, text
+
+    # After a full filesystem: a save failing with a bare OSError, one leaving its staging
+    # directory behind, and one that had room for its checkpoint but failed.
+    journal = Journal(broken.journal)
+    for cid, error in (("step-91", "OSError: [Errno 28] No space left on device"),
+                       ("step-92", "TierFullError: [Errno 28] tier 'fast' is full (...)")):
+        journal.write("begin", cid)
+        if cid == "step-91":
+            journal.write("fired", f"first-full at {FIRST_FULL_ROW} #1 ({cid}, fast)")
+        journal.write("remains", cid, *([f".tierstore-tmp.{cid}.0123"] if cid == "step-92"
+                                         else []))
+        journal.write("error", "save", cid, f"CheckpointException <- {error}")
+    journal.close()
+    trial = Trial(FIRST_FULL_ROW, FIRST_FULL, 1, scenario.seed, room=0)
+    text = "\n".join(check(scenario, broken, trial)["violations"])
+    assert "the save of step-91 failed on a full filesystem without a TierFullError" in text, \
+        text
+    assert "step-92 failed on a full" not in text, text
+    assert "the failed save of step-92 left ['.tierstore-tmp.step-92.0123']" in text, text
+    assert "the save of step-91 failed although the first tier had room" in text, text

@@ -9,7 +9,11 @@
    directory or prefix without a manifest, no file a manifest does not name. On an object
    store, a prefix whose writer's lease (``.tierstore-lease.*``) has not expired is work in
    progress by design (a killed writer's lease runs out after ``lease_seconds`` + 60 s): there,
-   gc runs once more as it would a day later, and only what is left then counts.
+   gc runs once more as it would a day later, and only what is left then counts;
+4. after a fault that fills a real filesystem (``tmpfs-full``, ``first-full``), every save that
+   fails says so: a ``TierFullError`` naming the tier (never a bare ``OSError``), and nothing of
+   it is left on the first tier once it has failed; a first-full save given room for its
+   checkpoint commits.
 
 ``check`` returns violations (a broken promise) and notes (what a user may see but the
 contract allows, e.g. a load refused with a ``TierstoreError``).
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 import warnings
 from typing import Any, Iterator
@@ -27,7 +32,8 @@ from unittest import mock
 
 import tierstore
 
-from .inject import BALLAST
+from .inject import BALLAST, FIRST_FULL, FULL_FAULTS
+from .plan import Trial
 from .scenario import Place, Scenario
 from .state import blank_like, differences, state_for, step_of
 from .workload import FAILURES, Journal, describe
@@ -53,10 +59,12 @@ class Findings:
         return {"violations": self.violations, "notes": self.notes}
 
 
-def check(scenario: Scenario, place: Place) -> dict[str, list[str]]:
-    """Check the three invariants on ``place`` (see the module docstring)."""
+def check(scenario: Scenario, place: Place, trial: Trial | None = None) -> dict[str, list[str]]:
+    """Check the invariants on ``place`` (see the module docstring) after ``trial``'s job."""
     found = Findings()
     journal = Journal.read(place.journal)
+    if trial is not None and trial.fault in FULL_FAULTS:
+        _check_full(trial, journal, found)
     begun = [rest.split()[0] for kind, rest in journal if kind == "begin"]
     saved = [rest.split()[0] for kind, rest in journal if kind == "saved"]
     for tier in scenario.tiers(place, faulty=False):
@@ -79,6 +87,33 @@ def check(scenario: Scenario, place: Place) -> dict[str, list[str]]:
     for tier in scenario.tiers(place, faulty=False):
         _check_leftovers(tier, complete.get(tier["name"], set()), found)
     return found.as_dict()
+
+
+def _check_full(trial: Trial, journal: list[tuple[str, str]], found: Findings) -> None:
+    """Invariant 4, from the job's journal: from the fault on, each failed save is a
+    TierFullError naming a tier and left nothing of itself on the first tier; after first-full
+    with room to spare (``room >= 0``), the save it struck (the one begun last) committed."""
+    struck = begun = None
+    for kind, rest in journal:
+        words = rest.split()
+        if kind == "begin":
+            begun = words[0]
+        elif kind == "fired":
+            struck = begun
+        elif struck is None:
+            continue
+        elif kind == "error" and words[0] == "save":
+            cause = rest.split(" ", 2)[2]
+            if not re.search(r"TierFullError: \[Errno \d+\] tier '[^']+' is full", cause):
+                found.violations.append(f"the save of {words[1]} failed on a full filesystem "
+                                        f"without a TierFullError naming the tier: {cause}")
+        elif kind == "remains" and words[1:]:
+            found.violations.append(f"the failed save of {words[0]} left {words[1:]} on the "
+                                    f"first tier")
+    if trial.fault == FIRST_FULL and struck is not None and trial.room >= 0 \
+            and ("saved", struck) not in journal:
+        found.violations.append(f"the save of {struck} failed although the first tier had room "
+                                f"for it ({trial.room:+d} pages to spare)")
 
 
 def _single_tier(tier: dict) -> dict:

@@ -23,10 +23,19 @@ from tierstore_plugins.local import LocalBackend, MemoryBackend
 import tierstore
 from tierstore import Phase
 
-__all__ = ["BALLAST", "FAULTS", "GC_ROW", "Injector", "fill_filesystem", "row_of"]
+__all__ = ["BALLAST", "FAULTS", "FIRST_FULL", "FULL_FAULTS", "GC_ROW", "Injector",
+           "fill_filesystem", "leave_free", "row_of"]
 
 #: The fault kinds, in the table's column order.
-FAULTS = ("raise", "sigkill", "enospc", "tmpfs-full", "eio", "slow", "server-death")
+FAULTS = ("raise", "sigkill", "enospc", "tmpfs-full", "first-full", "eio", "slow",
+          "server-death")
+
+#: The first tier's own tmpfs is left with room for the save that begins, give or take a few
+#: pages (``Trial.room``): the operator's disk that is almost full (see :func:`leave_free`).
+FIRST_FULL = "first-full"
+
+#: Faults that fill a real filesystem: a save that fails after them must say the tier is full.
+FULL_FAULTS = ("tmpfs-full", FIRST_FULL)
 
 #: The row of gc's deletions (tierstore announces no phase there; see the module docstring).
 GC_ROW = "gc/delete_leftover"
@@ -59,14 +68,19 @@ class Injector:
     ``nth`` announcement of ``row`` (with ``checkpoint_id``: of that checkpoint only).
 
     ``fault`` is one of :data:`FAULTS`, or None to only count (a dry run). ``operation`` is set
-    by the job around each of its steps; ``on_fire`` is told before the fault strikes."""
+    by the job around each of its steps; ``on_fire`` is told before the fault strikes. With
+    ``tier``, only announcements on that tier count. :data:`FIRST_FULL` leaves the free space
+    of ``mount`` at what the checkpoint being saved takes there (``sizes``, by id) plus
+    ``room`` blocks."""
 
     def __init__(self, row: str | None = None, nth: int = 0, fault: str | None = None, *,
                  checkpoint_id: str | None = None, delay: float = 0.5, mount: str | None = None,
-                 server_pid: int | None = None, on_fire: Callable[[str], None] = print):
+                 server_pid: int | None = None, on_fire: Callable[[str], None] = print,
+                 tier: str | None = None, sizes: dict[str, int] | None = None, room: int = 0):
         global _active
         self.row, self.nth, self.fault, self.checkpoint_id = row, nth, fault, checkpoint_id
         self.delay, self.mount, self.server_pid, self.on_fire = delay, mount, server_pid, on_fire
+        self.tier, self.sizes, self.room = tier, sizes or {}, room
         self.operation = "open"
         self.counts: dict[str, int] = {}
         self.fired = False
@@ -95,16 +109,17 @@ class Injector:
         with self._lock:
             self.counts[row] = self.counts.get(row, 0) + 1
             strike = (not self.fired and self.fault is not None and row == self.row
-                      and (self.checkpoint_id is None or checkpoint_id == self.checkpoint_id))
+                      and (self.checkpoint_id is None or checkpoint_id == self.checkpoint_id)
+                      and (self.tier is None or what == self.tier))
             if strike:
                 self._matches += 1
                 strike = self._matches == self.nth
                 self.fired = self.fired or strike
         if strike:
             self.on_fire(f"{self.fault} at {row} #{self.nth} ({checkpoint_id}, {what})")
-            self._strike(row)
+            self._strike(row, checkpoint_id)
 
-    def _strike(self, row: str) -> None:
+    def _strike(self, row: str, checkpoint_id: str | None = None) -> None:
         where = f"injected at {row} #{self.nth}"
         if self.fault == "raise":
             raise RuntimeError(f"injected fault ({where})")
@@ -118,6 +133,9 @@ class Injector:
             time.sleep(self.delay)
         elif self.fault == "tmpfs-full":
             fill_filesystem(self.mount)
+        elif self.fault == FIRST_FULL:
+            block = os.statvfs(self.mount).f_frsize
+            leave_free(self.mount, self.sizes[checkpoint_id] + self.room * block)
         elif self.fault == "server-death":
             kill_and_wait(self.server_pid)
         else:
@@ -142,6 +160,17 @@ def fill_filesystem(mount: str) -> None:
                 if exc.errno != errno.ENOSPC:
                     raise
                 return
+
+
+def leave_free(mount: str, nbytes: int) -> None:
+    """Leave ``nbytes`` free on the filesystem at ``mount`` (none when negative): a
+    :data:`BALLAST` file takes the rest (tmpfs counts whole pages, as ``nbytes`` should)."""
+    st = os.statvfs(mount)
+    extra = st.f_bavail * st.f_frsize - max(nbytes, 0)
+    if extra <= 0:
+        return
+    with open(os.path.join(mount, BALLAST), "ab", buffering=0) as f:
+        os.posix_fallocate(f.fileno(), os.fstat(f.fileno()).st_size, extra)
 
 
 def kill_and_wait(pid: int | None, timeout: float = 10.0) -> None:

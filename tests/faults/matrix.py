@@ -1,7 +1,8 @@
 """The fault matrix: plan trials, run them on forked workers, print the table.
 
-A trial is ``ROW:FAULT:NTH:SEED[:s3]`` (see ``plan``): the job of ``SEED`` with ``FAULT``
-striking at the ``NTH`` announcement of ``ROW``, its slow tier on S3 with ``:s3``. Planning
+A trial is ``ROW:FAULT:NTH:SEED[:s3][:roomN]`` (see ``plan``): the job of ``SEED`` with ``FAULT``
+striking at the ``NTH`` announcement of ``ROW``, its slow tier on S3 with ``:s3``, the first
+tier's free space that checkpoint's size plus ``N`` pages with ``first-full``. Planning
 first runs each candidate job once without a fault and counts what every row announces, so
 each trial names a point the job really reaches; the job is deterministic (the order of files
 within one checkpoint aside, which its threads decide). A failing trial prints the command
@@ -10,6 +11,7 @@ that runs it again alone.
     python -m tests.faults                      # the whole matrix (make faults)
     python -m tests.faults --sample             # the CI sample
     python -m tests.faults --trial save/write_file:sigkill:6:100037
+    python -m tests.faults --faults first-full --no-s3   # the almost full first tier only
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ import torch
 import tierstore
 
 from .checks import check
-from .inject import FAULTS, Injector
+from .inject import FAULTS, FIRST_FULL, FULL_FAULTS, Injector
 from .places import Env, mount_tmpfs, server_module, unmount
-from .plan import Trial, plan_cells, row_key
+from .plan import Trial, plan_cells, plan_first_full, row_key
 from .procs import ChildResult, run_child, run_pool
 from .scenario import Place, Scenario
 from .table import table
-from .workload import Journal, run_job
+from .workload import Journal, checkpoint_sizes, run_job
 
 __all__ = ["Matrix", "main", "run_trial"]
 
@@ -104,9 +106,20 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
         if not (first.killed or first.code == 0):
             violations.append(f"the job's first process {first.describe()}")
 
+    sizes = None
+    if trial.fault == FIRST_FULL:  # what each checkpoint takes on the first tier's tmpfs
+        measured = run_child(lambda: checkpoint_sizes(scenario, place.fast + "-measure"),
+                             log_path=place.log, timeout=CHILD_TIMEOUT)
+        sizes = measured.value
+        if sizes is None:
+            violations.append(f"measuring the checkpoints {measured.describe()}")
+
     def job():
+        first_full = trial.fault == FIRST_FULL
         injector = Injector(trial.row, trial.nth, trial.fault, delay=trial.delay,
-                            mount=place.mount, server_pid=place.server_pid)
+                            mount=place.mount, server_pid=place.server_pid,
+                            tier="fast" if first_full else None, sizes=sizes,
+                            room=trial.room or 0)
         run_job(scenario, place, injector, prepare=False)
         return injector.fired
 
@@ -130,7 +143,7 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
     if trial.fault == "slow":
         violations += [f"a slow backend failed a step: {rest}"
                        for kind, rest in journal if kind == "error"]
-    checked = run_child(lambda: check(scenario, place), log_path=place.log,
+    checked = run_child(lambda: check(scenario, place, trial), log_path=place.log,
                         timeout=CHILD_TIMEOUT)
     timings["check_s"] = time.monotonic() - started - sum(timings.values())
     notes: list[str] = []
@@ -141,6 +154,7 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
         notes = checked.value["notes"]
     passed = not violations
     outcome = {"spec": trial.spec, "row": trial.row, "fault": trial.fault, "s3": trial.s3,
+               "room": trial.room, "backend": scenario.fast_backend,
                "passed": passed, "violations": violations, "notes": notes,
                "scenario": scenario.describe(), "seconds": round(time.monotonic() - started, 3),
                "timings": {k: round(v, 3) for k, v in timings.items()},
@@ -207,22 +221,30 @@ class Matrix:
     def local_trials(self) -> list[Trial]:
         """Plan the trials on memory/local tiers."""
         seeds = [self.args.seed * 100_000 + i for i in range(self.args.seeds)]
-        counts = self.pool(len(seeds), lambda i, env: dry_run(seeds[i], False, env),
-                           tmpfs=False, label="counting fault points")
-        broken = [f"seed {seed}: {c['error']}" for seed, c in zip(seeds, counts)
-                  if "error" in c]
-        if broken:  # a job without any fault failed: nothing else can be trusted
-            raise SystemExit("the job failed without a fault:\n" + "\n".join(broken))
-        faults = [f for f in LOCAL_FAULTS if f in self.args.faults]
-        if "tmpfs-full" in faults:
+        faults = [f for f in (*LOCAL_FAULTS, FIRST_FULL) if f in self.args.faults]
+        needs_root = [f for f in faults if f in FULL_FAULTS]
+        if needs_root:
             probe = mount_tmpfs(os.path.join(self.workdir, "tmpfs-probe"))
             unmount(probe)
             if probe is None:
-                faults.remove("tmpfs-full")
-                self.skipped.append("tmpfs-full (mounting a tmpfs needs root)")
-        rng = random.Random(self.args.seed)
-        return plan_cells(dict(zip(seeds, counts)), tuple(faults), self.args.per_cell, rng,
-                          s3=False)
+                faults = [f for f in faults if f not in needs_root]
+                self.skipped += [f"{f} (mounting a tmpfs needs root)" for f in needs_root]
+        cells = tuple(f for f in faults if f != FIRST_FULL)
+        trials = []
+        if cells:
+            counts = self.pool(len(seeds), lambda i, env: dry_run(seeds[i], False, env),
+                               tmpfs=False, label="counting fault points")
+            broken = [f"seed {seed}: {c['error']}" for seed, c in zip(seeds, counts)
+                      if "error" in c]
+            if broken:  # a job without any fault failed: nothing else can be trusted
+                raise SystemExit("the job failed without a fault:\n" + "\n".join(broken))
+            rng = random.Random(self.args.seed)
+            trials = plan_cells(dict(zip(seeds, counts)), cells, self.args.per_cell, rng,
+                                s3=False)
+        if FIRST_FULL in faults:
+            trials += plan_first_full(seeds, self.args.per_cell,
+                                      random.Random(f"{self.args.seed}-{FIRST_FULL}"))
+        return trials
 
     def start_server(self) -> None:
         """Start SeaweedFS and make the bucket (in a child: the parent never talks S3)."""
@@ -256,7 +278,7 @@ class Matrix:
         trials = self.local_trials()
         self.say(f"{len(trials)} trials on memory/local tiers")
         results = self.pool(len(trials), lambda i, env: run_trial(trials[i], env, f"t{i}"),
-                            tmpfs=any(t.fault == "tmpfs-full" for t in trials), label="trials")
+                            tmpfs=any(t.fault in FULL_FAULTS for t in trials), label="trials")
         return [failure(t, r["error"]) if "error" in r else r for t, r in zip(trials, results)]
 
     def run_s3(self) -> list[dict[str, Any]]:
@@ -282,7 +304,7 @@ class Matrix:
         started = time.monotonic()
         results: list[dict[str, Any]] = []
         try:
-            if any(f in LOCAL_FAULTS for f in self.args.faults):
+            if any(f in (*LOCAL_FAULTS, FIRST_FULL) for f in self.args.faults):
                 results += self.run_local()
             if self.args.s3:
                 results += self.run_s3()
@@ -323,7 +345,7 @@ class Matrix:
         try:
             if trial.s3:
                 self.start_server()
-            env = self.env("one", tmpfs=trial.fault == "tmpfs-full")
+            env = self.env("one", tmpfs=trial.fault in FULL_FAULTS)
             os.makedirs(env.workdir, exist_ok=True)
             os.makedirs(env.shm, exist_ok=True)
             try:
@@ -378,10 +400,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trial", type=Trial.parse, help="run this one trial (ROW:FAULT:NTH:SEED"
-                   "[:s3]) and show its journal and findings")
+                   "[:s3][:roomN]) and show its journal and findings")
     p.add_argument("--sample", action="store_true",
                    help="the CI sample: one trial per cell, few S3 trials")
-    p.add_argument("--per-cell", type=int, default=10, help="trials per row and fault (10)")
+    p.add_argument("--per-cell", type=int, default=10,
+                   help="trials per row and fault, and per room and backend of first-full (10)")
     p.add_argument("--s3-per-cell", type=int, default=1,
                    help="trials per drain row and fault on the S3 tier (1)")
     p.add_argument("--s3-trials", type=int, default=None,

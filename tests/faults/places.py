@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .inject import BALLAST
+from .inject import BALLAST, FIRST_FULL, FULL_FAULTS
 from .plan import Trial
 from .scenario import Place
 
@@ -44,13 +44,14 @@ class Env:
 
     def place_for(self, trial: Trial, name: str) -> Place:
         """Fresh directories (and S3 prefix) for one run of ``trial``: the journal and the log
-        on disk, the tiers in /dev/shm and on disk, or both on the tmpfs (tmpfs-full)."""
-        full = trial.fault == "tmpfs-full"
+        on disk, the tiers in /dev/shm and on disk, both on the tmpfs (tmpfs-full), or the
+        first tier alone on it (first-full)."""
+        full = trial.fault in FULL_FAULTS
         if full and self.mount is None:
-            raise RuntimeError("tmpfs-full trials need a tmpfs (run as root)")
+            raise RuntimeError(f"{trial.fault} trials need a tmpfs (run as root)")
         base = os.path.join(self.workdir, name)
-        tiers = os.path.join(self.mount, name) if full else base
-        shm = tiers if full else os.path.join(self.shm, name)
+        tiers = os.path.join(self.mount, name) if full and trial.fault != FIRST_FULL else base
+        shm = os.path.join(self.mount, name) if full else os.path.join(self.shm, name)
         for path in (base, tiers, shm):
             os.makedirs(path, exist_ok=True)
         self.made[:] = sorted({base, tiers, shm})

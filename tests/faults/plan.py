@@ -1,8 +1,10 @@
 """Trials and their plan: which fault strikes where, in which job.
 
-A trial is ``ROW:FAULT:NTH:SEED[:s3]``: the job of ``SEED`` (see ``scenario``) with ``FAULT``
-striking at the ``NTH`` announcement of ``ROW`` (see ``inject``), its slow tier on S3 with
-``:s3``. The plan draws trials from counts of what each job announces without a fault.
+A trial is ``ROW:FAULT:NTH:SEED[:s3][:roomN]``: the job of ``SEED`` (see ``scenario``) with
+``FAULT`` striking at the ``NTH`` announcement of ``ROW`` (see ``inject``), its slow tier on S3
+with ``:s3``. The plan draws trials from counts of what each job announces without a fault.
+``first-full`` trials (``plan_first_full``) strike the ``NTH`` save to the first tier, whose
+filesystem is left with room for that checkpoint plus ``N`` blocks (``:room-2``: two short).
 """
 
 from __future__ import annotations
@@ -10,12 +12,18 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import sys
 from dataclasses import dataclass
 
-from .inject import FAULTS
+from .inject import FAULTS, FIRST_FULL
+from .scenario import Scenario
 
-__all__ = ["OPERATIONS", "PHASE_ORDER", "Trial", "plan_cells", "row_key"]
+__all__ = ["FIRST_FULL_ROW", "OPERATIONS", "PHASE_ORDER", "ROOMS", "Trial", "plan_cells",
+           "plan_first_full", "row_key"]
+
+_SPEC = re.compile(r"(?P<row>[^:]+):(?P<fault>[^:]+):(?P<nth>\d+):(?P<seed>\d+)(?P<s3>:s3)?"
+                   r"(?::room(?P<room>[+-]?\d+))?")
 
 #: Operations in the table's order (rows are ``operation/phase``).
 OPERATIONS = ("save", "drain", "load", "verify", "gc")
@@ -30,21 +38,25 @@ class Trial:
     nth: int
     seed: int
     s3: bool = False
+    #: first-full: the first tier's free space minus what the checkpoint takes, in blocks
+    room: int | None = None
 
     @property
     def spec(self) -> str:
-        """``ROW:FAULT:NTH:SEED[:s3]``, what ``--trial`` takes."""
-        return f"{self.row}:{self.fault}:{self.nth}:{self.seed}" + (":s3" if self.s3 else "")
+        """``ROW:FAULT:NTH:SEED[:s3][:roomN]``, what ``--trial`` takes."""
+        return (f"{self.row}:{self.fault}:{self.nth}:{self.seed}" + (":s3" if self.s3 else "")
+                + (f":room{self.room:+d}" if self.room is not None else ""))
 
     @classmethod
     def parse(cls, spec: str) -> "Trial":
         """The trial ``spec`` names."""
-        parts = spec.split(":")
-        if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "s3") \
-                or parts[1] not in FAULTS:
+        m = _SPEC.fullmatch(spec)
+        if m is None or m["fault"] not in FAULTS or (m["fault"] == FIRST_FULL) != bool(m["room"]):
             raise argparse.ArgumentTypeError(
-                f"{spec!r} is not ROW:FAULT:NTH:SEED[:s3] with FAULT one of {', '.join(FAULTS)}")
-        return cls(parts[0], parts[1], int(parts[2]), int(parts[3]), len(parts) == 5)
+                f"{spec!r} is not ROW:FAULT:NTH:SEED[:s3][:roomN] with FAULT one of "
+                f"{', '.join(FAULTS)} (roomN, e.g. room-2, with {FIRST_FULL} only)")
+        return cls(m["row"], m["fault"], int(m["nth"]), int(m["seed"]), bool(m["s3"]),
+                   int(m["room"]) if m["room"] else None)
 
     @property
     def delay(self) -> float:
@@ -92,4 +104,35 @@ def plan_cells(counts: dict[int, dict[str, int]], faults: tuple[str, ...], per_c
             for k in range(per_cell):
                 seed, n = picks[k % len(picks)]
                 trials.append(Trial(row, fault, rng.randint(1, n), seed, s3))
+    return trials
+
+
+#: The row first-full trials strike: a save beginning on the first tier.
+FIRST_FULL_ROW = "save/save_begin"
+
+#: Where first-full trials leave the first tier's free space: what the checkpoint takes there
+#: plus this many blocks (4 KiB pages of tmpfs), from no room at all to a page to spare. The
+#: job's checkpoints take five pages (a data file of three, ``.metadata``, the manifest), so
+#: each of their writes is the one that finds no room at one of these points.
+ROOMS = (-5, -4, -3, -2, -1, 0, 1)
+
+
+def plan_first_full(seeds: list[int], per_point: int, rng: random.Random) -> list[Trial]:
+    """``per_point`` first-full trials for every room of :data:`ROOMS` and every backend of the
+    first tier (``memory``, ``local``): each on a job with that backend (spread over the jobs),
+    at a random one of the saves that job makes to its first tier."""
+    jobs: dict[str, list[tuple[int, int]]] = {}
+    for seed in seeds:
+        scenario = Scenario.from_seed(seed)
+        saves = len(scenario.first_tier_saves())
+        if saves:
+            jobs.setdefault(scenario.fast_backend, []).append((seed, saves))
+    trials = []
+    for backend in ("memory", "local"):
+        for room in ROOMS:
+            picks = rng.sample(jobs.get(backend, []), len(jobs.get(backend, [])))
+            for k in range(per_point if picks else 0):
+                seed, saves = picks[k % len(picks)]
+                trials.append(Trial(FIRST_FULL_ROW, FIRST_FULL, rng.randint(1, saves), seed,
+                                    room=room))
     return trials

@@ -93,6 +93,13 @@ class Scenario:
         """Every id the job may save, in order."""
         return self.save_ids() + ([self.emergency_id()] if self.emergency else [])
 
+    def first_tier_saves(self) -> list[str]:
+        """The ids a trial's job (the process after a restart) saves to the first tier: the
+        regular saves it makes that the fast tier takes, then the emergency save."""
+        ids = self.save_ids()[self.restart_after or 0:]
+        return [cid for cid in ids if int(cid.split("-")[1]) % self.fast_every == 0] \
+            + ([self.emergency_id()] if self.emergency else [])
+
     def recovery_id(self) -> str:
         """The id of the checker's save: newer than any of the job's, taken by every tier."""
         step = self.saves + 2

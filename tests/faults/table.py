@@ -41,6 +41,16 @@ def table(results: list[dict[str, Any]], wall_s: float, skipped: list[str]) -> s
                  f"tier, {sum(r['fault'] == 'server-death' for r in on_s3)} of them killing "
                  f"the server; {len(notes) - leased} load(s) refused with a TierstoreError, "
                  f"{leased} leftover(s) kept by a writer's lease until it expired).")
+    rooms = sorted({r["room"] for r in results if r.get("room") is not None})
+    if rooms:
+        def by(room, backend):
+            mine = [r for r in results if r.get("room") == room and r["backend"] == backend]
+            return f"{sum(r['passed'] for r in mine)}/{len(mine)}"
+
+        lines += ["", "first-full by the first tier's free space (what the checkpoint takes, "
+                      "plus pages):", "",
+                  "| room | memory | local |", "|---:|---:|---:|"]
+        lines += [f"| {room:+d} | {by(room, 'memory')} | {by(room, 'local')} |" for room in rooms]
     for line in skipped:
         lines.append(f"Not run: {line}.")
     return "\n".join(lines)

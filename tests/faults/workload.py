@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import warnings
 from typing import Iterator
 
@@ -24,7 +25,7 @@ from .inject import Injector
 from .scenario import Place, Scenario
 from .state import blank_like, differences, state_for
 
-__all__ = ["FAILURES", "Journal", "describe", "run_job"]
+__all__ = ["FAILURES", "Journal", "checkpoint_sizes", "describe", "remains_of", "run_job"]
 
 #: What a failed step raises: DCP's CheckpointException is a BaseException, not an Exception.
 FAILURES = (Exception, CheckpointException)
@@ -39,7 +40,8 @@ class Journal:
     Lines: ``begin ID``, ``saved ID`` (the save returned), ``fired WHAT`` (the fault struck),
     ``killed WHAT`` (where the first process of a restarted job died),
     ``error OPERATION ID TYPE: MESSAGE`` (a step failed), ``wrong ID DIFFERENCES`` (a load
-    returned other data than was saved)."""
+    returned other data than was saved), ``remains ID ENTRIES`` (what a failed save left of
+    itself on the first tier, right after it failed)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -87,35 +89,79 @@ def step(injector: Injector, journal: Journal, operation: str,
         journal.write("error", operation, checkpoint_id or "-", describe(exc))
 
 
-def save(store: tierstore.Store, scenario: Scenario, journal: Journal, cid: str) -> None:
+def remains_of(tier_root: str, cid: str) -> list[str]:
+    """What a save of ``cid`` left on the tier at ``tier_root`` (a directory) without
+    committing: its hidden staging directory, or a ``cid`` directory without a manifest."""
+    try:
+        names = os.listdir(tier_root)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith(f".tierstore-tmp.{cid}.") or (
+        n == cid and not os.path.exists(os.path.join(tier_root, n, "tierstore.json"))))
+
+
+@contextlib.contextmanager
+def saving(journal: Journal, place: Place, cid: str) -> Iterator[None]:
+    """Journal a save of ``cid``: ``begin``, then ``saved`` when it returns, or what it left
+    of itself on the first tier when it fails (the failure goes on to ``step``)."""
+    journal.write("begin", cid)
+    try:
+        yield
+    except FAILURES:
+        journal.write("remains", cid, *remains_of(place.fast, cid))
+        raise
+    journal.write("saved", cid)
+
+
+def save(store: tierstore.Store, scenario: Scenario, journal: Journal, cid: str,
+         place: Place) -> None:
     """Save ``cid``; an async save changes the state as soon as ``async_save`` returns (the
     checkpoint must hold the values of the call, not the changed ones)."""
     import torch.distributed.checkpoint as dcp
 
-    journal.write("begin", cid)
-    state = state_for(cid, scenario.seed)
-    if scenario.async_saves:
-        future = dcp.async_save(state, storage_writer=store.writer(), checkpoint_id=cid)
-        with torch.no_grad():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    value.add_(1)
-        future.result()
-    else:
-        dcp.save(state, storage_writer=store.writer(), checkpoint_id=cid)
-    journal.write("saved", cid)
+    with saving(journal, place, cid):
+        state = state_for(cid, scenario.seed)
+        if scenario.async_saves:
+            future = dcp.async_save(state, storage_writer=store.writer(), checkpoint_id=cid)
+            with torch.no_grad():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.add_(1)
+            future.result()
+        else:
+            dcp.save(state, storage_writer=store.writer(), checkpoint_id=cid)
 
 
-def emergency_save(store: tierstore.Store, scenario: Scenario, journal: Journal) -> None:
+def emergency_save(store: tierstore.Store, scenario: Scenario, journal: Journal,
+                   place: Place) -> None:
     """Save the emergency checkpoint as a preempted job does (no signal handler needed)."""
     cid = scenario.emergency_id()
-    journal.write("begin", cid)
-    preemption = store.preemption(signals=())
-    try:
-        preemption.save(state_for(cid, scenario.seed), cid)
-    finally:
-        preemption.close()
-    journal.write("saved", cid)
+    with saving(journal, place, cid):
+        preemption = store.preemption(signals=())
+        try:
+            preemption.save(state_for(cid, scenario.seed), cid)
+        finally:
+            preemption.close()
+
+
+def checkpoint_sizes(scenario: Scenario, directory: str) -> dict[str, int]:
+    """What each checkpoint of the job takes on its first tier, in bytes of allocated blocks:
+    each saved once into a tier like it (same backend and settings) at ``directory``, on the
+    first tier's own filesystem, and removed again (first-full trials; in a forked child)."""
+    import torch.distributed.checkpoint as dcp
+
+    config = scenario.config(Place(fast=directory, slow="", journal="", log=""), faulty=False)
+    fast = {k: v for k, v in config["tier"][0].items() if k not in ("every", "keep")}
+    sizes = {}
+    with tierstore.open({"store": config["store"], "tier": [fast]}) as store:
+        for cid in scenario.first_tier_saves():
+            dcp.save(state_for(cid, scenario.seed), storage_writer=store.writer(),
+                     checkpoint_id=cid)
+            sizes[cid] = sum(os.stat(os.path.join(d, n)).st_blocks * 512
+                             for d, _, names in os.walk(os.path.join(directory, cid))
+                             for n in names)
+    shutil.rmtree(directory)
+    return sizes
 
 
 def load_all(store: tierstore.Store, scenario: Scenario, journal: Journal,
@@ -154,7 +200,7 @@ def run_job(scenario: Scenario, place: Place, injector: Injector, *, prepare: bo
         # the same in every run, and so what it leaves behind.
         for cid in ids[:first]:
             with step(injector, journal, "save", cid):
-                save(store, scenario, journal, cid)
+                save(store, scenario, journal, cid, place)
             with step(injector, journal, "wait"):
                 store.wait()
     else:
@@ -165,13 +211,13 @@ def run_job(scenario: Scenario, place: Place, injector: Injector, *, prepare: bo
                 store.gc()
         for cid in ids[first:]:
             with step(injector, journal, "save", cid):
-                save(store, scenario, journal, cid)
+                save(store, scenario, journal, cid, place)
             if scenario.wait_each:
                 with step(injector, journal, "wait"):
                     store.wait()
         if scenario.emergency:
             with step(injector, journal, "save", scenario.emergency_id()):
-                emergency_save(store, scenario, journal)
+                emergency_save(store, scenario, journal, place)
         with step(injector, journal, "wait"):
             store.wait()
         load_all(store, scenario, journal, injector)
