@@ -19,8 +19,8 @@ from typing import IO, Any
 
 import fsspec
 
-from tierstore.plugin import (Backend, confined, DirectoryLock, hookimpl, Option, RetryPolicy,
-                              with_retries)
+from tierstore.plugin import (Backend, cannot_connect, confined, DirectoryLock, hookimpl, Option,
+                              RetryPolicy, with_retries)
 from tierstore_plugins.leases import LEASE_PREFIX, LeaseKeeper, lease_is_current
 from tierstore_plugins.local import local_path_problem
 
@@ -30,6 +30,9 @@ _SECRET_KEY = re.compile(r"key|secret|token|passw|credential|signature|auth|sas"
 # Sequential reads fetch up to this much ahead, in ranges of _WINDOW_CHUNK read concurrently.
 _WINDOW_CHUNK = 8 << 20
 _WINDOW_BYTES = 64 << 20
+# Connect timeout (s) of calls that can do without the tier (RetryPolicy.in_foreground(): queries,
+# a load's search for copies, the health probe): a server that is there accepts at once.
+_FOREGROUND_CONNECT_S = 0.5
 
 
 def _secrets_in(options: Any) -> list[str]:
@@ -94,32 +97,49 @@ class FsspecBackend(Backend):
         self.policy = RetryPolicy(max_attempts=max_attempts, max_seconds=float(retry_seconds))
         self.leases = LeaseKeeper(float(lease_seconds), self.write_bytes, self.delete)
         protocol = fsspec.core.split_protocol(self.url)[0] or "file"
+        foreground_config = None
         if protocol in ("s3", "s3a"):
             # aiobotocore keeps 10 connections per client by default; let transfers use ours.
-            # Its own retries (and s3fs's) would multiply ours: one policy, the tier's, governs.
+            # Its own retries (and s3fs's) would multiply ours: one policy, the tier's, governs
+            # (botocore's "max_attempts" counts retries after the first: 1 meant two tries).
             config = dict(options.get("config_kwargs") or {})
             config.setdefault("max_pool_connections", max(10, concurrency * 2))
-            config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+            config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
             config.setdefault("connect_timeout", 10)
             config.setdefault("read_timeout", 60)
             options["config_kwargs"] = config
+            # A second client for calls that can do without the tier: the same but for a short
+            # connect timeout, so that a dead host (no answer at all) is known in a second.
+            foreground_config = dict(config, connect_timeout=min(config["connect_timeout"],
+                                                                 _FOREGROUND_CONNECT_S))
         if protocol not in ("file", "local", "memory"):
             # A listing cached by the client may predate objects other processes (or this
             # one, from another thread) wrote since: sizes, existence and commit confirmation
             # must come from the store itself.
             options.setdefault("use_listings_cache", False)
         try:
-            self.fs, path = fsspec.core.url_to_fs(self.url, **options)
+            self._fs, path = fsspec.core.url_to_fs(self.url, **options)
+            self._foreground_fs = (None if foreground_config is None else fsspec.core.url_to_fs(
+                self.url, **dict(options, config_kwargs=foreground_config))[0])
         except ImportError as exc:
             raise ImportError(
                 f"{self.describe()}: {exc}; install the extra for it, e.g. pip install "
                 f"'tierstore[s3]' or 'tierstore[gcs]'") from None
-        if protocol in ("s3", "s3a") and hasattr(self.fs, "retries"):
-            self.fs.retries = 1
+        for fs in (self._fs, self._foreground_fs):
+            if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+                fs.retries = 1
         self.root = self.url
         self.root_path = path.rstrip("/")
         self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
                                    else (self.fs.protocol,))
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The filesystem for a call made now on this thread: the short-connect-timeout client
+        inside calls that can do without the tier, else the one every transfer uses."""
+        if self._foreground_fs is not None and RetryPolicy.in_foreground():
+            return self._foreground_fs
+        return self._fs
 
     # -- helpers ---------------------------------------------------------------------------
     def redact(self, text: str) -> str:
@@ -159,6 +179,8 @@ class FsspecBackend(Backend):
             return (f"access denied ({self.redact(str(exc))}); check the credentials in the "
                     f"tier's options")
         except Exception as exc:  # unreachable endpoint after retries, bad options, ...
+            if cannot_connect(exc):
+                raise  # a dead server: the store opens with the tier marked unreachable
             return f"{type(exc).__name__}: {self.redact(str(exc))}"
         if self.is_local or "memory" in str(self.fs.protocol):
             return None

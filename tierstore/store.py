@@ -66,9 +66,9 @@ class Store:
         timeout = config.collective_timeout
         main = make_store_group(process_group, timeout)
         io = make_store_group(process_group, timeout)
-        unreachable: dict[str, str] | None = {} if tolerate_unreachable else None
+        unreachable: dict[str, str] = {}
         try:
-            tiers = build_tiers(config, host, job, main, unreachable)
+            tiers = build_tiers(config, host, job, main, unreachable, tolerate_unreachable)
         except BaseException:
             _destroy(main, io)  # a failed open leaves no groups behind
             raise
@@ -83,7 +83,7 @@ class Store:
                             if tiers.peer is not None else None)
         self._gc, self._stager = gc, stager
         self._health = health = TierHealth(host, job.rank)
-        for name, why in (unreachable or {}).items():
+        for name, why in unreachable.items():
             health.mark_down(tiers.named(name), "open()", why)
         self._catalog = Catalog(ctx, self._retention, health)
         self._scrubber = Scrubber(ctx, self._drainer, self._retention, health, self._catalog)

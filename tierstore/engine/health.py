@@ -5,9 +5,12 @@ Whatever can do without a tier (``latest()``, ``list()``, ``verify()`` of every 
 copies a load may read, the resumed drains' scan, gc) asks it through :meth:`TierHealth.ask`: a
 failure there becomes a logged warning and an ``unreachable`` event, and the tier is skipped
 until a probe in the background (``Backend.check_reachable``, every ``cooldown_s`` seconds) finds
-it answering again: a dead server costs its retries once per outage, in the caller that first
-meets it, and never again in the callers. What needs a tier (a save into it, a drain to it)
-still fails, with an error naming the tier.
+it answering again. These calls run under the retry helper's short budget
+(``tierstore.plugin.retry.foreground``): a server that cannot be connected to is given up on
+after one quick retry, so a dead server costs the caller that first meets it a fraction of a
+second once per outage, and nothing in the callers after it. What needs a tier (a save into it,
+a drain to it) keeps the tier's full retry budget and still fails, with an error naming the
+tier.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Callable, TypeVar
 
 from tierstore.events import Event, EventKind
 from tierstore.plugin.host import PluginHost
+from tierstore.plugin.retry import foreground
 from tierstore.tiers.tier import Tier
 
 __all__ = ["TierHealth"]
@@ -48,7 +52,8 @@ class TierHealth:
             if tier.name in self._down:
                 return default
         try:
-            return fn()
+            with foreground():  # a server that cannot be connected to: one quick retry
+                return fn()
         except Exception as exc:  # any failure of this tier: the others go on
             self.mark_down(tier, what, f"{type(exc).__name__}: {exc}")
             return default
@@ -72,7 +77,8 @@ class TierHealth:
         """Until ``tier`` answers again (or the store closes): ask it every cooldown."""
         while not self._closed.wait(self._cooldown):
             try:
-                problem = tier.backend.check_reachable()
+                with foreground():  # one question per cooldown, answered soon
+                    problem = tier.backend.check_reachable()
             except Exception as exc:  # noqa: BLE001 - still down
                 problem = f"{type(exc).__name__}: {exc}"
             if problem is None:

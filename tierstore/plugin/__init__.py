@@ -38,7 +38,7 @@ from tierstore.plugin.bases import (Backend, Codec, CommitProtocol, DirectoryLoc
                                     ReplicationStrategy, Stager)
 from tierstore.plugin.host import hookimpl
 from tierstore.plugin.options import Option
-from tierstore.plugin.retry import GaveUp, RetryPolicy, with_retries
+from tierstore.plugin.retry import GaveUp, RetryPolicy, cannot_connect, foreground, with_retries
 from tierstore.plugin.staging import StagingJob, StagingStats
 from tierstore.transport.ends import (DescriptorEnd, FileSource, MappedFile, TransferEnd,
                                       WrittenFile, map_populated)
@@ -50,7 +50,7 @@ __all__ = [
     "TransferEnd", "DescriptorEnd", "MappedFile", "WrittenFile", "FileSource", "map_populated",
     "Event", "EventKind", "Phase",
     "MANIFEST_NAME", "METADATA_NAME", "Manifest", "FileEntry", "Hasher", "checksum_of",
-    "RetryPolicy", "with_retries", "GaveUp",
+    "RetryPolicy", "with_retries", "GaveUp", "cannot_connect", "foreground",
     "CommitError", "ConfigError", "IntegrityError", "PluginError", "StagingError",
     "confined",
 ]

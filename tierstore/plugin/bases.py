@@ -59,7 +59,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def check_reachable(self) -> str | None:
-        """Return None if the tier can be written, else a sentence saying why not. Writes nothing."""
+        """Return None if the tier can be written, else a sentence saying why not (a wrong
+        path, credentials or bucket: the store does not open). Writes nothing.
+
+        A storage that cannot be connected to right now (a dead server) is no wrong
+        configuration: raise the connection failure instead (``retry.cannot_connect`` is true
+        for it, also through ``GaveUp``'s cause); the store then opens with the tier marked
+        unreachable, as if it had died after the open. Runs inside ``retry.foreground``."""
 
     @abc.abstractmethod
     def open_write(self, path: str) -> IO[bytes]:

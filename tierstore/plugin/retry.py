@@ -1,20 +1,31 @@
 """Retries for remote storage: transient failures (5xx, throttling, dropped or refused
 connections, timeouts) are retried with exponential backoff and full jitter, bounded in attempts
 and in total time; permanent ones (access denied, missing bucket or object, bad arguments) fail
-at once."""
+at once.
+
+Calls that can do without their storage (``TierHealth.ask``: queries, a load's search for
+copies; and its probe) run inside :func:`foreground`: there a storage that cannot be connected
+to at all (refused, connect timeout, no route, unknown host) is given up on after one retry
+(:data:`FOREGROUND`), so a dead server costs the caller a fraction of a second, not the tier's
+whole budget; a server that answers, even with errors or throttling, keeps the tier's policy.
+Everything else (a save into the tier, a drain to it) keeps the tier's policy in full."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import socket
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 from tierstore.errors import TierstoreError
 
-__all__ = ["RetryPolicy", "is_transient", "with_retries", "GaveUp"]
+__all__ = ["RetryPolicy", "is_transient", "with_retries", "GaveUp", "FOREGROUND", "foreground",
+           "cannot_connect"]
 
 log = logging.getLogger("tierstore.plugin.retry")
 T = TypeVar("T")
@@ -30,6 +41,11 @@ _TRANSIENT_NAMES = ("EndpointConnectionError", "ConnectionClosedError", "Connect
 _TRANSIENT_WORDS = ("slowdown", "slow down", "throttl", "too many requests", "503", "500", "502",
                     "504", "internalerror", "service unavailable", "timed out", "timeout",
                     "connection reset", "connection refused", "temporarily")
+# Failures before any byte reached the server (nothing there to answer): aiohttp's, botocore's
+# (a refused or timed-out connect becomes EndpointConnectionError / ConnectTimeoutError),
+# requests'/urllib3's.
+_NO_CONNECTION_NAMES = ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+                        "ConnectionTimeoutError", "ConnectTimeout", "NewConnectionError")
 
 
 class GaveUp(TierstoreError, OSError):
@@ -50,6 +66,43 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_delay, self.base_delay * (2 ** attempt)))
+
+    @staticmethod
+    def in_foreground() -> bool:
+        """Whether the calling thread runs calls that can do without their storage
+        (:func:`foreground`): a backend may then use a shorter connect timeout."""
+        return getattr(_mode, "foreground", 0) > 0
+
+
+#: The budget inside :func:`foreground` for a storage that cannot be connected to (beside the
+#: tier's own, whichever ends first): one retry, soon (a server that is there accepts at once).
+FOREGROUND = RetryPolicy(max_attempts=2, max_seconds=1.0, base_delay=0.1, max_delay=0.2)
+
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def foreground() -> Iterator[None]:
+    """Calls made by this thread inside the block can do without their storage (the caller
+    goes on without the tier): one that cannot connect is given up on per :data:`FOREGROUND`
+    instead of the tier's policy. Other threads (drains) are not affected."""
+    _mode.foreground = getattr(_mode, "foreground", 0) + 1
+    try:
+        yield
+    finally:
+        _mode.foreground -= 1
+
+
+def cannot_connect(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) says no connection to the storage could be made."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if {cls.__name__ for cls in type(exc).__mro__}.intersection(_NO_CONNECTION_NAMES):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -73,7 +126,8 @@ def is_transient(exc: BaseException) -> bool:
 def with_retries(fn: Callable[[], T], policy: RetryPolicy, what: str,
                  redact: Callable[[str], str] = lambda s: s) -> T:
     """Call ``fn`` until it succeeds, a permanent error occurs (raised as is) or the policy runs
-    out (``GaveUp`` naming ``what``, the attempts and the last cause)."""
+    out (``GaveUp`` naming ``what``, the attempts and the last cause); inside
+    :func:`foreground`, a failure to connect at all ends it per :data:`FOREGROUND`."""
     started = time.monotonic()
     attempt = 0
     while True:
@@ -84,13 +138,18 @@ def with_retries(fn: Callable[[], T], policy: RetryPolicy, what: str,
                 raise
             attempt += 1
             elapsed = time.monotonic() - started
-            wait = policy.delay(attempt)
-            if attempt >= policy.max_attempts or elapsed + wait > policy.max_seconds:
+            quick = RetryPolicy.in_foreground() and cannot_connect(exc)
+            wait = (FOREGROUND if quick else policy).delay(attempt)
+            if any(attempt >= p.max_attempts or elapsed + wait > p.max_seconds
+                   for p in ((policy, FOREGROUND) if quick else (policy,))):
                 raise GaveUp(
                     f"{what} failed {attempt} times over {elapsed:.1f} s, the last time with "
-                    f"{type(exc).__name__}: {redact(str(exc))}; the storage is unreachable or "
-                    f"overloaded (retry limits: [tier] max_attempts, retry_seconds)"
-                ) from None
+                    f"{type(exc).__name__}: {redact(str(exc))}; "
+                    + ("the storage cannot be connected to (a call that can do without it "
+                       "does not wait for it)" if quick else
+                       "the storage is unreachable or overloaded (retry limits: [tier] "
+                       "max_attempts, retry_seconds)")
+                ) from exc
             log.warning("%s failed (%s: %s); retry %d in %.2f s", what, type(exc).__name__,
                         redact(str(exc)), attempt, wait)
             time.sleep(wait)
