@@ -74,10 +74,22 @@ def test_a_lost_node_comes_back_from_its_peers(tmp_path, strategy):
 @pytest.mark.timeout(600)
 def test_signed_replicas_and_peer_fetches_check_keyed_digests(tmp_path, monkeypatch):
     """With a signing key, replicas are received and committed with keyed digests and a MAC,
-    and a lost node's shards come back from its peers checked against them."""
+    and a lost node's shards come back from its peers checked against them. Each node's
+    recycle bin was made a link to a directory outside the tier beforehand (another user's
+    doing): opening the store, saving, evicting and replicating delete and write nothing
+    there."""
     monkeypatch.setenv("TIERSTORE_TEST_KEY", "5d41402abc4b2a76b9719d911017c592")
+    outside = tmp_path / "outside"
+    for sub in ("ckpt-a", "ckpt-b"):
+        (outside / sub).mkdir(parents=True)
+        (outside / sub / "weights.bin").write_bytes(bytes(range(256)) * 16)
+    for node in (0, 1):
+        (tmp_path / f"peer/{node}").mkdir(parents=True)
+        (tmp_path / f"peer/{node}/.recycle").symlink_to(outside, target_is_directory=True)
+    before = _tree(outside)
     root = str(tmp_path)
     run(root, "clique", "obj-signed", "save")
+    assert _tree(outside) == before
     for replica in tmp_path.glob("peer/*/.replicas/*/step-3/tierstore.json"):
         data = json.loads(replica.read_text())
         assert data["seal"].startswith("blake3_mac:") and data["signed_by"], replica
@@ -87,6 +99,13 @@ def test_signed_replicas_and_peer_fetches_check_keyed_digests(tmp_path, monkeypa
     out = run(root, "clique", "obj-signed", "load", "step-3")
     assert "RANK 2 FETCHED __2_0.distcp FROM RANK 0" in out, out[-8000:]
     assert "FROM objects" not in out, out[-8000:]
+
+
+def _tree(top):
+    """Every entry below ``top``: its kind, size, bytes and modification time."""
+    return {str(p.relative_to(top)): (p.is_dir(), p.lstat().st_size, p.lstat().st_mtime_ns,
+                                      None if p.is_dir() else p.read_bytes())
+            for p in sorted(top.rglob("*"))}
 
 
 def test_a_world_size_the_strategy_cannot_serve_is_a_config_error(tmp_path):
