@@ -6,6 +6,12 @@ renewed by a background thread every third of the lease's length while the write
 and deleted when it lets go. Garbage collection in any process removes a prefix only when no
 lease on it is current; a killed writer's lease stops being renewed and expires, so what it left
 is collected after ``lease_seconds`` (plus the clock skew allowed between hosts).
+
+A renewal never outlives its lease: the renewing thread checks that the lease is still held
+and marks it as being renewed in one step under the keeper's lock, and letting go of a lease
+waits for a renewal of it in flight before deleting the object. Otherwise a renewal that read
+the lease as held just before it was let go of would write the object again after its delete,
+and that stray lease would keep gc and ``keep`` away from the prefix for ``lease_seconds`` + 60 s.
 """
 
 from __future__ import annotations
@@ -65,6 +71,9 @@ class LeaseKeeper:
         # this process knows they are over, whatever they say.
         self._released: set[str] = set()
         self._lock = threading.Lock()
+        # Signalled when a renewal ends: drop() waits on it for a renewal of its lease.
+        self._renewed = threading.Condition(self._lock)
+        self._renewing: set[Lease] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -82,10 +91,12 @@ class LeaseKeeper:
 
     def drop(self, lease: Lease) -> None:
         """Stop renewing ``lease`` and delete it (a failed delete only leaves it to expire)."""
-        with self._lock:
+        with self._renewed:
             if lease not in self._held:
                 return
             self._held.discard(lease)
+            # A renewal of it in flight writes the object: delete after it, not before.
+            self._renewed.wait_for(lambda: lease not in self._renewing)
         try:
             self._delete(lease.path)
         except Exception as exc:  # noqa: BLE001 - it expires on its own
@@ -115,7 +126,15 @@ class LeaseKeeper:
             with self._lock:
                 held = list(self._held)
             for lease in held:
+                with self._lock:
+                    if lease not in self._held:
+                        continue  # let go of since the list was taken: its object is deleted
+                    self._renewing.add(lease)
                 try:
                     self._renew(lease)
                 except Exception as exc:  # noqa: BLE001 - a failing store fails the writer too
                     log.warning("could not renew lease %s: %s", lease.path, exc)
+                finally:
+                    with self._renewed:
+                        self._renewing.discard(lease)
+                        self._renewed.notify_all()

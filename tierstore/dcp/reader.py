@@ -32,7 +32,7 @@ from tierstore.errors import CheckpointNotFound, IntegrityError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
-from tierstore.format.item_io import FileReadError, read_items
+from tierstore.format.item_io import FileReadError, LoadUndo, check_file, read_items
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
@@ -118,13 +118,13 @@ class TierstoreReader(StorageReader):
             elif why is not None:
                 self._reject(cid, tier, why)
                 rejected.append(f"tier '{tier.name}': {why}")
-        raw, codecs, problems = self._local_metadata(cid, sources)
+        raw, codecs, problems, token = self._local_metadata(cid, sources)
         self._fetched = {}
         if ctx.tiers.node_local and ctx.groups.main is not None:
             # With a directory per node, only the coordinator's node has .metadata, and one
             # rank may find nothing while others do: decide together, so that no rank goes on
             # into DCP's collectives while another has raised.
-            raw, codecs = self._share_metadata(cid, raw, codecs, sources)
+            raw, codecs, token = self._share_metadata(cid, raw, codecs, token, sources)
         elif not sources and rejected:
             raise IntegrityError(
                 f"checkpoint '{cid}' has no copy to trust: " + "; ".join(rejected)
@@ -145,11 +145,12 @@ class TierstoreReader(StorageReader):
                 + "; ".join(problems) + f"); run store.verify('{cid}') for details"
             )
         # Files can only be mixed between copies that share this metadata: a tier with other
-        # codecs holds the same checkpoint at other offsets.
+        # codecs holds the same checkpoint at other offsets, and a part written by another
+        # save of the same id (overwrite, a node whose part is stale) holds other bytes.
         keyring = self._services.context.config.keyring
-        sources = [(t, m) for t, m in sources
-                   if (_matches(keyring, raw, m.files[METADATA_NAME]) if m.has_metadata
-                       else m.codecs == codecs)]
+        sources = [(t, m) for t, m in sources if m.save_token == token
+                   and (_matches(keyring, raw, m.files[METADATA_NAME]) if m.has_metadata
+                        else m.codecs == codecs)]
         self._checkpoint_id = cid
         self._sources = sources
         # Every copy left in sources has these very bytes: name them all.
@@ -166,9 +167,10 @@ class TierstoreReader(StorageReader):
                              detail={"file": file, "error": why}))
 
     def _local_metadata(self, cid: str, sources: list[tuple[Tier, Manifest]]
-                        ) -> tuple[bytes | None, list[str], list[str]]:
+                        ) -> tuple[bytes | None, list[str], list[str], str | None]:
         """The first copy of ``.metadata`` on this process's tiers that matches its manifest,
-        the codecs of that copy, and what was wrong with the others."""
+        the codecs of that copy, what was wrong with the others, and the save token of that
+        copy (the save whose files a load may read)."""
         problems = []
         for tier, manifest in sources:
             entry = manifest.files.get(METADATA_NAME)
@@ -182,27 +184,30 @@ class TierstoreReader(StorageReader):
             if not _matches(tier.keyring, raw, entry):
                 problems.append(f"tier '{tier.name}': {METADATA_NAME} does not match its manifest")
                 continue
-            return raw, manifest.codecs, problems
-        return None, [], problems or ["no tier holds it"]
+            return raw, manifest.codecs, problems, manifest.save_token
+        return None, [], problems or ["no tier holds it"], None
 
     def _share_metadata(self, cid: str, raw: bytes | None, codecs: list[str],
-                        sources: list[tuple[Tier, Manifest]]) -> tuple[bytes, list[str]]:
+                        token: str | None, sources: list[tuple[Tier, Manifest]]
+                        ) -> tuple[bytes, list[str], str]:
         """Collective: check that every rank's files are held by some rank (on any tier, a
-        replica included) and take the metadata (and its codecs) from the lowest rank that has
-        it. Raises the same ``CheckpointNotFound`` on every rank otherwise."""
+        replica included) and take the metadata (its codecs and save token) from the lowest
+        rank that has it; only files of that save count. Raises the same
+        ``CheckpointNotFound`` on every rank otherwise."""
         ctx = self._services.context
         tiers, group, world = ctx.tiers, ctx.groups.main, ctx.job.world_size
-        covered: set[int] = set()
+        by_token: dict[str, set[int]] = {}
         saved_world, shared_complete = None, False
         for tier, manifest in sources:
             if len(tier.present_files(cid, manifest)) == len(manifest.files):
-                covered |= set(manifest.ranks)
+                by_token.setdefault(manifest.save_token, set()).update(manifest.ranks)
                 shared_complete |= tier.layout.shared and not tiers.is_replica(tier) \
                     and manifest.has_metadata and set(manifest.ranks) >= set(range(manifest.world_size))
             saved_world = manifest.world_size
-        status = all_gather_object((raw is not None, covered, saved_world, shared_complete),
-                                   group)
-        covered = set().union(*(c for _, c, _, _ in status))
+        status = all_gather_object((token if raw is not None else None, by_token, saved_world,
+                                    shared_complete), group)
+        token = next((t for t, *_ in status if t is not None), None)
+        covered = set().union(*(b.get(token, set()) for _, b, _, _ in status))
         saved_world = next((w for _, _, w, _ in status if w is not None), None)
         names = ", ".join(t.name for t in tiers)
         if saved_world is None:
@@ -217,7 +222,7 @@ class TierstoreReader(StorageReader):
                 f"load it with {saved_world} ranks, or from a tier that holds all of it (DCP "
                 f"reshards from there)")
         missing = sorted(set(range(saved_world)) - covered)
-        holders = [r for r, (has, *_) in enumerate(status) if has]
+        holders = [r for r, (has, *_) in enumerate(status) if has is not None]
         if missing or not holders:
             who = (f"the files of rank(s) {missing} are on no tier of any rank and no peer "
                    f"holds a replica of them" if missing else
@@ -227,7 +232,7 @@ class TierstoreReader(StorageReader):
                 f"store.latest() gives the newest loadable one")
         src = holders[0]
         mine = (raw, codecs) if ctx.rank == src else None
-        return broadcast_object(mine, group, src)
+        return (*broadcast_object(mine, group, src), token)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP calls reset only when a checkpoint id is given; never reuse the previous load's.
@@ -269,15 +274,39 @@ class TierstoreReader(StorageReader):
             self._fetched = fetch_from_peers(ctx, self._checkpoint_id, self._sources,
                                              set(per_file))
 
-        def read_file(relative: str) -> int:
-            return self._read_one_file(relative, per_file[relative], planner)
-
+        # A load is all or nothing. Local copies are checked first, every file of the load
+        # before any byte lands (from their mapped pages: no copy); a file no tier has a good
+        # copy of fails the load with nothing changed. Copies that cannot be checked that
+        # cheaply (streams) are read once, with the old bytes of their destinations kept: any
+        # failure puts back every tensor the load was read into (LoadUndo).
+        undo = LoadUndo()
         workers = min(ctx.config.io_threads, max(1, len(per_file)))
-        if workers == 1:
-            total = sum(read_file(r) for r in per_file)
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="tierstore-read") as pool:
-                total = sum(pool.map(read_file, list(per_file)))
+        pool = (ThreadPoolExecutor(workers, thread_name_prefix="tierstore-read")
+                if workers > 1 else None)
+
+        def each(fn, items):
+            return list(map(fn, items)) if pool is None else list(pool.map(fn, items))
+
+        try:
+            firsts = dict(zip(per_file, each(self._first_good_copy, list(per_file))))
+            for relative, (start, problems, _) in firsts.items():
+                if start >= len(self._sources) and relative not in self._fetched:
+                    self._no_good_copy(relative, problems)
+
+            def read_file(relative: str) -> int:
+                return self._read_one_file(relative, per_file[relative], planner, undo,
+                                           *firsts[relative])
+
+            total = sum(each(read_file, list(per_file)))
+        except BaseException:
+            if pool is not None:
+                # Every reading thread has stopped before the state dict is put back.
+                pool.shutdown(wait=True, cancel_futures=True)
+            undo.restore()
+            raise
+        if pool is not None:
+            pool.shutdown(wait=True)
+        undo.apply()
         # A rank of a replaced node may have no source of its own: peers sent it everything.
         first = self._sources[0][0].name if self._sources else None
         ctx.host.event(Event(EventKind.LOADED, self._checkpoint_id, first,
@@ -286,20 +315,66 @@ class TierstoreReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_one_file(self, relative: str, reqs: list[ReadItem], planner: LoadPlanner) -> int:
+    def _first_good_copy(self, relative: str) -> tuple[int, list[str], bool]:
+        """Where reading ``relative`` starts: the index of the first source whose local copy
+        matches its manifest entry (checked now, before anything of the load lands), or of
+        the first whose copy cannot be checked without reading it (a stream); what was wrong
+        with the sources before it; and whether that copy was checked."""
         ctx, cid = self._services.context, self._checkpoint_id
-        problems = []
-        fetched = self._fetched.get(relative)
-        if fetched is not None:  # not on this node: a peer sent it (verified)
-            entry, data = fetched
-            return read_items(io.BytesIO(data), entry, reqs, self._metadata.storage_data,
-                              self._metadata, planner, None,
-                              trusted=ctx.config.trusted_pickles)
+        problems: list[str] = []
+        if relative in self._fetched or not ctx.config.verify_on_load:
+            return 0, problems, False
         for n, (tier, manifest) in enumerate(self._sources):
             entry = manifest.files.get(relative)
             if entry is None:
                 problems.append(f"tier '{tier.name}': not in its manifest")
                 continue
+            try:
+                with tier.backend.open_read(f"{cid}/{relative}") as f:
+                    why = check_file(f, entry, tier.keyring.hasher_for(entry.checksum))
+            except (OSError, IntegrityError) as exc:
+                why = str(exc)
+            if why is None:
+                return n, problems, False
+            if not why:
+                return n, problems, True
+            problems.append(f"tier '{tier.name}': {why}")
+            log.warning("checkpoint %s: %s on tier '%s' is bad (%s)", cid, relative,
+                        tier.name, why)
+        return len(self._sources), problems, False
+
+    def _no_good_copy(self, relative: str, problems: list[str], damaged: str = "") -> None:
+        if not problems:
+            problems.append("no tier of this process holds it (node-local tiers hold only their "
+                            "node's files: add a shared tier, or a peer tier, to load it here)")
+        raise IntegrityError(
+            f"checkpoint '{self._checkpoint_id}': no tier has a good copy of {relative}: "
+            + "; ".join(problems) + damaged
+        )
+
+    def _read_one_file(self, relative: str, reqs: list[ReadItem], planner: LoadPlanner,
+                       undo: LoadUndo, start: int = 0, problems: list[str] | None = None,
+                       checked: bool = False) -> int:
+        """Read ``relative`` from the sources from ``start`` on; the copy at ``start`` was
+        checked already when ``checked`` (its destinations' old bytes are not kept)."""
+        ctx, cid = self._services.context, self._checkpoint_id
+        problems = list(problems or [])
+        damaged = ""
+        fetched = self._fetched.get(relative)
+        if fetched is not None:  # not on this node: a peer sent it (verified)
+            entry, data = fetched
+            return read_items(io.BytesIO(data), entry, reqs, self._metadata.storage_data,
+                              self._metadata, planner, None,
+                              trusted=ctx.config.trusted_pickles, undo=undo, keep_old=False)
+        for n, (tier, manifest) in enumerate(self._sources):
+            if n < start:
+                continue
+            entry = manifest.files.get(relative)
+            if entry is None:
+                problems.append(f"tier '{tier.name}': not in its manifest")
+                continue
+            keep_old = not checked and not damaged
+            landing = False
             try:
                 # Inside the try: a fault announced here falls back like a real read error.
                 ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative,
@@ -307,11 +382,20 @@ class TierstoreReader(StorageReader):
                 with tier.backend.open_read(f"{cid}/{relative}") as f:
                     verify = (tier.keyring.hasher_for(entry.checksum)
                               if ctx.config.verify_on_load else None)
+                    landing = True
                     nbytes = read_items(f, entry, reqs, self._metadata.storage_data,
                                         self._metadata, planner, verify,
-                                        trusted=ctx.config.trusted_pickles)
+                                        trusted=ctx.config.trusted_pickles, undo=undo,
+                                        keep_old=keep_old)
             except (FileReadError, OSError, IntegrityError) as exc:
                 problems.append(f"tier '{tier.name}': {exc}")
+                if landing and not keep_old and not damaged:
+                    # Checked good, then read otherwise: its bytes landed without their old
+                    # ones kept (only a copy changing under the load does that).
+                    damaged = (f". Its copy on tier '{tier.name}' changed between its check "
+                               f"and its read, after some of its bytes had reached the state "
+                               f"dict: the tensors it holds are partly overwritten")
+                checked = False
                 # The message, not the exception: a log handler that keeps records (pytest's,
                 # logging.handlers.MemoryHandler) would keep its traceback's frames alive, and
                 # with them this load's destination tensors.
@@ -324,12 +408,7 @@ class TierstoreReader(StorageReader):
                 log.warning("checkpoint %s: read %s from tier '%s' after: %s", cid, relative,
                             tier.name, "; ".join(problems))
             return nbytes
-        if not problems:
-            problems.append("no tier of this process holds it (node-local tiers hold only their "
-                            "node's files: add a shared tier, or a peer tier, to load it here)")
-        raise IntegrityError(
-            f"checkpoint '{cid}': no tier has a good copy of {relative}: " + "; ".join(problems)
-        )
+        self._no_good_copy(relative, problems, damaged)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

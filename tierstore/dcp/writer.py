@@ -207,18 +207,24 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         step = ledger.step_for(cid)
         tier = ctx.tiers[0] if self._emergency else ctx.tiers.first_for(step)
         ctx.host.phase(Phase.SAVE_BEGIN, cid, tier.name, ctx.rank)
+        exists: list[str] = []
         if not ctx.config.overwrite:
             # The first tier and slower tiers on this machine's filesystems are asked now; a
             # remote tier (an object store) is asked by the drain before it copies, so a slow or
             # dead server never stands between training and its fast tier.
             slower = [] if self._emergency else ctx.tiers.tiers_for(step)[1:]
-            for t in [tier, *(s for s in slower if s.backend.local_path("") is not None)]:
-                if t.read_manifest(cid) is not None:
-                    raise CommitError(
-                        f"checkpoint '{cid}' already exists on tier '{t.name}' "
-                        f"({t.backend.describe()}); save under a new id, or set [store] "
-                        f"overwrite = true to replace it"
-                    )
+            exists = [f"tier '{t.name}' ({t.backend.describe()})"
+                      for t in [tier, *(s for s in slower if s.backend.local_path("") is not None)]
+                      if t.read_manifest(cid) is not None
+                      and (t.layout.shared or not services.publisher.is_pending(t, cid))]
+        if ctx.tiers.node_local and ctx.groups.io is not None:
+            # Ranks see different directories: decide together, before DCP's collectives, so
+            # that no rank raises while the others go on (and hang in them).
+            exists = self._settle_parts(cid, exists)
+        if exists:
+            raise CommitError(
+                f"checkpoint '{cid}' already exists on {exists[0]}; save under a new id, or "
+                f"set [store] overwrite = true to replace it")
         ledger.save_running(None)  # a new save on this thread: any earlier one is over
         self._over()
         self._save = _SaveState(cid, step, tier, time.perf_counter(), drain=not self._emergency,
@@ -226,6 +232,64 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         self._staged_spill = None
         if services.watchdog is not None:
             self._save.watch = services.watchdog.begin(f"save of '{cid}'")
+
+    def _settle_parts(self, cid: str, exists: list[str]) -> list[str]:
+        """Collective (every rank, in ``reset``): settle the pending parts of node-local tiers
+        (``tierstore.engine.publish``) and agree whether ``cid`` exists. Each group's leader
+        names its pending parts; the rank holding the coordinator's part says which save token
+        committed each of those ids there; a pending part with that token is confirmed, any
+        other is an orphan of a save whose coordinator failed, and gc removes it now (so that
+        saving its id again succeeds everywhere). Returns where ``cid`` exists, the same list
+        on every rank."""
+        services = self._services
+        ctx = services.context
+        group = ctx.groups.io
+        mine = {}
+        for t in ctx.tiers:
+            layout = t.layout
+            if layout.shared or layout.leader != ctx.rank or layout.part == layout.part_of(0):
+                continue
+            try:
+                mine[t.name] = services.publisher.pending_parts(t)
+            except Exception:  # noqa: BLE001 - never raise on one rank only: settled next time
+                log.warning("tier '%s': could not list its pending parts", t.name, exc_info=True)
+        gathered = all_gather_object((exists, mine), group)
+        asked = {(name, pid) for _, pending in gathered for name, parts in pending.items()
+                 for pid in parts}
+        answer = None
+        if ctx.rank == 0 and asked:
+            answer = {}
+            for name, pid in asked:
+                try:
+                    manifest = ctx.tiers.named(name).complete_manifest(pid)
+                except Exception:  # noqa: BLE001 - unknown: the part stays pending
+                    log.warning("tier '%s': could not read the coordinator's part of %s; its "
+                                "other parts stay pending", name, pid, exc_info=True)
+                    continue
+                answer[(name, pid)] = (manifest.save_token if manifest is not None
+                                       and manifest.has_metadata else None)
+        if asked:
+            answer = broadcast_object(answer, group, 0)
+        agreed = [where for found, _ in gathered for where in found]
+        for rank, (_, pending) in enumerate(gathered):
+            for name, parts in pending.items():
+                for pid, token in parts.items():
+                    if (name, pid) not in answer:
+                        continue
+                    committed = answer[(name, pid)] == token
+                    if rank == ctx.rank:
+                        tier = ctx.tiers.named(name)
+                        try:
+                            if committed:
+                                services.publisher.confirm(tier, pid)
+                            else:
+                                services.gc.collect_orphan(tier, pid)
+                        except Exception:  # noqa: BLE001 - never raise on one rank only
+                            log.warning("tier '%s': settling the part %s failed; the next save "
+                                        "tries again", name, pid, exc_info=True)
+                    if committed and pid == cid and not ctx.config.overwrite:
+                        agreed.append(f"tier '{name}' (the part of rank {rank}'s node)")
+        return sorted(set(agreed))
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember this rank's role; refuse a save that did not come with a checkpoint id
@@ -444,9 +508,10 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         files = {rel: entry for r, _, entries in gathered if r in layout.part_ranks
                  for rel, entry in entries}
         try:
+            # Pending: the checkpoint exists only once the coordinator's finish commits it.
             services.publisher.publish(tier, save.checkpoint_id, save.staging, save.token, files,
                                        save.step, seconds=time.perf_counter() - save.started,
-                                       drain=save.drain)
+                                       drain=save.drain, pending=True)
         except BaseException:
             tier.abort_save(save.checkpoint_id, save.staging)
             raise

@@ -37,38 +37,41 @@ class Catalog:
 
     def latest(self) -> str | None:
         """Newest checkpoint this job can load: every rank's files are on some tier (of some
-        node, for node-local tiers) with their recorded sizes, and DCP's ``.metadata`` is too.
-        A collective on the store's group under torch.distributed."""
+        node, for node-local tiers) with their recorded sizes, and DCP's ``.metadata`` is too,
+        all written by one save (one save token: parts left by two saves of one id, where one
+        node's part is stale, are never counted together). A collective on the store's group
+        under torch.distributed."""
         ctx = self._context
         views = all_gather_object(self.coverage(), ctx.groups.main)
         world = set(range(ctx.job.world_size))
         best: tuple[float, str] | None = None
-        for cid in set().union(*views):
-            held = [v[cid] for v in views if cid in v]
+        for key in set().union(*views):
+            held = [v[key] for v in views if key in v]
             ranks = set().union(*(h.ranks for h in held))
             if ranks >= world and any(h.has_metadata for h in held):
-                key = (max(h.committed for h in held), cid)
-                best = key if best is None or key > best else best
+                newest = (max(h.committed for h in held), key[0])
+                best = newest if best is None or newest > best else best
         return best[1] if best else None
 
-    def coverage(self) -> dict[str, Coverage]:
-        """What this process holds of each checkpoint, over all its tiers: the ranks whose
-        files are all present (a file may come from any tier), whether ``.metadata`` is, and
-        when it was committed."""
-        parts: dict[tuple[str, tuple[int, ...]], tuple[Manifest, set[str]]] = {}
+    def coverage(self) -> dict[tuple[str, str], Coverage]:
+        """What this process holds of each checkpoint, by (id, save token), over all its
+        tiers: the ranks whose files are all present (a file may come from any tier), whether
+        ``.metadata`` is, and when it was committed."""
+        parts: dict[tuple[str, str, tuple[int, ...]], tuple[Manifest, set[str]]] = {}
         for tier in self._context.tiers.read_order():
             held = self._health.ask(tier, "latest()", lambda tier=tier: _holdings(tier), [])
             for cid, manifest, files in held:
-                _, present = parts.setdefault((cid, tuple(manifest.ranks)), (manifest, set()))
+                _, present = parts.setdefault((cid, manifest.save_token, tuple(manifest.ranks)),
+                                              (manifest, set()))
                 present |= files
-        out: dict[str, Coverage] = {}
-        for (cid, ranks), (manifest, present) in parts.items():
+        out: dict[tuple[str, str], Coverage] = {}
+        for (cid, token, ranks), (manifest, present) in parts.items():
             if len(present) != len(manifest.files):
                 continue
-            prev = out.get(cid, Coverage(frozenset(), False, manifest.committed))
-            out[cid] = Coverage(prev.ranks | frozenset(ranks),
-                                prev.has_metadata or manifest.has_metadata,
-                                max(prev.committed, manifest.committed))
+            prev = out.get((cid, token), Coverage(frozenset(), False, manifest.committed))
+            out[(cid, token)] = Coverage(prev.ranks | frozenset(ranks),
+                                         prev.has_metadata or manifest.has_metadata,
+                                         max(prev.committed, manifest.committed))
         return out
 
     def list(self) -> list[CheckpointInfo]:

@@ -9,6 +9,7 @@ source copy is never propagated. ``Store.wait()`` waits for the drain and raises
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import queue
@@ -27,7 +28,7 @@ from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
 from tierstore.engine.manifests import build_manifest
 from tierstore.engine.retention import Retention
-from tierstore.errors import DrainError
+from tierstore.errors import DrainError, IntegrityError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import hash_stream
 from tierstore.format.item_io import HashingWriter, decode_item, encode_to
@@ -38,6 +39,10 @@ from tierstore.tiers.tier import Tier
 __all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished", "finish_at_exit"]
 
 log = logging.getLogger("tierstore.drain")
+
+#: what a rank that does not commit a gathered copy leaves in the shared staging directory for
+#: the committing rank: its part's report (see Drainer._part_done)
+_PART_REPORT = ".tierstore-part-{}.json"
 
 
 @dataclass(frozen=True)
@@ -142,11 +147,88 @@ class Drainer(BackgroundJobs[DrainJob]):
         started = time.perf_counter()
         for target in job.targets:
             try:
-                self._drain_one(job, target)
+                if job.replace and target.replaces_in_place:
+                    self._repair_in_place(job, target)
+                else:  # a new copy, or one staged beside the old and swapped in at commit
+                    self._drain_one(job, target)
             except Exception as exc:
                 raise _not_copied(job, target, exc) from exc
             job.done.append(target.name)
         return time.perf_counter() - started
+
+    def _repair_in_place(self, job: DrainJob, target: Tier) -> None:
+        """Replace a bad copy on a tier that cannot swap a whole copy at once
+        (:attr:`Tier.replaces_in_place`: object stores, ``manifest-last``) without ever
+        removing what is good of it. The drain's own way (``begin_save``) would delete the old
+        copy before the new one exists, and a repair that then fails (the store is flaky: that
+        is often why the copy was bad) would leave no copy at all. Here the files that already
+        match the source's manifest stay; each other file is written over where it lies (on
+        an object store a PUT replaces an object whole, or not at all), every byte checked
+        against the source's manifest; the manifest is written last. A repair that fails
+        part-way leaves the old manifest and every file it did not reach as they were, and
+        the files it did write are good ones."""
+        source, cid = job.source, job.checkpoint_id
+        host, rank = self._host, self._rank
+        host.phase(Phase.DRAIN_BEGIN, cid, target.name, rank, source=source.name)
+        manifest = source.complete_manifest(cid)
+        if manifest is None:
+            raise DrainError(f"checkpoint '{cid}' is no longer complete on tier "
+                             f"'{source.name}', so it cannot be copied to '{target.name}'",
+                             cid, target.name)
+        codecs = [c.name for c in target.config.codecs]
+        if manifest.codecs != codecs:
+            # Re-encoding would rewrite every file, the good ones too, with bytes the old
+            # manifest may not match: not a repair that keeps what is good.
+            raise DrainError(
+                f"checkpoint '{cid}': the copy on tier '{target.name}' (codecs {codecs}) is "
+                f"not repaired in place from tier '{source.name}' (codecs {manifest.codecs}): "
+                f"every file would be re-encoded over the old ones. Nothing was changed there; "
+                f"repair it from a copy with the same codecs", cid, target.name)
+        started = time.perf_counter()
+        host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
+                         nbytes=manifest.size_bytes, detail={"source": source.name}))
+        staging = target.begin_repair(cid, uuid.uuid4().hex[:16])
+        try:
+            order = sorted(manifest.files, key=lambda r: -manifest.files[r].size)
+            good = self._run_all([(self._holds, target, cid, rel, manifest.files[rel])
+                                  for rel in order])
+            self._run_all([(self._replace_file, source, target, cid, rel, manifest)
+                           for rel, ok in zip(order, good) if not ok])
+            copy = self._target_manifest(job, source, target, manifest, False)
+            host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
+            target.commit_save(cid, staging, copy,
+                               lambda phase: host.phase(phase, cid, target.name, rank))
+        finally:
+            target.end_writing(staging)  # a failed repair lets go; it deletes nothing
+        seconds = time.perf_counter() - started
+        host.event(Event(EventKind.DRAIN_FINISHED, cid, target.name, rank, seconds,
+                         manifest.size_bytes, {"source": source.name, "committed": True}))
+        log.info("repaired %s on '%s' in place from '%s' (%d of %d files rewritten, %.2f s)",
+                 cid, target.name, source.name, good.count(False), len(good), seconds)
+        self._retention.apply_quietly(target)
+
+    @staticmethod
+    def _holds(target: Tier, cid: str, rel: str, entry: FileEntry) -> bool:
+        """Whether ``target`` already holds file ``rel`` of ``cid`` as ``entry`` says."""
+        if target.stored_size(f"{cid}/{rel}") != entry.size:
+            return False
+        try:
+            size, checksum = target.checksum_file(f"{cid}/{rel}", entry.checksum)
+        except (FileNotFoundError, IntegrityError):
+            return False
+        return size == entry.size and checksum == entry.checksum
+
+    def _replace_file(self, source: Tier, target: Tier, cid: str, rel: str,
+                      manifest: Manifest) -> None:
+        """Write file ``rel`` of ``cid`` from ``source`` over the bad one on ``target``."""
+        entry = manifest.files[rel]
+        self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel,
+                         size=entry.size)
+        with source.backend.open_read(f"{cid}/{rel}") as fin, \
+                target.open_write(f"{cid}/{rel}", entry.size) as fout:
+            copied, checksum = hash_stream(fin, self._chunk, fout.write,
+                                           source.keyring.hasher_for(entry.checksum))
+        _check_source(cid, rel, source, target, entry, copied, checksum)
 
     # -- the jobs ------------------------------------------------------------------------------
     def run_job(self, job: DrainJob) -> None:
@@ -214,6 +296,11 @@ class Drainer(BackgroundJobs[DrainJob]):
                 f"{manifest.codecs}) cannot be drained to the shared tier '{target.name}' with "
                 f"other codecs ({[c.name for c in target.config.codecs]}) yet; give both tiers "
                 f"the same codecs", cid, target.name)
+        if not commits:
+            # The committing rank prepares the shared staging directory (a protocol's begin may
+            # clear what an old or interrupted copy left there); beginning beside it, two
+            # ranks could each find it unprepared and each clear the other's uploads.
+            self._wait_for_begin(job, target)
         staging = target.begin_save(cid, token)
         try:
             if transcode:
@@ -225,18 +312,28 @@ class Drainer(BackgroundJobs[DrainJob]):
                                 gathering)
                                for rel in sorted(manifest.files,
                                                  key=lambda r: -manifest.files[r].size)])
+            if gathering and not commits:
+                self._part_done(target, staging, source.layout.part, manifest, None)
             if commits:
                 if not transcode:
                     copy = self._target_manifest(job, source, target, manifest, gathering)
                 if gathering:
-                    self._wait_for_parts(job, target, staging)
+                    self._wait_for_parts(job, target, staging, source, manifest)
                 host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
                 target.commit_save(cid, staging, copy,
                                    lambda phase: host.phase(phase, cid, target.name, rank))
-        except BaseException:
+        except BaseException as exc:
             if commits:
                 self._safely(lambda: target.abort_save(cid, staging),
                              f"removing the partial copy of {cid} on '{target.name}'")
+            elif gathering:
+                # Objects go straight to their final names where the tier cannot rename: what
+                # this rank wrote is removed, and the committing rank is told why, so that it
+                # never commits the shared copy with this part's files (sizes alone would not
+                # tell it that they failed their check).
+                self._safely(lambda exc=exc: self._part_done(target, staging,
+                                                             source.layout.part, manifest, exc),
+                             f"withdrawing this node's part of {cid} on '{target.name}'")
             raise
         finally:
             target.end_writing(staging)  # this rank's part is there; rank 0 commits the rest
@@ -379,21 +476,90 @@ class Drainer(BackgroundJobs[DrainJob]):
                               manifest.files if files is None else files, like=manifest,
                               **fields)
 
-    def _wait_for_parts(self, job: DrainJob, target: Tier, staging: str) -> None:
-        """Wait until the other groups' files are in the shared staging directory."""
+    def _wait_for_begin(self, job: DrainJob, target: Tier) -> None:
+        """A rank that does not commit a gathered copy: wait until the committing rank has
+        begun it, that is until the tier holds work in progress of this save's token (a
+        staging directory, a prefix marked with it), which only the committing rank's begin
+        makes. Beginning after it, this rank's own begin finds the directory prepared for
+        this very save and clears nothing."""
+        cid, token = job.checkpoint_id, job.token
         deadline = time.monotonic() + self._part_timeout
         delay = 0.02
         while True:
-            missing = [rel for rel, e in job.all_files.items()
-                       if target.backend.size(f"{staging}/{rel}") != e.size]
-            if not missing:
+            if set(target.leftovers()) - set(target.leftovers(protect={token})):
                 return
             if time.monotonic() > deadline:
                 raise DrainError(
-                    f"checkpoint '{job.checkpoint_id}': the other nodes' files did not reach "
+                    f"checkpoint '{cid}': the committing rank did not begin the shared copy on "
+                    f"tier '{target.name}' within {self._part_timeout:.0f} s; this node's part "
+                    f"was not copied (see rank 0's store.wait() errors)", cid, target.name)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _part_done(self, target: Tier, staging: str, part: int, manifest: Manifest,
+                   failure: BaseException | None) -> None:
+        """A rank that does not commit a gathered copy reports its part to the committing
+        rank, in the shared staging directory: the checksums it checked every file of its part
+        against (``failure`` None), or why it failed, once the objects it wrote are removed."""
+        if failure is None:
+            record = {"ok": True, "files": {rel: e.checksum for rel, e in manifest.files.items()}}
+        else:
+            for rel in manifest.files:
+                for path in (f"{staging}/{rel}", f"{staging}/{rel}.part"):
+                    try:
+                        target.backend.delete(path)
+                    except FileNotFoundError:
+                        pass
+            record = {"ok": False, "error": f"{type(failure).__name__}: {failure}"}
+        target.write_bytes(f"{staging}/{_PART_REPORT.format(part)}", json.dumps(record).encode())
+
+    def _wait_for_parts(self, job: DrainJob, target: Tier, staging: str, source: Tier,
+                        manifest: Manifest) -> None:
+        """Wait until every other group has reported its part in the shared staging directory
+        as checked (see :meth:`_part_done`) and its files are there with their sizes; a part
+        that failed its check, or vouches for other bytes than this copy's manifest lists,
+        fails the copy before anything is committed. The reports are removed before the
+        commit (they are not files of the checkpoint)."""
+        cid, layout = job.checkpoint_id, source.layout
+        others = [p for p in range(layout.parts) if p != layout.part]
+        reports = {p: f"{staging}/{_PART_REPORT.format(p)}" for p in others}
+        deadline = time.monotonic() + self._part_timeout
+        delay = 0.02
+        while True:
+            vouched = {rel: e.checksum for rel, e in manifest.files.items()}
+            waiting = []
+            for p, path in reports.items():
+                try:
+                    record = json.loads(target.backend.read_bytes(path))
+                except FileNotFoundError:
+                    waiting.append(p)
+                    continue
+                if not record.get("ok"):
+                    raise DrainError(
+                        f"checkpoint '{cid}': the part of ranks {list(layout.all_parts[p])} "
+                        f"failed on its node, so the copy on tier '{target.name}' was not "
+                        f"committed: {record.get('error')}", cid, target.name)
+                vouched.update(record.get("files", {}))
+            missing = [rel for rel, e in job.all_files.items()
+                       if target.backend.size(f"{staging}/{rel}") != e.size]
+            if not waiting and not missing:
+                wrong = sorted(rel for rel, e in job.all_files.items()
+                               if vouched.get(rel) != e.checksum)
+                if wrong:
+                    raise DrainError(
+                        f"checkpoint '{cid}': no part vouches for {', '.join(wrong[:5])} with "
+                        f"the checksum the save recorded; the copy on tier '{target.name}' was "
+                        f"not committed", cid, target.name)
+                for path in reports.values():
+                    target.backend.delete(path)
+                return
+            if time.monotonic() > deadline:
+                raise DrainError(
+                    f"checkpoint '{cid}': the other nodes' files did not reach "
                     f"tier '{target.name}' within {self._part_timeout:.0f} s (missing: "
-                    f"{', '.join(sorted(missing)[:5])}); see those ranks' store.wait() errors",
-                    job.checkpoint_id, target.name)
+                    f"{', '.join(sorted(missing)[:5]) or 'none'}; parts not reported: "
+                    f"{waiting or 'none'}); see those ranks' store.wait() errors",
+                    cid, target.name)
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 

@@ -1,7 +1,9 @@
 """Garbage collection: removing what interrupted saves, drains and deletes left on a tier
 (hidden staging directories, marked prefixes), never a committed checkpoint and never work in
 progress: a save in flight in this process (its token), or a directory any writer still holds
-(``Tier.begin_save`` locks it; the lock dies with its process)."""
+(``Tier.begin_save`` locks it; the lock dies with its process). An orphan part, a node-local
+part whose checkpoint the coordinator never committed (see ``tierstore.engine.publish``), is
+such a leftover too, though it has a manifest: nothing can ever load it."""
 
 from __future__ import annotations
 
@@ -30,10 +32,48 @@ class GarbageCollector:
         removed = []
         for name in tier.leftovers(protect=self._ledger.tokens_in_flight() | set(protect)):
             self._host.phase(Phase.COLLECT, None, tier.name, self._rank, entry=name)
-            if tier.remove_leftover(name):
+            if tier.remove_leftover(name) and self._gone(tier, name):
                 removed.append(name)
         for name in removed:
             self._host.event(Event(EventKind.COLLECTED, None, tier.name, self._rank,
                                    detail={"entry": name}))
             log.info("removed leftover %s from tier '%s'", name, tier.name)
         return removed
+
+    def _gone(self, tier: Tier, name: str) -> bool:
+        """Whether leftover ``name`` is really gone after its delete: a backend may remove a
+        tree as far as it can and stay quiet about the rest (a file it may not unlink), and gc
+        reports only what it removed. What is left is said (a warning, a ``failed`` event)
+        and tried again by the next gc."""
+        left = tier.backend.list(name)
+        if not left:
+            return True
+        log.warning("tier '%s': could not remove all of leftover %s: %d entr%s left in it "
+                    "(%s); the next gc tries again", tier.name, name, len(left),
+                    "y" if len(left) == 1 else "ies", ", ".join(left[:5]))
+        self._host.event(Event(EventKind.FAILED, None, tier.name, self._rank,
+                               detail={"entry": name, "left": left,
+                                       "error": "leftover not removed completely"}))
+        return False
+
+    def collect_orphan(self, tier: Tier, checkpoint_id: str) -> bool:
+        """Remove the orphan part ``checkpoint_id`` from ``tier`` (the caller established that
+        its checkpoint was never committed), unless another process still holds it; returns
+        whether it was removed."""
+        self._host.phase(Phase.COLLECT, checkpoint_id, tier.name, self._rank, entry=checkpoint_id)
+        lock = tier.backend.lock_directory(checkpoint_id, exclusive=True)
+        if lock is None:
+            log.info("tier '%s': not collecting the orphan part %s yet: another process holds "
+                     "it", tier.name, checkpoint_id)
+            return False
+        try:
+            tier.delete(checkpoint_id)
+        except FileNotFoundError:
+            return False
+        finally:
+            lock.release()
+        self._host.event(Event(EventKind.COLLECTED, checkpoint_id, tier.name, self._rank,
+                               detail={"entry": checkpoint_id, "orphan_part": True}))
+        log.info("removed %s from tier '%s': a part of a save that was never committed",
+                 checkpoint_id, tier.name)
+        return True

@@ -1,5 +1,16 @@
 """Publishing a save's commit on its first tier: the manifest, the commit protocol (through the
-tier), the drains to slower tiers that take the step, then ``keep``."""
+tier), the drains to slower tiers that take the step, then ``keep``.
+
+On a node-local tier the groups of ranks other than the coordinator's publish their part inside
+DCP's ``write_data``, before the coordinator's ``finish`` commits the checkpoint as a whole
+(writes DCP's ``.metadata`` and its own part). Until that commit is known to this node, such a
+part is *pending*: it carries the marker :data:`PENDING_PART` in its directory, and ``keep``
+neither counts it nor evicts anything for it (:meth:`Publisher.unconfirmed`), so that a
+coordinator failing in ``finish`` never costs a node its last loadable part. The next save
+settles pending parts on every rank (``TierstoreWriter.reset``): a part whose coordinator's part
+holds the same save token is confirmed (the marker goes); any other is an orphan, which gc
+removes.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +26,12 @@ from tierstore.events import Event, EventKind, Phase
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.tiers.tier import Tier
 
-__all__ = ["Publisher"]
+__all__ = ["Publisher", "PENDING_PART"]
 
 log = logging.getLogger("tierstore.publish")
+
+#: in the directory of a node-local part published before its checkpoint's commit was known
+PENDING_PART = ".tierstore-part-pending"
 
 
 class Publisher:
@@ -30,13 +44,56 @@ class Publisher:
                  in_checkpoint_process: bool = False):
         self._context, self._drainer, self._retention = context, drainer, retention
         self._in_checkpoint_process = in_checkpoint_process
+        retention.spare_with(self.unconfirmed)
+
+    @staticmethod
+    def pending_parts(tier: Tier) -> dict[str, str]:
+        """The pending parts on ``tier`` (see the module docstring): id -> save token."""
+        out = {}
+        for cid in tier.checkpoint_names():
+            if not Publisher.is_pending(tier, cid):
+                continue
+            manifest = tier.read_manifest(cid)
+            if manifest is not None:
+                out[cid] = manifest.save_token
+        return out
+
+    @staticmethod
+    def is_pending(tier: Tier, checkpoint_id: str) -> bool:
+        """Whether ``checkpoint_id`` on ``tier`` is a pending part."""
+        return tier.stored_size(f"{checkpoint_id}/{PENDING_PART}") is not None
+
+    @staticmethod
+    def confirm(tier: Tier, checkpoint_id: str) -> None:
+        """The checkpoint of the pending part ``checkpoint_id`` on ``tier`` is committed."""
+        try:
+            tier.backend.delete(f"{checkpoint_id}/{PENDING_PART}")
+        except FileNotFoundError:
+            pass
+
+    def unconfirmed(self, tier: Tier) -> set[str]:
+        """What ``keep`` must spare on a node-local tier holding pending parts: the pending
+        parts themselves (their checkpoint may or may not exist yet) and the newest ``keep``
+        confirmed checkpoints, so that ``keep`` counts only checkpoints known to be complete."""
+        if tier.layout.shared or tier.config.keep is None:
+            return set()
+        complete = tier.complete()
+        pending = {cid for cid in complete if self.is_pending(tier, cid)}
+        if not pending:
+            return set()
+        confirmed = sorted((c for c in complete if c not in pending),
+                           key=lambda c: (complete[c].committed, c), reverse=True)
+        return pending | set(confirmed[:tier.config.keep])
 
     def publish(self, tier: Tier, checkpoint_id: str, staging: str, token: str,
                 files: dict[str, FileEntry], step: int, seconds: float,
-                all_files: dict[str, FileEntry] | None = None, drain: bool = True) -> Manifest:
+                all_files: dict[str, FileEntry] | None = None, drain: bool = True,
+                pending: bool = False) -> Manifest:
         """Write the manifest and make the checkpoint (this rank's part of it, on a node-local
         tier) visible on ``tier``, queue drains to slower tiers, then apply ``keep``.
-        ``all_files``: every file of the checkpoint, known on the coordinator."""
+        ``all_files``: every file of the checkpoint, known on the coordinator. ``pending``: a
+        node-local part published before the checkpoint's commit (see the module docstring),
+        marked so in the same commit; ``keep`` neither counts it nor evicts anything for it."""
         ctx = self._context
         host, rank, layout = ctx.host, ctx.rank, tier.layout
         manifest = build_manifest(
@@ -54,6 +111,8 @@ class Publisher:
         if existing is not None:
             manifest.pinned = existing.pinned
         manifest.committed = time.time()
+        if pending:  # inside the staging directory: the part is never visible unmarked
+            tier.write_bytes(f"{staging}/{PENDING_PART}", token.encode())
         tier.commit_save(checkpoint_id, staging, manifest,
                          lambda phase: host.phase(phase, checkpoint_id, tier.name, rank))
         host.event(Event(EventKind.COMMITTED, checkpoint_id, tier.name, rank, seconds,
@@ -66,5 +125,5 @@ class Publisher:
         if targets:
             self._drainer.submit(DrainJob(checkpoint_id, tier, targets, token,
                                           all_files or files))
-        self._retention.apply_quietly(tier)
+        self._retention.apply_quietly(tier)  # (it spares pending parts: see unconfirmed)
         return manifest

@@ -11,7 +11,12 @@ The rule, in one place: on a tier with ``keep = N``, a complete checkpoint is ev
    holds its directory lock; then it is left for the next pass.
 
 Retention runs after every commit on a tier (a save, a drained copy, a replica) and after each
-background job ends on its source, so what was spared is evicted as soon as it is free. A
+background job ends on its source, so what was spared is evicted as soon as it is free. Passes
+on one tier run one at a time (two would pick the same victim), but a pass on one tier never
+waits for a pass on another: a pass lists and deletes on its tier, and on an object store that
+answers slowly (retried for up to ``retry_seconds``) that must not stall a save committing on a
+healthy tier. A load of a checkpoint waits only for an eviction of that same checkpoint already
+under way (it then finds it gone), never for a pass over remote storage. A
 failure to evict after a commit is logged and retried at the next pass, never raised into the
 commit that already succeeded. Evicted files may be recycled by the backend
 (:meth:`tierstore.plugin.Backend.discard`); that is why nothing still reading may be evicted.
@@ -39,8 +44,16 @@ class Retention:
     def __init__(self, host: PluginHost, rank: int):
         self._host, self._rank = host, rank
         # Saves (writer thread), drains and replication (their threads) all apply retention:
-        # one at a time, or two would pick the same victim.
+        # one pass per tier at a time, or two would pick the same victim. One lock per tier,
+        # held across that tier's I/O: a slow tier holds up only its own passes.
+        self._tier_locks: dict[str, threading.Lock] = {}
+        # Guards the counts below and the table of tier locks; never held across I/O, so that
+        # a load or a save never waits for a slow tier through it.
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        # checkpoint ids being deleted right now: a load of one of them waits for the delete
+        # to end (it then finds the checkpoint gone) rather than read a copy going away
+        self._evicting: collections.Counter[str] = collections.Counter()
         self._spares: list[Callable[[Tier], set[str]]] = []
         # checkpoint id -> loads of it under way
         self._loading: collections.Counter[str] = collections.Counter()
@@ -57,8 +70,10 @@ class Retention:
     def loading(self, checkpoint_id: str, begins: bool) -> None:
         """Count a load of ``checkpoint_id`` starting (``begins``) or over: while one is under
         way, ``keep`` does not evict that checkpoint from any tier."""
-        with self._lock:
+        with self._changed:
             self._count_released_loads()
+            if begins:
+                self._changed.wait_for(lambda: checkpoint_id not in self._evicting)
             self._count_load(checkpoint_id, 1 if begins else -1)
 
     def load_released_later(self, checkpoint_id: str) -> None:
@@ -80,16 +95,34 @@ class Retention:
             return []
         self._host.phase(Phase.RETAIN, None, tier.name, self._rank)
         with self._lock:
-            self._count_released_loads()
-            busy = set(self._loading)
+            tier_lock = self._tier_locks.setdefault(tier.name, threading.Lock())
+        with tier_lock:
+            busy: set[str] = set()
             for spared in self._spares:
                 busy |= spared(tier)
             victims = [cid for cid in tier.retention_victims(tier.complete())
-                       if cid not in busy and self._evict(tier, cid)]
+                       if cid not in busy and self._evict_unless_loading(tier, cid)]
         for cid in victims:
             self._host.event(Event(EventKind.EVICTED, cid, tier.name, self._rank))
             log.info("evicted %s from tier '%s' (keep = %d)", cid, tier.name, tier.config.keep)
         return victims
+
+    def _evict_unless_loading(self, tier: Tier, checkpoint_id: str) -> bool:
+        """Evict ``checkpoint_id`` unless a load of it is under way, decided right before the
+        delete under the counts' lock; a load that begins during the delete waits for it."""
+        with self._changed:
+            self._count_released_loads()
+            if checkpoint_id in self._loading:
+                return False
+            self._evicting[checkpoint_id] += 1
+        try:
+            return self._evict(tier, checkpoint_id)
+        finally:
+            with self._changed:
+                self._evicting[checkpoint_id] -= 1
+                if self._evicting[checkpoint_id] <= 0:
+                    del self._evicting[checkpoint_id]
+                self._changed.notify_all()
 
     def _evict(self, tier: Tier, checkpoint_id: str) -> bool:
         """Evict ``checkpoint_id`` from ``tier`` unless another process (a rank sharing the

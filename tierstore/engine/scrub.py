@@ -9,6 +9,22 @@ another tier, through the drain (every byte checked against the good copy's mani
 with the target tier's protocol, the old copy replaced atomically where the tier can rename), and
 re-reads the result. :class:`BackgroundScrub` does the same at a bounded rate, one copy at a
 time, for ``[store] scrub_every_s``.
+
+A repair never removes a copy before its replacement is complete and verified, and only a copy
+proven bad is repaired:
+
+- A copy is *bad* when its tier answered and what it returned is wrong: the manifest missing or
+  rejected, a file missing, of another size or checksum. A copy whose tier did not answer (a
+  timeout, a dropped connection, retries given up, the tier skipped as unreachable) is
+  *unknown*: reported, never repaired, never used as a source. A background scrub against a
+  flaky object store must not take "no answer" for "bad" and rewrite a good archive copy.
+- Where the tier can swap a whole copy at once (``atomic``: rename), the new copy is staged
+  beside the old and takes its place at the commit. Where it cannot (object stores,
+  ``manifest-last``), the copy is repaired in place (``Drainer.copy_now``): the files that match
+  stay, the others are written over one by one, the manifest last, under a lease; a repair that
+  fails part-way leaves what it did not reach as it was.
+- The source is counted as being read while it is copied (as promote does), so ``keep`` on its
+  tier does not evict it from under the repair.
 """
 
 from __future__ import annotations
@@ -31,6 +47,8 @@ from tierstore.tiers.tier import Tier
 
 __all__ = ["BackgroundScrub", "Scrubber"]
 
+_UNANSWERED = object()  # what TierHealth.ask returns for a tier that did not answer
+
 log = logging.getLogger("tierstore.scrub")
 
 
@@ -42,6 +60,14 @@ class _Copy:
     checkpoint_id: str
     manifest: Manifest | None  # None: the manifest itself is missing or rejected
     problems: list[Problem]
+    #: why the copy could not be re-read (its tier did not answer): neither good nor bad
+    unknown: str | None = None
+
+    def unknown_problem(self) -> Problem:
+        """The report's line for a copy that could not be re-read."""
+        return Problem(self.tier.name, self.checkpoint_id, None,
+                       f"not re-read: the tier did not answer ({self.unknown}); nothing was "
+                       f"changed there, scrub it again once the tier answers")
 
 
 class Scrubber:
@@ -96,41 +122,46 @@ class Scrubber:
         another tier and re-read it. Nothing is deleted without a good copy to replace it."""
         copies = [c for c in (self.check(tier, cid) for tier, cid in self.copies())
                   if c is not None]
-        bad = [p for c in copies for p in c.problems]
+        unknown = [c.unknown_problem() for c in copies if c.unknown is not None]
+        read = [c for c in copies if c.unknown is None]
+        bad = [p for c in read for p in c.problems]
         if not repair:
-            return ScrubReport(len(copies), bad, [], bad)
+            return ScrubReport(len(read), bad, [], bad + unknown)
         repaired, unrepaired = [], []
-        for copy in (c for c in copies if c.problems):
+        for copy in (c for c in read if c.problems):
             fixed, left = self.repair(copy, copies)
             if fixed is not None:
                 repaired.append(fixed)
             unrepaired += left
-        return ScrubReport(len(copies), bad, repaired, unrepaired)
+        return ScrubReport(len(read), bad, repaired, unrepaired + unknown)
 
     def check(self, tier: Tier, checkpoint_id: str) -> _Copy | None:
         """Re-read one copy (kept from ``keep`` meanwhile, as a load is); None when the entry
-        has no manifest at all (not a copy: a user's own directory, say)."""
+        has no manifest at all (not a copy: a user's own directory, say). A tier that fails
+        to answer, or is skipped as unreachable, gives an *unknown* copy, not a bad one."""
         ctx = self._context
-        self._retention.loading(checkpoint_id, begins=True)
-        try:
-            try:
-                manifest, why = tier.checked_manifest(checkpoint_id)
-            except Exception:  # noqa: BLE001 - the tier's failure: verify reports it below
-                manifest, why = None, "unreadable"
+
+        def announce(rel: str, size: int) -> None:
+            ctx.host.phase(Phase.VERIFY_FILE, checkpoint_id, tier.name, ctx.rank,
+                           file=rel, size=size)
+
+        def reread():
+            manifest, why = tier.checked_manifest(checkpoint_id)
             if manifest is None and why is None:
                 return None
+            return manifest, tier.verify(checkpoint_id, announce)
 
-            def announce(rel: str, size: int) -> None:
-                ctx.host.phase(Phase.VERIFY_FILE, checkpoint_id, tier.name, ctx.rank,
-                               file=rel, size=size)
-
-            problems = self._health.ask(tier, "scrub()",
-                                        lambda: tier.verify(checkpoint_id, announce), None)
+        self._retention.loading(checkpoint_id, begins=True)
+        try:
+            answer = self._health.ask(tier, "scrub()", reread, _UNANSWERED)
         finally:
             self._retention.loading(checkpoint_id, begins=False)
-        if problems is None:
-            problems = [Problem(tier.name, checkpoint_id, None,
-                                "the tier did not answer while it was re-read")]
+        if answer is None:
+            return None
+        if answer is _UNANSWERED:
+            why = self._health.unreachable().get(tier.name, "no answer")
+            return _Copy(tier, checkpoint_id, None, [], unknown=why)
+        manifest, problems = answer
         return _Copy(tier, checkpoint_id, manifest, problems)
 
     def repair(self, bad: "_Copy", copies: list["_Copy"]
@@ -138,8 +169,10 @@ class Scrubber:
         """Replace ``bad`` from the first good copy of the same checkpoint on another tier
         (fastest first) holding every file of it; returns the repair or what is still bad."""
         cid, target = bad.checkpoint_id, bad.tier
+        if bad.unknown is not None:  # not proven bad: never rewritten
+            return None, [bad.unknown_problem()]
         sources = [c for c in copies if c.checkpoint_id == cid and not c.problems
-                   and c.tier is not target and c.manifest is not None
+                   and c.unknown is None and c.tier is not target and c.manifest is not None
                    and c.manifest.parts == 1
                    and (bad.manifest is None or set(c.manifest.files) >= set(bad.manifest.files))]
         if not sources:
@@ -149,12 +182,20 @@ class Scrubber:
         job = DrainJob(cid, source.tier, targets=[target], token=uuid.uuid4().hex[:16],
                        all_files=source.manifest.files, replace=True,
                        pin=bad.manifest is not None and bad.manifest.pinned)
+        self._retention.loading(cid, begins=True)  # keep spares the source meanwhile
         try:
             self._drainer.copy_now(job)
         except Exception as exc:  # noqa: BLE001 - reported; the other copies go on
             log.error("scrub: repairing %s on tier '%s' failed: %s", cid, target.name, exc)
             return None, [_still(p, f"the repair failed: {exc}") for p in bad.problems]
+        finally:
+            self._retention.loading(cid, begins=False)
+            # What keep spared on the source for the repair goes now, not at the next save.
+            self._retention.apply_quietly(source.tier)
         after = self.check(target, cid)
+        if after is not None and after.unknown is not None:
+            return None, [_still(p, "repaired, but the tier did not answer when the copy was "
+                                    "re-read") for p in bad.problems]
         if after is None or after.problems:
             left = after.problems if after is not None else bad.problems
             return None, [_still(p, "still bad after the repair") for p in left]
@@ -204,6 +245,9 @@ class BackgroundScrub:
                 return
         tier, cid = self._queue.pop(0)
         copy = self._scrubber.check(tier, cid)
+        if copy is not None and copy.unknown is not None:
+            log.warning("scrub: %s", copy.unknown_problem())
+            return
         if copy is None or not copy.problems:
             return
         error = "; ".join(map(str, copy.problems))

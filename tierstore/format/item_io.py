@@ -12,6 +12,10 @@ from __future__ import annotations
 import ctypes
 import io
 import math
+import mmap
+import os
+import stat
+import threading
 from dataclasses import dataclass
 from typing import IO, Callable
 
@@ -32,7 +36,7 @@ from tierstore.format.values import check_value
 
 __all__ = ["NoCloseWriter",
            "ItemLocation", "HashingWriter", "write_items", "write_tensor_record", "split_items", "read_items",
-           "FileReadError", "DIRECT_READ_MIN"]
+           "LoadUndo", "check_file", "FileReadError", "DIRECT_READ_MIN"]
 
 # Tensors smaller than this are decoded with torch.load; reading them in place gains nothing.
 DIRECT_READ_MIN = 256 << 10
@@ -289,9 +293,86 @@ _WINDOW = 8 << 20
 _SEEK_GAP = 256 << 10
 
 
+class LoadUndo:
+    """What one load changed in the state dict so far, to put it back if the load fails.
+
+    A load reads large tensors straight into their destinations (and copies small ones there
+    from read windows) before the file's checksum is known: only the end of a file tells. The
+    old bytes of every destination are copied here first, once per load (a fallback to another
+    tier's copy overwrites the same tensors again and must not save the bad copy's bytes as
+    "old"). Everything else a load does to the state dict (values decoded by ``torch.load``,
+    non-tensor values, ``commit_tensor``) is held back until :meth:`apply`, which the reader
+    calls once every file of the load is known good. On any failure :meth:`restore` writes the
+    old bytes back, so a failed load leaves the state dict as it was. Shared by the reading
+    threads of one load."""
+
+    __slots__ = ("_lock", "_saved", "_backups", "_later")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._saved: set[int] = set()  # data_ptr of every destination saved
+        #: (one buffer, [(destination address, offset in the buffer, bytes)])
+        self._backups: list[tuple[torch.Tensor, list[tuple[int, int, int]]]] = []
+        self._later: list[tuple[list, list, LoadPlanner]] = []
+
+    def save(self, targets: list[torch.Tensor]) -> None:
+        """Keep the bytes ``targets`` hold now (those not kept already by this load), in one
+        buffer: one allocation per read window, not per tensor (see _Part)."""
+        with self._lock:
+            todo = [t for t in targets if t.nbytes and t.data_ptr() not in self._saved]
+            self._saved.update(t.data_ptr() for t in todo)
+        if not todo:
+            return
+        buf = torch.empty(sum(t.nbytes for t in todo), dtype=torch.uint8)
+        base, places, offset = buf.data_ptr(), [], 0
+        for t in todo:
+            ctypes.memmove(base + offset, t.data_ptr(), t.nbytes)
+            places.append((t.data_ptr(), offset, t.nbytes))
+            offset += t.nbytes
+        with self._lock:
+            self._backups.append((buf, places))
+
+    def later(self, decoded: list, filled: list, planner: LoadPlanner) -> None:
+        """Hold back what a good file hands the planner until the whole load is good."""
+        with self._lock:
+            self._later.append((decoded, filled, planner))
+
+    def apply(self) -> None:
+        """Hand the planner what every file brought: tensors decoded by ``torch.load`` and
+        ``commit_tensor`` first, the non-tensor values (which cannot be put back) last, after
+        every step that can fail on a bad item. Restores the state dict if a step fails."""
+        try:
+            for decoded, filled, planner in self._later:
+                for sink, data in decoded:
+                    if not sink.byte_io:
+                        sink(data)
+                for p in filled:
+                    planner.commit_tensor(p.req, p.target)
+            for decoded, _, _ in self._later:
+                for sink, data in decoded:
+                    if sink.byte_io:
+                        sink(data)
+        except BaseException:
+            self.restore()
+            raise
+        self._later.clear()
+        self._backups.clear()
+
+    def restore(self) -> None:
+        """Write back every destination's old bytes and drop what was held back."""
+        self._later.clear()
+        for buf, places in self._backups:
+            base = buf.data_ptr()
+            for address, offset, n in places:
+                ctypes.memmove(address, base + offset, n)
+        self._backups.clear()
+        self._saved.clear()
+
+
 def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_data: dict,
                metadata: Metadata, planner: LoadPlanner, verify: Hasher | None, *,
-               trusted: tuple[str, ...] = ()) -> int:
+               trusted: tuple[str, ...] = (), undo: LoadUndo | None = None,
+               keep_old: bool = True) -> int:
     """Read the items ``reqs`` of one data file ``f``, hand them to ``planner`` and, when
     ``verify`` (a fresh hasher made for ``entry``'s digest, keyed or not), check the whole file
     against ``entry``. Returns bytes read. Raises
@@ -303,7 +384,13 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     dtypes or devices) are decoded from their bytes. Nothing is committed to the planner before
     the whole file is known good, nor before every non-tensor value needed from it passed
     :func:`tierstore.format.values.check_value` (with ``trusted``: ``[store] trusted_pickles``);
-    a refused one raises its ``UntrustedValue`` (an IntegrityError) with no value loaded."""
+    a refused one raises its ``UntrustedValue`` (an IntegrityError) with no value loaded.
+
+    With ``undo`` (one per load, shared by its files), the old bytes of every destination are
+    kept before anything lands in it and nothing reaches the planner until ``undo.apply()``:
+    the caller calls it once every file of the load is good, or ``undo.restore()`` on failure.
+    ``keep_old=False`` skips that copy for a file already checked (:func:`check_file`).
+    Without ``undo``, a file that fails its checksum leaves the tensors it was read into changed."""
     parts = _plan_parts(entry, reqs, storage_data, metadata, planner, trusted)
     reading = _FileReading(f, entry, verify)
     pending: list[tuple[_Decoder, memoryview]] = []
@@ -313,6 +400,8 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
         part = parts[i]
         if part.in_place:
             reading.skip_to(part.data_start)
+            if undo is not None and keep_old:
+                undo.save([part.target])
             reading.read_into(tensor_bytes(part.target))
             filled.append(part)
             i += 1
@@ -327,6 +416,8 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
         reading.skip_to(part.start)
         window, address = reading.read_window(end - part.start, fresh=keeps_bytes)
         base = address - part.start
+        if undo is not None and keep_old:
+            undo.save([p.target for p in parts[i:j] if p.sink is None])
         for p in parts[i:j]:
             if p.sink is not None:
                 pending.append((p.sink, window[p.start - part.start:p.end - part.start]))
@@ -338,6 +429,9 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     # Hand data to the planner only once the whole file is known good, and its non-tensor
     # values too: the planner unpickles them with weights_only=False.
     checked = [(sink, sink.check(data)) for sink, data in pending]
+    if undo is not None:
+        undo.later(checked, filled, planner)
+        return reading.pos
     for sink, data in checked:
         sink(data)
     for p in filled:
@@ -383,6 +477,30 @@ def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, meta
                                sink=_Decoder(group, planner, info.transform_descriptors,
                                              trusted)))
     return parts
+
+
+def check_file(f: IO[bytes], entry: FileEntry, hasher: Hasher) -> str | None:
+    """Check a local file against ``entry`` before a load reads it into the state dict, from
+    its pages mapped (no copy, no memory of its own: a copy of the old tensors would cost a
+    fresh page for every byte of them). Returns "" when it matches, what is wrong when not,
+    None when ``f`` is not a regular file (a stream: read it once, keeping the old bytes)."""
+    try:
+        fd = f.fileno()
+        st = os.fstat(fd)
+    except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    if st.st_size != entry.size:
+        return f"file is {st.st_size} bytes, its manifest says {entry.size}"
+    if entry.size:
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as pages:
+            pages.madvise(mmap.MADV_SEQUENTIAL)
+            hasher.update(pages)
+    actual = hasher.hexdigest()
+    if actual != entry.checksum:
+        return f"checksum mismatch: manifest says {entry.checksum}, the bytes give {actual}"
+    return ""
 
 
 class _FileReading:
@@ -497,16 +615,35 @@ class _Decoder:
 
     def check(self, data: memoryview):
         """``data`` as the call takes it: a non-tensor value decoded and checked (raises
-        ``UntrustedValue``); a tensor's bytes as they are, decoded only when it is loaded."""
+        ``UntrustedValue``); a tensor decoded (one per request, sizes checked), so that what
+        can fail on a bad item fails before anything of the load reaches the state dict."""
         if not self.byte_io:
-            return data
+            raw = io.BytesIO(decode_item(data, self.descriptors))
+            tensors = []
+            for req in self.group:
+                raw.seek(0)
+                tensor = torch.load(raw, map_location="cpu", weights_only=True)
+                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                target = self.planner.resolve_tensor(req)
+                if target.size() != tensor.size():
+                    raise AssertionError(f"item {req.storage_index} has size "
+                                         f"{tuple(tensor.size())}, expected {tuple(target.size())}")
+                tensors.append(tensor)
+            return tensors
         value = bytes(decode_item(data, self.descriptors))
         check_value(value, self.group[0].storage_index.fqn, self.trusted)
         return value
 
     def __call__(self, data) -> None:
+        """Load what :meth:`check` returned."""
         planner = self.planner
-        raw = io.BytesIO(data if self.byte_io else decode_item(data, self.descriptors))
+        if not self.byte_io:
+            for req, tensor in zip(self.group, data):
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+            return
+        raw = io.BytesIO(data)
         for req in self.group:
             raw.seek(0)
             if req.type == LoadItemType.BYTE_IO:
@@ -515,8 +652,5 @@ class _Decoder:
             tensor = torch.load(raw, map_location="cpu", weights_only=True)
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
-            if target.size() != tensor.size():
-                raise AssertionError(f"item {req.storage_index} has size {tuple(tensor.size())}, "
-                                     f"expected {tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)

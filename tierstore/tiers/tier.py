@@ -217,6 +217,37 @@ class Tier:
             self._forget_token(token)
             raise
 
+    @property
+    def replaces_in_place(self) -> bool:
+        """Whether a copy here can only be replaced where it lies, object by object: the tier
+        cannot move a whole checkpoint at once (no rename, or a protocol such as
+        ``manifest-last`` that writes a checkpoint where it will stay), so a replacement staged
+        beside could never take the old copy's place without deleting it first."""
+        return not (self.backend.supports_rename and self.commit.moves_aside_to_delete)
+
+    def begin_repair(self, checkpoint_id: str, token: str) -> str:
+        """Take the copy of ``checkpoint_id`` here for a repair in place
+        (:attr:`replaces_in_place`); returns the directory its files are written into: the
+        checkpoint's own. Nothing there is removed: this process holds the shared lock on it
+        (a lease on an object store) so that neither gc nor ``keep`` takes it meanwhile;
+        :meth:`commit_save` with that directory writes the manifest last, and a repair that
+        fails only lets go of it (:meth:`end_writing`, never :meth:`abort_save`)."""
+        with self._guard:
+            self._tokens_writing[token] += 1
+        try:
+            with self.writing(checkpoint_id):
+                self.backend.makedirs(checkpoint_id)
+                lock = self.backend.lock_directory(checkpoint_id, exclusive=False)
+        except BaseException:
+            self._forget_token(token)
+            raise
+        with self._guard:
+            previous = self._writing.get(checkpoint_id)
+            self._writing[checkpoint_id] = (lock, token)
+        if previous is not None:
+            self._forget_token(previous[1])
+        return checkpoint_id
+
     def commit_save(self, checkpoint_id: str, staging: str, manifest: Manifest,
                     announce: Callable[[str], None]) -> None:
         """Write ``manifest`` last and make the checkpoint visible (``announce(phase)`` right

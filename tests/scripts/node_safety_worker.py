@@ -1,0 +1,145 @@
+"""torchrun worker for tests/test_node_local_safety.py: 2 simulated nodes x 2 ranks, a node-local
+RAM tier (``keep = 1``) and, for the drain scenarios, a shared ``fsspec`` ``file://`` tier
+(``manifest-last``, no rename: what an object store does).
+
+argv: ROOT ACTION. Actions:
+
+- ``crash``: save step-1, then step-2 with rank 0 killed (SIGKILL) in ``finish``, right before
+  it writes DCP's ``.metadata``: the other node has written its part of step-2 by then.
+- ``recover``: a fresh job after ``crash``: latest() and a bitwise load of step-1 from RAM, then
+  step-2 saved again under the same id and loaded bitwise.
+- ``stale``: ``overwrite = true``; ``ck`` saved with step 1's state, then again with step 2's,
+  and rank 0 fails in ``finish`` of the second save (node 1's part is then of the second save,
+  node 0's of the first). Each rank prints what latest() says and what a load of ``ck`` gave:
+  ``LOADED 1``, ``LOADED 2``, ``LOADED MIXED`` or ``LOAD FAILED``.
+- ``corrupt``: step-1 saved; rank 2 flips a byte of its node's copy of ``__2_0.distcp`` (size
+  unchanged) right before it drains its part to the shared tier; each rank prints what
+  ``store.wait()`` raised.
+- ``order``: step-1 saved; rank 0 starts its drain to the shared tier 3 s late, after rank 2
+  has started its own; each rank prints when it copied its first file.
+"""
+
+import os
+import sys
+import time
+import warnings
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import init_device_mesh
+
+import tierstore
+from tierstore.errors import DrainError
+from tierstore.events import Phase
+from worker_common import check_node_checkpoint, local_shards, node_state, run_worker
+
+warnings.filterwarnings("ignore")
+problems: list[str] = []
+OWN_NUMEL = 1000
+
+
+class Faults:
+    """Strikes at a named phase of this rank (see the actions above)."""
+
+    def __init__(self, root: str, action: str, rank: int):
+        self.root, self.action, self.rank = root, action, rank
+        self.saves = 0
+        self.first_file: float | None = None
+        self.collected: list[str] = []
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase, checkpoint_id, tier, rank, detail):
+        if phase == Phase.WRITE_METADATA and self.rank == 0:
+            if self.action == "crash" and checkpoint_id == "step-2":
+                sys.stdout.flush()
+                os.kill(os.getpid(), 9)
+            if self.action == "stale" and self.saves == 2:
+                raise RuntimeError("the coordinator fails in finish")
+        if phase == Phase.DRAIN_BEGIN and tier == "shared":
+            if self.action == "corrupt" and self.rank == 2:
+                path = os.path.join(self.root, "ram", "1", checkpoint_id, "__2_0.distcp")
+                with open(path, "r+b") as f:
+                    byte = f.read(1)
+                    f.seek(0)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+            if self.action == "order" and self.rank == 0:
+                time.sleep(3)
+                print(f"RANK 0 DRAIN STARTS {time.time():.3f}", flush=True)
+        if phase == Phase.DRAIN_FILE and tier == "shared" and self.first_file is None:
+            self.first_file = time.time()
+            print(f"RANK {self.rank} FIRST FILE {self.first_file:.3f}", flush=True)
+
+    @tierstore.hookimpl
+    def tierstore_event(self, event):
+        if event.kind == "collected" and event.detail.get("orphan_part"):
+            print(f"RANK {self.rank} COLLECTED ORPHAN {event.checkpoint_id}", flush=True)
+
+
+def config(root: str, action: str) -> dict:
+    tiers = [{"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 1}]
+    if action in ("corrupt", "order"):
+        tiers.append({"name": "shared", "backend": "fsspec", "url": f"file://{root}/shared"})
+    store = {"part_timeout": 60, "collective_timeout": 60}
+    if action == "stale":
+        store["overwrite"] = True
+    return {"store": store, "tier": tiers}
+
+
+def save(store, faults, mesh, rank, cid, step):
+    faults.saves += 1
+    dcp.save(node_state(step, rank, mesh, OWN_NUMEL), storage_writer=store.writer(),
+             checkpoint_id=cid, process_group=store.process_group)
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root, action = sys.argv[1], sys.argv[2]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    faults = Faults(root, action, rank)
+    store = tierstore.open(config(root, action), plugins=[faults])
+    if action == "crash":
+        save(store, faults, mesh, rank, "step-1", 1)
+        store.wait()
+        dist.barrier()
+        save(store, faults, mesh, rank, "step-2", 2)  # rank 0 dies in it; the others fail
+    elif action == "recover":
+        check_node_checkpoint(store, problems, rank, mesh, "step-1", OWN_NUMEL)
+        save(store, faults, mesh, rank, "step-2", 2)
+        check_node_checkpoint(store, problems, rank, mesh, "step-2", OWN_NUMEL)
+    elif action == "stale":
+        save(store, faults, mesh, rank, "ck", 1)
+        try:
+            save(store, faults, mesh, rank, "ck", 2)
+            problems.append("the second save of ck did not fail")
+        except CheckpointException as exc:  # on every rank (DCP's, a BaseException)
+            print(f"RANK {rank} SECOND SAVE FAILED {type(exc).__name__}", flush=True)
+        print(f"RANK {rank} LATEST {store.latest()}", flush=True)
+        out = node_state(1, rank, mesh, OWN_NUMEL, zero=True)
+        try:
+            dcp.load(out, storage_reader=store.reader(), checkpoint_id="ck",
+                     process_group=store.process_group)
+        except Exception as exc:  # noqa: BLE001
+            print(f"RANK {rank} LOAD FAILED {type(exc).__name__}: {exc}", flush=True)
+        else:
+            got = {k: v for k, v in local_shards(out).items() if k != "step"}
+            which = [s for s in (1, 2) if all(
+                got[k].equal(v)
+                for k, v in local_shards(node_state(s, rank, mesh, OWN_NUMEL)).items()
+                if k != "step")]
+            print(f"RANK {rank} LOADED {which[0] if which else 'MIXED'}", flush=True)
+    elif action in ("corrupt", "order"):
+        save(store, faults, mesh, rank, "step-1", 1)
+        try:
+            store.wait()
+            print(f"RANK {rank} DRAINED", flush=True)
+        except DrainError as exc:
+            print(f"RANK {rank} DRAIN ERROR: {exc}", flush=True)
+        dist.barrier()
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    run_worker(main, problems, "PROBLEM")

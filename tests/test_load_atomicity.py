@@ -1,0 +1,164 @@
+"""A load is all or nothing: when some file of the checkpoint has no good copy on any tier,
+``dcp.load`` raises and the state dict holds exactly what it held before, tensors (read in place
+or copied from read windows) and other values alike; a bad copy that another tier's good copy
+replaces still loads bitwise right."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+import warnings
+from pathlib import Path
+
+import fsspec
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import tierstore
+from tierstore import EventKind
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+CID = "step-9"
+LARGE = 1 << 17  # floats (512 KiB): read straight into the destination
+SMALL = 100  # floats: copied from a read window
+
+
+def state(seed: int) -> dict:
+    """Large and small tensors of several files, and values that are not tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    sd = {f"large{i}": torch.randn(LARGE, generator=gen) for i in range(6)}
+    sd.update({f"small{i}": torch.randn(SMALL, generator=gen) for i in range(40)})
+    sd["step"] = seed
+    sd["extra"] = {"lr": seed / 10, "names": [f"run-{seed}"]}
+    return sd
+
+
+class Tiers:
+    """Two tiers and their data files: ``local`` (files, checked before they are read) or
+    ``stream`` (fsspec's in-memory object store: read once, the old bytes kept)."""
+
+    def __init__(self, root: Path, kind: str):
+        self.root, self.kind = root, kind
+        self.fs = fsspec.filesystem("memory")
+        self.bucket = f"atomicity-{uuid.uuid4().hex[:8]}"
+
+    def config(self, io_threads: int) -> dict:
+        if self.kind == "local":
+            tiers = [{"name": n, "backend": "local", "path": str(self.root / n)}
+                     for n in ("fast", "slow")]
+        else:
+            tiers = [{"name": n, "backend": "fsspec", "url": f"memory://{self.bucket}/{n}"}
+                     for n in ("fast", "slow")]
+        return {"store": {"io_threads": io_threads}, "tier": tiers}
+
+    def files(self, tier: str) -> list[str]:
+        """Paths of the checkpoint's data files on ``tier``, in name order."""
+        if self.kind == "local":
+            return [str(p) for p in sorted((self.root / tier / CID).glob("*.distcp"))]
+        return sorted(self.fs.glob(f"/{self.bucket}/{tier}/{CID}/*.distcp"))
+
+    def path(self, tier: str, name: str) -> str:
+        return next(p for p in self.files(tier) if p.endswith("/" + name))
+
+    def read(self, path: str) -> bytes:
+        return Path(path).read_bytes() if self.kind == "local" else self.fs.cat_file(path)
+
+    def write(self, path: str, data: bytes) -> None:
+        if self.kind == "local":
+            Path(path).write_bytes(data)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def corrupt_middle(self, path: str) -> None:
+        """Change bytes in the middle of a data file; its size and manifest entry stay."""
+        data = bytearray(self.read(path))
+        mid = len(data) // 2
+        for k in range(mid, mid + 64):
+            data[k] ^= 0x5A
+        self.write(path, bytes(data))
+
+
+def name(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+def assert_bitwise_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key].view(torch.uint8), value.view(torch.uint8)), key
+        else:
+            assert got[key] == value, key
+
+
+@pytest.fixture(params=["local", "stream"])
+def saved(tmp_path, request):
+    """The checkpoint on both tiers, in several data files."""
+    tiers = Tiers(tmp_path, request.param)
+    with tierstore.open(tiers.config(4)) as store:
+        dcp.save(state(1), storage_writer=store.writer(), checkpoint_id=CID)
+        store.wait()
+    names = [name(p) for p in tiers.files("fast")]
+    assert len(names) >= 3 and [name(p) for p in tiers.files("slow")] == names
+    yield tiers
+    tiers.fs.rm(f"/{tiers.bucket}", recursive=True) if tiers.kind == "stream" else None
+
+
+@pytest.mark.parametrize("io_threads", [1, 4])
+def test_a_file_with_no_good_copy_leaves_the_state_dict_as_it_was(saved, io_threads):
+    """Each data file in turn bad on every tier: with one reading thread the files before it
+    loaded fine first; with four, others load beside it. Either way nothing changes."""
+    for bad in [name(p) for p in saved.files("fast")]:
+        paths = [saved.path(t, bad) for t in ("fast", "slow")]
+        originals = {p: saved.read(p) for p in paths}
+        for p in paths:
+            saved.corrupt_middle(p)
+        dest = state(2)
+        before = copy.deepcopy(dest)
+        with tierstore.open(saved.config(io_threads)) as store:
+            with pytest.raises((tierstore.IntegrityError, CheckpointException), match=bad):
+                dcp.load(dest, storage_reader=store.reader(), checkpoint_id=CID)
+        assert_bitwise_equal(dest, before)
+        for p, raw in originals.items():
+            saved.write(p, raw)
+
+
+class Events:
+    def __init__(self):
+        self.events = []
+
+    @tierstore.hookimpl
+    def tierstore_event(self, event):
+        self.events.append(event)
+
+
+@pytest.mark.parametrize("io_threads", [1, 4])
+def test_a_bad_copy_on_the_first_tier_falls_back_and_loads_bitwise(saved, io_threads):
+    for p in saved.files("fast"):
+        saved.corrupt_middle(p)
+    dest = state(2)
+    events = Events()
+    with tierstore.open(saved.config(io_threads), plugins=[events]) as store:
+        dcp.load(dest, storage_reader=store.reader(), checkpoint_id=CID)
+    assert_bitwise_equal(dest, state(1))
+    fell_back = {e.detail["file"] for e in events.events if e.kind == EventKind.FELL_BACK}
+    assert fell_back == {name(p) for p in saved.files("fast")}
+
+
+def test_a_load_that_fails_after_a_fallback_puts_back_what_the_fallback_wrote(saved):
+    """One file read from the slow tier's good copy, another bad everywhere: the bytes of the
+    good copy landed already (when read as a stream), and are put back too."""
+    files = [name(p) for p in saved.files("fast")]
+    saved.corrupt_middle(saved.path("fast", files[0]))
+    for tier in ("fast", "slow"):
+        saved.corrupt_middle(saved.path(tier, files[-1]))
+    dest = state(2)
+    before = copy.deepcopy(dest)
+    with tierstore.open(saved.config(1)) as store:
+        with pytest.raises((tierstore.IntegrityError, CheckpointException), match=files[-1]):
+            dcp.load(dest, storage_reader=store.reader(), checkpoint_id=CID)
+    assert_bitwise_equal(dest, before)

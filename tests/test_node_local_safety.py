@@ -1,0 +1,121 @@
+"""Node-local tiers when a save or a drain goes wrong part-way: 2 simulated nodes x 2 ranks
+(tests/scripts/node_safety_worker.py), a RAM tier per node with ``keep = 1``.
+
+What a user checks afterwards: the previous checkpoint still loads bitwise from the RAM tier
+after the coordinator died in ``finish``; the id can be saved again; two saves of one id are
+never mixed in a load; a shared copy gathered from the nodes is never committed with a part
+that failed its check; and no node's drain starts writing the shared copy before the node that
+commits it has prepared it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+
+import pytest
+from helpers import free_port, run_torchrun, script_env, torchrun_command
+
+WORKER = "node_safety_worker.py"
+
+
+def run_nodes(root, action: str) -> str:
+    """The worker on 2 simulated nodes x 2 ranks; every rank must end OK."""
+    return run_torchrun(WORKER, str(root), action, nnodes=2, timeout=150)
+
+
+def run_nodes_failing(root, action: str, timeout: float = 150) -> str:
+    """The worker on 2 nodes where a rank dies: the nodes' stdout, whatever their exit
+    statuses (a node that does not end in time fails the test: a hang)."""
+    port = free_port()
+    procs = [subprocess.Popen(torchrun_command(WORKER, str(root), action, nproc=2, nnodes=2,
+                                               node_rank=node, port=port),
+                              env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for node in range(2)]
+    outs = []
+    try:
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the job ({action}) did not end in {timeout} s")
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return "\n".join(outs)
+
+
+def manifest(path) -> dict:
+    return json.loads((path / "tierstore.json").read_text())
+
+
+@pytest.mark.timeout(600)
+def test_coordinator_killed_in_finish_leaves_the_previous_checkpoint_loadable(tmp_path):
+    run_nodes_failing(tmp_path, "crash")
+    ram0, ram1 = tmp_path / "ram/0", tmp_path / "ram/1"
+    # Node 1 published its part of step-2 before the coordinator died: with keep = 1 it must
+    # still hold its part of step-1, the only checkpoint that exists.
+    assert (ram1 / "step-1/tierstore.json").exists()
+    assert (ram0 / "step-1/tierstore.json").exists()
+    assert not (ram0 / "step-2/tierstore.json").exists()
+    orphan_token = manifest(ram1 / "step-2")["save_token"]
+
+    # A fresh job loads step-1 bitwise from RAM, collects the orphan part and saves step-2
+    # again (on every rank: no rank refuses the id while the others go on).
+    out = run_nodes(tmp_path, "recover")
+    for rank in range(4):
+        assert f"RANK {rank} LATEST step-1" in out
+    assert "RANK 2 COLLECTED ORPHAN step-2" in out
+    part0, part1 = manifest(ram0 / "step-2"), manifest(ram1 / "step-2")
+    assert part1["save_token"] == part0["save_token"] != orphan_token
+
+
+@pytest.mark.timeout(600)
+def test_two_saves_of_one_id_are_never_mixed_in_a_load(tmp_path):
+    out = run_nodes(tmp_path, "stale")
+    # Node 1's part of ck is the second (failed) save's, node 0's the first's.
+    part0 = manifest(tmp_path / "ram/0/ck")
+    part1 = manifest(tmp_path / "ram/1/ck")
+    assert part0["save_token"] != part1["save_token"]
+    assert "LOADED MIXED" not in out
+    loaded = re.findall(r"RANK \d LOADED (\d)", out)
+    failed = re.findall(r"RANK (\d) LOAD FAILED CheckpointNotFound", out)
+    # Either every rank loaded the same save, or every rank got the same clear error.
+    assert (len(loaded) == 4 and len(set(loaded)) == 1) or sorted(failed) == list("0123"), out
+    assert "LATEST ck" not in out, out
+
+
+@pytest.mark.timeout(600)
+def test_a_gathered_drain_never_commits_a_part_that_failed_its_check(tmp_path):
+    out = run_nodes(tmp_path, "corrupt")
+    errors = dict(re.findall(r"RANK (\d) DRAIN ERROR: (.*)", out))
+    assert "__2_0.distcp" in errors.get("2", ""), out  # the node that read the bad copy
+    assert "__2_0.distcp" in errors.get("0", ""), out  # the rank that would have committed
+    shared = tmp_path / "shared"
+    # Nothing of step-1 is left on the shared tier: no manifest, no uploaded object.
+    assert not (shared / "step-1").exists() or os.listdir(shared / "step-1") == [], \
+        os.listdir(shared / "step-1")
+
+
+@pytest.mark.timeout(600)
+def test_a_node_never_writes_a_gathered_copy_before_the_committing_rank_began_it(tmp_path):
+    # The committing rank (rank 0) begins 3 s after node 1's leader is ready: beginning on its
+    # own, node 1 could find the shared prefix unprepared, like rank 0 a moment later, and each
+    # would clear what the other uploaded. Node 1 must wait for rank 0's begin.
+    out = run_nodes(tmp_path, "order")
+    starts = float(re.search(r"RANK 0 DRAIN STARTS ([\d.]+)", out).group(1))
+    first = float(re.search(r"RANK 2 FIRST FILE ([\d.]+)", out).group(1))
+    assert first >= starts, out
+    for rank in range(4):
+        assert f"RANK {rank} DRAINED" in out
+    copy = manifest(tmp_path / "shared/step-1")
+    assert copy["ranks"] == [0, 1, 2, 3]
+    # Only the checkpoint's files (no part reports, no marker) are left in the copy.
+    assert sorted(os.listdir(tmp_path / "shared/step-1")) == sorted(
+        [*copy["files"], "tierstore.json"])
