@@ -22,7 +22,7 @@ import fsspec
 from tierstore.plugin import (Backend, cannot_connect, confined, DirectoryLock, hookimpl, Option,
                               RetryPolicy, with_retries)
 from tierstore_plugins.leases import LEASE_PREFIX, LeaseKeeper, lease_is_current
-from tierstore_plugins.local import local_path_problem
+from tierstore_plugins.local import LocalWriteFile, local_path_problem
 
 log = logging.getLogger("tierstore.fsspec")
 
@@ -201,8 +201,30 @@ class FsspecBackend(Backend):
     def open_write(self, path: str) -> IO[bytes]:
         full = self._full(path)
         if self.is_local:
-            self.fs.makedirs(self.fs._parent(full), exist_ok=True)
+            # fsspec's local files are never fsynced, and this backend says it is durable: a
+            # manifest must not outlive its data in a power loss. So local files are written
+            # as the ``local`` backend writes them (fsync on close), and each new directory
+            # entry is made durable too (manifest-last calls no sync_dir).
+            self._local_makedirs(os.path.dirname(full))
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            return _DurableLocalFile(fd, os.path.dirname(full))
         return self.fs.open(full, "wb", block_size=self.part_size)
+
+    def _local_makedirs(self, full: str) -> None:
+        """Make local directory ``full`` with its parents, each new entry durable."""
+        missing = []
+        probe = full
+        while not os.path.isdir(probe):
+            missing.append(probe)
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        if not missing:
+            return
+        os.makedirs(full, exist_ok=True)
+        for made in reversed(missing):
+            _fsync_dir(os.path.dirname(made))
 
     def open_read(self, path: str) -> IO[bytes]:
         full = self._full(path)
@@ -237,7 +259,7 @@ class FsspecBackend(Backend):
 
     def makedirs(self, path: str) -> None:
         if self.is_local:
-            self.fs.makedirs(self._full(path), exist_ok=True)
+            self._local_makedirs(self._full(path))
 
     def delete(self, path: str) -> None:
         full = self._full(path)
@@ -249,11 +271,25 @@ class FsspecBackend(Backend):
                 pass
         self._retry(rm, "deleting")
         self.fs.invalidate_cache(full)
+        if self.is_local:
+            # Removals in order too: a manifest deleted first (an overwrite, a delete) must
+            # stay deleted after a power loss that undoes nothing of what came after it.
+            parent = os.path.dirname(full)
+            if os.path.isdir(parent):
+                _fsync_dir(parent)
+
+    def sync_dir(self, path: str) -> None:
+        if self.is_local:
+            full = self._full(path)
+            if os.path.isdir(full):
+                _fsync_dir(full)
 
     def write_bytes(self, path: str, data: bytes) -> None:
         full = self._full(path)
         if self.is_local:
-            self.fs.makedirs(self.fs._parent(full), exist_ok=True)
+            with self.open_write(path) as f:  # fsynced, with its directory entry
+                f.write(data)
+            return
         self._retry(lambda: self.fs.pipe_file(full, data), "writing an object")
 
     def read_bytes(self, path: str) -> bytes:
@@ -279,6 +315,15 @@ class FsspecBackend(Backend):
         self._retry(attempt, f"uploading {len(pairs)} files")
         for _, rel in pairs:
             self.fs.invalidate_cache(self._full(rel))
+        if self.is_local:  # copied by fsspec without fsync: make the copies durable here
+            for full in {self._full(rel) for _, rel in pairs}:
+                fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            for parent in {os.path.dirname(self._full(rel)) for _, rel in pairs}:
+                _fsync_dir(parent)
 
     def _put_options(self) -> dict:
         """Bound what an upload holds in memory: files in flight x parts in flight x part
@@ -327,6 +372,30 @@ class FsspecBackend(Backend):
 
     def close(self) -> None:
         self.leases.close()
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the entries of local directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _DurableLocalFile(LocalWriteFile):
+    """A local ``file://`` file: fsynced on close (``LocalWriteFile``), then its directory, so
+    that the new entry survives a power loss with its bytes."""
+
+    def __init__(self, fd: int, directory: str):
+        super().__init__(fd, durable=True)
+        self._dir = directory
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        _fsync_dir(self._dir)
 
 
 class ObjectReader(io.RawIOBase):

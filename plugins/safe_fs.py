@@ -22,18 +22,20 @@ tier's replica directories), so the way from the configured root down is link-fr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import shutil
 import stat
+import sys
 from typing import Iterator
 
 from tierstore.plugin import IntegrityError, MappedFile, WrittenFile
 
 from .ownership import DIR_MODE, check_open_root
 
-__all__ = ["TierTree", "is_dir_at", "mapped_end", "open_dir_at", "open_regular_at", "remove_at",
-           "written_end"]
+__all__ = ["TierTree", "exchange_at", "is_dir_at", "mapped_end", "open_dir_at", "open_regular_at",
+           "remove_at", "written_end"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: opening a FIFO someone put in place of a file must not wait for a writer
@@ -80,6 +82,59 @@ def remove_at(dir_fd: int, name: str) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
+
+
+# renameat2(2)'s flag that swaps two existing entries in one step (Linux >= 3.15; ext4, xfs,
+# btrfs, tmpfs among others). Reached through libc (glibc >= 2.28) or, failing that, the raw
+# system call on the architectures whose number is known here.
+_RENAME_EXCHANGE = 2
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347}
+# What renameat2 fails with where the kernel or the filesystem cannot exchange (NFS, FUSE, an
+# old kernel): the caller then replaces in two steps.
+_NO_EXCHANGE = (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+def _load_renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        fn = libc.renameat2
+    except AttributeError:
+        number = _SYS_RENAMEAT2.get(os.uname().machine)
+        if number is None:
+            return None
+        syscall = libc.syscall
+        syscall.restype = ctypes.c_long
+
+        def fn(olddirfd, oldpath, newdirfd, newpath, flags):
+            return syscall(ctypes.c_long(number), ctypes.c_int(olddirfd), ctypes.c_char_p(oldpath),
+                           ctypes.c_int(newdirfd), ctypes.c_char_p(newpath),
+                           ctypes.c_uint(flags))
+        return fn
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+
+
+def exchange_at(src_dir_fd: int, src_name: str, dst_dir_fd: int, dst_name: str) -> bool:
+    """Swap entries ``src_name`` (in ``src_dir_fd``) and ``dst_name`` (in ``dst_dir_fd``) in one
+    step, so that neither name is ever missing: a crash leaves one state or the other. Entries
+    are swapped themselves (a link is moved, not followed). False when this OS, kernel or
+    filesystem cannot (nothing changed then); other failures raise OSError (FileNotFoundError
+    when either entry is missing)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(src_dir_fd, os.fsencode(src_name), dst_dir_fd, os.fsencode(dst_name),
+                  _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), f"{src_name} <-> {dst_name}")
 
 
 def open_regular_at(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
@@ -223,6 +278,12 @@ class TierTree:
                     raise FileExistsError(errno.EEXIST, "already exists",
                                           os.path.join(self.root, dst))
             os.replace(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap entries ``a`` and ``b`` (both existing) in one step (:func:`exchange_at`);
+        False when the filesystem cannot, and nothing changed."""
+        with self.parent(a) as (a_fd, a_name), self.parent(b) as (b_fd, b_name):
+            return exchange_at(a_fd, a_name, b_fd, b_name)
 
     def refusal(self, dir_fd: int, name: str, rel: str, exc: OSError) -> OSError | IntegrityError:
         """What to raise for ``exc``, from opening ``name`` in ``dir_fd`` on the way to
