@@ -17,7 +17,9 @@ import fcntl
 import io
 import os
 import shutil
+import logging
 import stat
+import struct
 import sys
 from typing import IO
 
@@ -47,6 +49,8 @@ def _load_sync_file_range():
 
 
 _sync_file_range = _load_sync_file_range()
+
+log = logging.getLogger("tierstore.local")
 
 # Linux's limits on a name (one path component) and on a whole path, in bytes; PATH_MAX counts
 # the terminating NUL. Beyond them every call fails with ENAMETOOLONG, so a tier's path is
@@ -150,6 +154,37 @@ def _still_named(fd: int, dir_fd: int, name: str) -> bool:
         return False
     held = os.fstat(fd)
     return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+# struct flock of fcntl(2) on Linux: l_type, l_whence, l_start, l_len, l_pid (native alignment).
+_FLOCK = "@hhqqi4x"
+_warned_unlockable: set[str] = set()
+
+
+def _nobody_holds(fd: int, refused: OSError, full: str) -> bool:
+    """After an exclusive ``flock`` on directory ``fd`` failed with ``refused`` (not because
+    it is held): whether no other process holds the directory, known for certain, or False.
+
+    NFS emulates ``flock`` with POSIX record locks, and an exclusive one needs a descriptor
+    open for writing, which a directory cannot have: EBADF. The shared locks of writers there
+    are POSIX read locks on the directory, which F_GETLK sees from a read-only descriptor, so
+    the question is asked that way. Any other failure (no locks on this mount at all) cannot
+    be answered: the directory is kept, and gc or ``keep`` tries again later."""
+    if refused.errno == errno.EBADF:
+        try:
+            probe = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+            answer = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+        except OSError as exc:
+            refused = exc
+        else:
+            return answer[0] == fcntl.F_UNLCK
+    parent = os.path.dirname(full)
+    if parent not in _warned_unlockable:
+        _warned_unlockable.add(parent)
+        log.warning("cannot lock directories in %s (%s): gc and keep leave what they cannot "
+                    "lock there, since another process may still be writing it", parent,
+                    os.strerror(refused.errno or 0))
+    return False
 
 
 class LocalBackend(Backend):
@@ -325,7 +360,8 @@ class LocalBackend(Backend):
     def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:
         """``flock`` on the directory: shared while a rank writes or sends a checkpoint,
         exclusive (non-blocking) to evict or collect it; the lock goes with the process if it
-        dies. Exclusive on a directory that is not there locks nothing; shared raises
+        dies. An exclusive lock the filesystem refuses is None ("held") unless it can be told
+        for certain that no other process holds the directory (:func:`_nobody_holds`). Exclusive on a directory that is not there locks nothing; shared raises
         FileNotFoundError when the directory is not there or was removed while the lock
         waited (an exclusive holder deleted it), so a writer never holds a deleted one."""
         rel = self._rel(path)
@@ -354,11 +390,16 @@ class LocalBackend(Backend):
         except BlockingIOError:
             os.close(fd)
             return None
-        except OSError:
-            # A filesystem without flock on directories (NFS emulates it with fcntl locks,
-            # which refuse read-only descriptors; Lustre mounted noflock): nothing is locked,
-            # and retention goes on as without the lock (each store still spares what it reads).
-            os.close(fd)
+        except OSError as exc:
+            try:
+                if exclusive:
+                    # Whoever asks exclusively is about to delete: a lock that could not be
+                    # taken is never read as "nobody holds it".
+                    return DirectoryLock() if _nobody_holds(fd, exc, full) else None
+            finally:
+                os.close(fd)
+            # A shared lock that cannot be taken (Lustre mounted noflock): the write goes on;
+            # what keeps its directory is that no exclusive locker deletes without knowing.
             return DirectoryLock()
         except BaseException:
             os.close(fd)

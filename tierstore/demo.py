@@ -153,13 +153,18 @@ def run(root: str, steps: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m tierstore.demo`` and ``tierstore demo``."""
     parser = argparse.ArgumentParser(prog="tierstore demo", description=__doc__)
-    parser.add_argument("--dir", help="where to put the tiers (default: a temporary directory, "
-                                      "removed at the end)")
+    parser.add_argument("--dir", help="keep the demo's tiers in a new directory inside this one "
+                                      "(default: a temporary directory, removed at the end)")
     parser.add_argument("--steps", type=int, default=5, help="training steps (one save each)")
     args = parser.parse_args(argv)
     if args.dir:
+        # A directory of its own inside --dir: the demo writes a config and tiers there and
+        # deletes its RAM tier to show a reboot, so it must not share a name with anything
+        # the user keeps in --dir.
         os.makedirs(args.dir, exist_ok=True)
-        run(os.path.abspath(args.dir), args.steps)
+        root = tempfile.mkdtemp(prefix="tierstore-demo-", dir=os.path.abspath(args.dir))
+        run(root, args.steps)
+        print(f"the demo's config and tiers are kept in {root}")
         return
     root = tempfile.mkdtemp(prefix="tierstore-demo-")
     try:

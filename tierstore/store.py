@@ -51,15 +51,19 @@ class Store:
 
     def __init__(self, config: Any, *, process_group: Any = None,
                  plugins: Iterable[object] = (), hand_off: bool = False,
-                 tolerate_unreachable: bool = False):
+                 tolerate_unreachable: bool = False, read_only: bool = False):
         plugins = tuple(plugins)
+        #: queries only (see :func:`open`): nothing is started that writes to a tier
+        self.read_only = read_only
         spec = StoreSpec.of(config, plugins)
         self._stats = TierStats()
         self._watchdog = watchdog = Watchdog()
         config, host = load_config(config, plugins, {"tierstore.engine.stats": self._stats,
                                                      "tierstore.engine.watchdog": watchdog})
         job = rank_context(process_group)
-        stager = host.lookup("staging", config.staging.name).factory(**config.staging.options)
+        # A read-only store never saves, so it never builds the buffers a save stages into.
+        stager = None if read_only else host.lookup("staging", config.staging.name).factory(
+            **config.staging.options)
         self._closed = False
         # Two groups: collectives inside a save or load (maybe in a background thread) never
         # interleave with latest() on the main one.
@@ -88,7 +92,7 @@ class Store:
         self._catalog = Catalog(ctx, self._retention, health)
         self._scrubber = Scrubber(ctx, self._drainer, self._retention, health, self._catalog)
         self._background_scrub = None
-        if config.scrub_every_s and job.rank == 0 and not hand_off:
+        if config.scrub_every_s and job.rank == 0 and not hand_off and not read_only:
             self._background_scrub = BackgroundScrub(self._scrubber, config.scrub_every_s,
                                                      host, job.rank)
         self._hand_off = HandOff(spec, tiers, job.rank, self._drainer, self._retention, health,
@@ -104,7 +108,10 @@ class Store:
             self._background_scrub.start()
         self._atexit = _exit_handler(weakref.ref(self))
         atexit.register(self._atexit)
-        if job.rank == 0 and not tiers.node_local and not hand_off:
+        # Resuming drains writes to the slower tiers (and on ``manifest-last`` tiers wipes the
+        # prefix it starts on): a read-only store, an operator's query beside a live job that
+        # may be draining the same checkpoint, leaves that to the job or to `tierstore wait`.
+        if job.rank == 0 and not tiers.node_local and not hand_off and not read_only:
             queue_missing_copies(list(tiers), self._drainer, health)
         host.store_opened(self)
 
@@ -121,6 +128,7 @@ class Store:
         ``emergency=True``: save to the fastest tier whatever its ``every``, and queue no drains
         (a process about to exit; the next ``tierstore.open`` queues them)."""
         self._check_open()
+        self._check_writable("save")
         return TierstoreWriter(self._writer_services, emergency=emergency)
 
     def reader(self) -> TierstoreReader:
@@ -148,8 +156,17 @@ class Store:
         return self._catalog.verify(checkpoint_id, tier)
 
     def pending(self) -> list[PendingCopy]:
-        """Copies to slower tiers not finished yet (checkpoint and tier), oldest first."""
-        return self._drainer.pending()
+        """Copies to slower tiers not finished yet (checkpoint and tier), oldest first. A
+        read-only store runs no drains: its answer is the copies missing from the tiers now,
+        those a writable open would resume (or the job writing them is making)."""
+        if not self.read_only:
+            return self._drainer.pending()
+        tiers = self._ctx.tiers
+        if self._ctx.rank != 0 or tiers.node_local:
+            return []
+        missing = _MissingCopies()
+        queue_missing_copies(list(tiers), missing, self._health)  # type: ignore[arg-type]
+        return missing.copies
 
     def stats(self) -> dict[str, TierFigures]:
         """Per-tier figures of this process since the store was opened: saves, drains, loads
@@ -178,6 +195,7 @@ class Store:
         copies cleanly; ``pin``: pinned there, so that its ``keep`` never evicts it. A copy
         already complete there is left as it is (pinned if asked)."""
         self._check_open()
+        self._check_writable("promote")
         cid = validate_checkpoint_id(checkpoint_id)
         return self._scrubber.promote(cid, self._ctx.tiers.named(to), pin)
 
@@ -186,6 +204,8 @@ class Store:
         or incomplete copy from a good copy on another tier (checked, committed as that tier's
         protocol says) and re-read it."""
         self._check_open()
+        if repair:
+            self._check_writable("repair")
         return self._scrubber.scrub(repair)
 
     def export(self, checkpoint_id: str, fmt: str, path: str) -> ExportResult:
@@ -201,16 +221,19 @@ class Store:
     def pin(self, checkpoint_id: str) -> None:
         """Mark a checkpoint so that ``keep`` never deletes it, on every tier holding it."""
         self._check_open()
+        self._check_writable("pin")
         self._catalog.set_pinned(checkpoint_id, True)
 
     def unpin(self, checkpoint_id: str) -> None:
         """Let ``keep`` delete a checkpoint again."""
         self._check_open()
+        self._check_writable("unpin")
         self._catalog.set_pinned(checkpoint_id, False)
 
     def gc(self) -> list[str]:
         """Remove what interrupted saves left on every tier (never a committed checkpoint)."""
         self._check_open()
+        self._check_writable("gc")
         return [f"{tier.name}:{name}" for tier in self._ctx.tiers.read_order()
                 for name in self._health.ask(tier, "gc", lambda t=tier: self._gc.collect(t), [])]
 
@@ -265,6 +288,7 @@ class Store:
         checkpoint at a step all ranks agree on; see :class:`tierstore.preemption.Preemption`.
         Collective (every rank, main thread)."""
         self._check_open()
+        self._check_writable("save at preemption")
         return Preemption(self._ctx, self._ledger.slot, lambda: self.writer(emergency=True),
                           self.close, signals)
 
@@ -296,10 +320,16 @@ class Store:
             if staging is not None:  # a lazy copy still running reads the buffers
                 futures.wait([staging.future])
             self._ledger.release_spill()
-            self._stager.close()
+            if self._stager is not None:
+                self._stager.close()
             for tier in [*ctx.tiers, *ctx.tiers.replica_tiers.values()]:
                 tier.backend.close()
             _destroy(ctx.groups.main, ctx.groups.io, ctx.groups.replication)
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise RuntimeError(f"cannot {what}: this store was opened read_only (queries "
+                               f"only); open it without read_only to change the tiers")
 
     def __enter__(self) -> "Store":
         return self
@@ -313,6 +343,20 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<tierstore.Store tiers={[t.name for t in self._ctx.tiers]} rank={self._ctx.rank}>"
+
+
+class _MissingCopies:
+    """What :func:`queue_missing_copies` hands a drainer, kept as a list instead of copied:
+    how a read-only store says which copies are pending without making them."""
+
+    def __init__(self) -> None:
+        self.copies: list[PendingCopy] = []
+
+    def pending(self) -> list[PendingCopy]:
+        return []  # nothing is queued in a read-only store
+
+    def submit(self, job: Any) -> None:
+        self.copies += [PendingCopy(job.checkpoint_id, t.name) for t in job.targets]
 
 
 class _StagingWait:
@@ -355,7 +399,7 @@ def _checkpoint_process_services(spec: StoreSpec) -> WriterServices:
 
 
 def open(config: Any, *, process_group: Any = None, plugins: Iterable[object] = (),
-         tolerate_unreachable: bool = False) -> Store:
+         tolerate_unreachable: bool = False, read_only: bool = False) -> Store:
     """Build a store from a TOML file path or a dict of the same shape.
 
     Validates the whole config (and loads every plugin) before anything is written. Under
@@ -364,6 +408,13 @@ def open(config: Any, *, process_group: Any = None, plugins: Iterable[object] = 
     A tier whose storage does not answer fails the open (a ConfigError naming it), unless
     ``tolerate_unreachable`` (what the ``tierstore`` command uses): then it is reported
     unreachable and skipped, as a tier that dies later is, and the others work.
+
+    ``read_only``: a store for queries (``list``, ``status``, ``verify``, ``inspect``,
+    ``export``, ``scrub`` without repair), safe beside a running job: it resumes no drains,
+    runs no background scrub, builds no staging buffers, and takes no lock or lease, so it
+    writes nothing to any tier; the methods that would (``writer``, ``promote``, ``pin``,
+    ``unpin``, ``gc``, ``scrub(repair=True)``, ``preemption``) raise RuntimeError. What the
+    ``tierstore`` command's reading commands use.
     """
     return Store(config, process_group=process_group, plugins=plugins,
-                 tolerate_unreachable=tolerate_unreachable)
+                 tolerate_unreachable=tolerate_unreachable, read_only=read_only)

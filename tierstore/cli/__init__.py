@@ -18,7 +18,9 @@
 
 Every command takes --json (one JSON document on stdout, nothing else there) and exits 0 on
 success, 1 when what it checked is bad (or the operation failed), 2 on a usage or config error.
-Long operations draw a progress bar on stderr when it is a terminal.
+Long operations draw a progress bar on stderr when it is a terminal. ls, status, inspect,
+verify, export and scrub (without --repair) open the store read-only: beside a running job
+they resume none of its drains and write nothing to any tier; wait and gc are the ones that act.
 """
 
 from __future__ import annotations

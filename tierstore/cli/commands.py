@@ -23,12 +23,17 @@ __all__ = ["COMMANDS"]
 
 
 @contextlib.contextmanager
-def _store(args: argparse.Namespace, bars: ProgressBars | None = None) -> Iterator[Any]:
+def _store(args: argparse.Namespace, bars: ProgressBars | None = None, *,
+           read_only: bool = False) -> Iterator[Any]:
+    """The store of ``args.config``. ``read_only`` for the commands that only look: they run
+    beside a live job, so they must neither resume its drains (racing the job's own copy of
+    the same checkpoint, and waiting for it at close) nor write anything to a tier; only the
+    commands that act (``wait``, ``gc``, ``promote``, ``scrub --repair``, ``pin``) may."""
     from tierstore.store import open as open_store
 
     # A tier that does not answer is reported (status says so), never fatal for the others.
     with open_store(args.config, plugins=[bars] if bars is not None else [],
-                    tolerate_unreachable=True) as store:
+                    tolerate_unreachable=True, read_only=read_only) as store:
         yield store
 
 
@@ -97,7 +102,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """Checkpoints, newest first, and the tiers holding them."""
-    with _store(args) as store:
+    with _store(args, read_only=True) as store:
         infos = store.list()
     rows = [[i.id, _size(i.size_bytes), _when(i.committed), "yes" if i.pinned else "",
              ", ".join(i.tiers)] for i in infos]
@@ -109,7 +114,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Per tier: reachable, newest, age, steps behind, bytes, free space; pending copies."""
-    with _store(args) as store:
+    with _store(args, read_only=True) as store:
         status = store.status()
     rows = [[t.name, "yes" if t.reachable else "NO", t.newest or "-", _age(t.newest_age_s),
              "-" if t.steps_behind is None else str(t.steps_behind), str(t.checkpoints),
@@ -127,7 +132,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Manifest, files per rank, tensors, and where each copy is."""
-    with _store(args) as store:
+    with _store(args, read_only=True) as store:
         report = store.inspect(args.id)
     lines = [f"{report.checkpoint_id}: step {report.step if report.step is not None else '-'}, "
              f"world size {report.world_size}, {_size(report.size_bytes)}, committed "
@@ -149,7 +154,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-read one checkpoint and check sizes and checksums (1 when bad)."""
     bars = _bars(args)
-    with _store(args, bars) as store:
+    with _store(args, bars, read_only=True) as store:
         try:
             with _bar_for(bars, store, args.id, f"verify {args.id}",
                           lambda info: 1 if args.tier else len(info.tiers)):
@@ -181,7 +186,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """One consolidated file from the fastest good copy."""
     bars = _bars(args)
-    with _store(args, bars) as store, _bar_for(bars, store, args.id, f"export {args.id}"), \
+    with _store(args, bars, read_only=True) as store, \
+            _bar_for(bars, store, args.id, f"export {args.id}"), \
             warnings.catch_warnings():
         # DCP warns that a load without torch.distributed runs in one process: it does.
         warnings.simplefilter("ignore", UserWarning)
@@ -197,7 +203,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_scrub(args: argparse.Namespace) -> int:
     """Verify every copy on every tier; ``--repair`` replaces bad copies from good ones."""
     bars = _bars(args)
-    with _store(args, bars) as store:
+    with _store(args, bars, read_only=not args.repair) as store:
         infos = store.list()
         bars.start("scrub", sum(i.size_bytes * len(i.tiers) for i in infos),
                    sum(i.files * len(i.tiers) for i in infos))

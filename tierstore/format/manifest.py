@@ -110,11 +110,13 @@ class Manifest:
             raise ManifestError("not a valid manifest: not a JSON object")
         if data.get("format") != FORMAT_VERSION:
             raise ManifestError(f"unknown manifest format {data.get('format')!r}")
-        if SEAL_KEY not in data and not _warned_unsealed:
+        sealed = SEAL_KEY in data
+        keyring.open(data)  # refuses one without a seal unless [store] accept_unsigned
+        if not sealed and not _warned_unsealed:
             _warned_unsealed = True
-            log.warning("a manifest without a seal (written by an older tierstore) was read; "
-                        "its fields are checked but not covered by a checksum")
-        keyring.open(data)
+            log.warning("a manifest without a seal (written by an older tierstore) was read "
+                        "under [store] accept_unsigned; its fields are checked but not "
+                        "covered by a checksum")
         return cls._from_fields(data)
 
     @classmethod

@@ -153,9 +153,11 @@ class Keyring:
     def open(self, data: dict[str, Any]) -> None:
         """Check the seal of ``data`` (a manifest read from a tier, as a dict) and remove it.
 
-        A MAC must be made by one of this store's keys; an XXH3 seal (or none, from before
-        seals) is an unsigned manifest, refused when keys are configured unless
-        ``accept_unsigned``. Raises SignatureError (an IntegrityError) saying which."""
+        A MAC must be made by one of this store's keys; an XXH3 seal is an unsigned manifest,
+        refused when keys are configured unless ``accept_unsigned``. A manifest with no seal at
+        all (written before seals, or stripped of its seal to pass a change) is refused unless
+        ``accept_unsigned``: nothing covers its fields. Raises SignatureError (an
+        IntegrityError) saying which."""
         seal = data.pop(SEAL_KEY, None)
         signed_by = data.get(SIGNED_BY_KEY, "")
         if isinstance(seal, str) and seal.startswith(MAC_PREFIX):
@@ -174,7 +176,13 @@ class Keyring:
                 "to read checkpoints written before signing, set [store] accept_unsigned = true "
                 "while migrating")
         if seal is None:
-            return  # written before seals; the caller decides whether that is allowed
+            if self.accept_unsigned:
+                return  # written before seals, read while migrating
+            raise SignatureError(
+                "the manifest has no seal, so nothing shows its fields are as written (it was "
+                "written before manifests were sealed, or its seal was removed); to read "
+                "checkpoints from before seals, set [store] accept_unsigned = true while "
+                "migrating, then save them again")
         if signed_by:
             raise SignatureError("the manifest names a signing key but carries no MAC")
         if not isinstance(seal, str) or not hmac.compare_digest(seal, seal_of(data)):
