@@ -9,12 +9,20 @@ store on the same tiers and checks what a user relies on:
 1. ``store.latest()`` is never torn nor older than the last save that returned;
 2. every checkpoint ``store.list()`` reports loads bitwise equal to what was saved under its id
    (or the load fails with a ``tierstore.TierstoreError``);
-3. the next save, ``store.wait()`` and ``store.gc()`` recover and leave nothing hidden behind.
+3. the next save, ``store.wait()`` and ``store.gc()`` recover and leave nothing hidden behind;
+4. (issue 25) the newest committed checkpoint loads bitwise from some tier alone; nothing is
+   ever mixed; nothing that was committed and is within ``keep`` disappears; a spoiled drain
+   source is never propagated; a ``tierstore`` command beside a live drain changes nothing; a
+   save never waits for a drain's retention stalled on a slow tier.
+
+Besides the matrix as it was (``classic``), ``--kinds`` runs issue 25's kinds: ``keep1``,
+``spoil``, ``cli``, ``stall``, ``ops`` (scrub and promote), ``ops-s3`` and ``multinode`` (2
+simulated nodes x 2 ranks under torchrun, ``multinode`` and tests/scripts/faults_node_worker.py).
 
 Run it with ``make faults`` (the whole matrix, with a table) or ``python -m tests.faults --help``;
 ``tests/test_fault_matrix.py`` runs a sample in CI. Modules: ``state`` (state dicts),
 ``scenario`` (a job from a seed), ``inject`` (where and how faults strike), ``workload`` (the
 job a trial runs), ``checks`` (the invariants), ``procs`` (forked children and workers),
 ``places`` (directories, tmpfs, server), ``plan`` (trials and which to run), ``table`` (the
-result), ``matrix`` (running it all; the command).
+result), ``multinode`` (the torchrun trials), ``matrix`` (running it all; the command).
 """

@@ -13,7 +13,16 @@
 4. after a fault that fills a real filesystem (``tmpfs-full``, ``first-full``), every save that
    fails says so: a ``TierFullError`` naming the tier (never a bare ``OSError``), and nothing of
    it is left on the first tier once it has failed; a first-full save given room for its
-   checkpoint commits.
+   checkpoint commits;
+5. (issue 25) the newest committed checkpoint (the newest whose save returned, or that a tier
+   was seen holding) loads bitwise from some tier alone, or a newer one does; nothing is ever
+   mixed (every load is bitwise one save's data: invariants 1, 2 and this one compare with the
+   state of the id); nothing committed and within ``keep`` disappears: a checkpoint the job saw
+   complete on a tier (``holds`` lines) is still there, unless the tier holds ``keep`` newer
+   ones (a copy the trial damaged on purpose aside);
+6. after a drain's source was corrupted or removed under it (``corrupt-source``,
+   ``vanish-source``), every copy another tier lists loads bitwise: a bad source is never
+   propagated.
 
 ``check`` returns violations (a broken promise) and notes (what a user may see but the
 contract allows, e.g. a load refused with a ``TierstoreError``).
@@ -31,6 +40,7 @@ from typing import Any, Iterator
 from unittest import mock
 
 import tierstore
+from tierstore.engine.publish import PENDING_PART
 
 from .inject import BALLAST, FIRST_FULL, FULL_FAULTS
 from .plan import Trial
@@ -67,8 +77,14 @@ def check(scenario: Scenario, place: Place, trial: Trial | None = None) -> dict[
         _check_full(trial, journal, found)
     begun = [rest.split()[0] for kind, rest in journal if kind == "begin"]
     saved = [rest.split()[0] for kind, rest in journal if kind == "saved"]
+    spoiled = {tuple(rest.split()[:2]) for kind, rest in journal if kind == "spoiled"}
+    strict = trial is not None and trial.fault in ("corrupt-source", "vanish-source")
+    good: dict[str, set[str]] = {}   # tier -> ids whose copy there loads bitwise
+    listed: dict[str, list[str]] = {}  # tier -> ids it lists, newest first
     for tier in scenario.tiers(place, faulty=False):
-        _check_tier_copies(scenario, tier, found)
+        good[tier["name"]], listed[tier["name"]] = _check_tier_copies(
+            scenario, tier, found, must_load=strict and tier["name"] != "fast")
+    _check_kept(scenario, journal, saved, good, listed, spoiled, found)
     if place.mount is not None:
         # The operator frees the space before the job restarts: the store resumes drains as
         # soon as it opens, and on a full disk they would fail again (and rightly say so).
@@ -77,15 +93,24 @@ def check(scenario: Scenario, place: Place, trial: Trial | None = None) -> dict[
         except FileNotFoundError:
             pass
     with tierstore.open(scenario.config(place, faulty=False)) as store:
-        _check_latest(scenario, store, begun, saved, found)
+        # The last save's only copy may be one the trial damaged on purpose: then nothing can
+        # bring it back, and latest() may be older.
+        damaged = {i for _, i in spoiled}
+        expect = [cid for cid in saved if cid not in damaged]
+        if expect and any(step_of(c) > step_of(expect[-1]) for c in damaged):
+            expect = []  # keep made room for a newer save, which the trial then damaged
+        _check_latest(scenario, store, begun, expect, found, damaged)
         _check_loads(scenario, store, found)
-        _check_recovery(scenario, store, found)
+        _check_recovery(scenario, store, found, damaged)
         complete = {}  # tier -> what is complete there, once nothing runs any more
         for info in store.list():
             for name in info.tiers:
                 complete.setdefault(name, set()).add(info.id)
     for tier in scenario.tiers(place, faulty=False):
-        _check_leftovers(tier, complete.get(tier["name"], set()), found)
+        # A copy the trial damaged on purpose (a file removed or changed) is no leftover of
+        # an interrupted save: gc must not take it for one, nor must the check.
+        damaged = {cid for name, cid in spoiled if name == tier["name"]}
+        _check_leftovers(tier, complete.get(tier["name"], set()) | damaged, found)
     return found.as_dict()
 
 
@@ -122,8 +147,9 @@ def _single_tier(tier: dict) -> dict:
 
 
 def _load(scenario: Scenario, store: tierstore.Store, cid: str, where: str,
-          found: Findings, *, must_load: bool = False) -> None:
-    """Load ``cid``: equal bitwise, or a TierstoreError (a violation when ``must_load``)."""
+          found: Findings, *, must_load: bool = False) -> bool:
+    """Load ``cid``: equal bitwise, or a TierstoreError (a violation when ``must_load``).
+    Whether it loaded bitwise."""
     import torch.distributed.checkpoint as dcp
 
     want = state_for(cid, scenario.seed)
@@ -141,21 +167,67 @@ def _load(scenario: Scenario, store: tierstore.Store, cid: str, where: str,
         else:
             found.violations.append(f"{cid} ({where}) failed to load without a TierstoreError: "
                                     f"{describe(exc)}")
-        return
+        return False
     wrong = differences(got, want)
     if wrong:
         found.violations.append(f"{cid} ({where}) loads other data: {'; '.join(wrong)}")
+    return not wrong
 
 
-def _check_tier_copies(scenario: Scenario, tier: dict, found: Findings) -> None:
-    """Invariant 2 on each tier alone: every copy it lists loads bitwise."""
+def _check_tier_copies(scenario: Scenario, tier: dict, found: Findings, *,
+                       must_load: bool = False) -> tuple[set[str], list[str]]:
+    """Invariant 2 on each tier alone: every copy it lists loads bitwise (``must_load``: a
+    copy that is refused is a violation too, invariant 6). Returns the ids that loaded bitwise
+    and every id the tier lists, newest first."""
+    good, ids = set(), []
     with tierstore.open(_single_tier(tier)) as store:
         for info in store.list():
-            _load(scenario, store, info.id, f"its copy on tier '{tier['name']}'", found)
+            ids.append(info.id)
+            where = f"its copy on tier '{tier['name']}'" + (
+                ", after a drain's source was spoiled" if must_load else "")
+            if _load(scenario, store, info.id, where, found, must_load=must_load):
+                good.add(info.id)
+    return good, ids
+
+
+def _check_kept(scenario: Scenario, journal: list[tuple[str, str]], saved: list[str],
+                good: dict[str, set[str]], listed: dict[str, list[str]],
+                spoiled: set[tuple[str, str]], found: Findings) -> None:
+    """Invariant 5: the newest committed checkpoint loads from some tier alone (or a newer
+    one does); what a tier was seen holding is still there unless ``keep`` newer ones are."""
+    keep = {t["name"]: t.get("keep") for t in scenario.tiers(
+        Place(fast="", slow="", journal="", log=""), faulty=False)}
+    committed = set(saved)
+    for kind, rest in journal:
+        if kind != "holds":
+            continue
+        name, *ids = rest.split()
+        committed.update(ids)
+        for cid in ids:
+            if (name, cid) in spoiled or cid in listed.get(name, []):
+                continue
+            # (a copy the trial damaged still counts as one the tier made room for)
+            there = set(listed.get(name, [])) | {i for t, i in spoiled if t == name}
+            newer = sorted((i for i in there if step_of(i) > step_of(cid)), key=step_of)
+            if keep.get(name) is None or len(newer) < keep[name]:
+                found.violations.append(
+                    f"{cid} was complete on tier '{name}' and is gone although the tier "
+                    f"holds {len(newer)} newer checkpoint(s) ({newer}) and keeps "
+                    f"{keep.get(name) or 'all'}")
+    if committed:
+        newest = max(committed, key=step_of)
+        if any(cid == newest for _, cid in spoiled):
+            return  # the trial damaged it on purpose: its other copies are invariant 6's
+        loads = {i for ids in good.values() for i in ids}
+        if not any(step_of(i) >= step_of(newest) for i in loads):
+            found.violations.append(
+                f"the newest committed checkpoint {newest} loads bitwise from no tier alone, "
+                f"nor does a newer one (bitwise: "
+                f"{ {name: sorted(ids, key=step_of) for name, ids in good.items()} })")
 
 
 def _check_latest(scenario: Scenario, store: tierstore.Store, begun: list[str],
-                  saved: list[str], found: Findings) -> None:
+                  saved: list[str], found: Findings, damaged: set[str] = frozenset()) -> None:
     """Invariant 1."""
     latest = store.latest()
     ids = [info.id for info in store.list()]
@@ -178,7 +250,9 @@ def _check_latest(scenario: Scenario, store: tierstore.Store, begun: list[str],
             found.violations.append(f"latest() is {latest}, which the job never saved")
         if ids and latest != ids[0]:
             found.violations.append(f"latest() is {latest} but list() starts with {ids[0]}")
-        _load(scenario, store, latest, "latest()", found, must_load=True)
+        # (a checkpoint the trial damaged on purpose may have no good copy left: a clear
+        # TierstoreError is all it can give)
+        _load(scenario, store, latest, "latest()", found, must_load=latest not in damaged)
 
 
 def _check_loads(scenario: Scenario, store: tierstore.Store, found: Findings) -> None:
@@ -187,7 +261,8 @@ def _check_loads(scenario: Scenario, store: tierstore.Store, found: Findings) ->
         _load(scenario, store, info.id, "through the store", found)
 
 
-def _check_recovery(scenario: Scenario, store: tierstore.Store, found: Findings) -> None:
+def _check_recovery(scenario: Scenario, store: tierstore.Store, found: Findings,
+                    damaged: set[str] = frozenset()) -> None:
     """Invariant 3, first part: the next save, wait() and gc() succeed."""
     import torch.distributed.checkpoint as dcp
 
@@ -201,7 +276,13 @@ def _check_recovery(scenario: Scenario, store: tierstore.Store, found: Findings)
         try:
             call()
         except FAILURES as exc:
-            found.violations.append(f"{what} after the next save failed: {describe(exc)}")
+            text = describe(exc)
+            if isinstance(exc, tierstore.DrainError) and any(
+                    f"'{cid}'" in text for cid in damaged):
+                # a resumed drain of a copy the trial damaged on purpose must fail, and say so
+                found.notes.append(f"{what} after the next save: {text}")
+                continue
+            found.violations.append(f"{what} after the next save failed: {text}")
     latest = store.latest()
     if latest != cid:
         found.violations.append(f"after the next save ({cid}) latest() is {latest}")
@@ -268,7 +349,12 @@ def _leftovers(tier: dict, complete: set[str]) -> list[str]:
     name = tier["name"]
     out = []
     for top, files in sorted(tier_entries(tier).items()):
-        hidden = [f for f in files if any(p.startswith(HIDDEN_PREFIX) for p in f.split("/"))]
+        # A node-local part whose checkpoint's commit this node has not yet learned carries
+        # the pending marker until the next save settles it (tierstore.engine.publish): in a
+        # complete checkpoint that is a state, not a leftover; an orphan part is no complete
+        # checkpoint and is caught below.
+        hidden = [f for f in files if any(p.startswith(HIDDEN_PREFIX) for p in f.split("/"))
+                  and f != PENDING_PART]
         leased = "LEASED " if any(f.startswith(LEASE_PREFIX) for f in files) else ""
         if top.startswith("."):
             out.append(f"{leased}tier '{name}' still holds {top} after gc()")
@@ -278,8 +364,12 @@ def _leftovers(tier: dict, complete: set[str]) -> list[str]:
         elif hidden:
             out.append(f"{leased}tier '{name}': {top}/ still holds {hidden} after gc()")
         else:
-            named = set(_read_manifest(tier, top)["files"]) | {MANIFEST}
-            stray = sorted(set(files) - named)
+            try:
+                named = set(_read_manifest(tier, top)["files"]) | {MANIFEST}
+            except FileNotFoundError:
+                continue  # a damaged copy (see check): its manifest is what was removed
+
+            stray = sorted(set(files) - named - {PENDING_PART})
             if stray:
                 out.append(f"tier '{name}': {top}/ holds files its manifest does not name: "
                            f"{stray}")

@@ -1,6 +1,7 @@
 """The fault matrix: plan trials, run them on forked workers, print the table.
 
-A trial is ``ROW:FAULT:NTH:SEED[:s3][:roomN]`` (see ``plan``): the job of ``SEED`` with ``FAULT``
+A trial is ``ROW:FAULT:NTH:SEED[:s3][:roomN][:VARIANT]`` (see ``plan``; ``node/PHASE@RANK``
+rows are the multi-node trials, see ``multinode``): the job of ``SEED`` with ``FAULT``
 striking at the ``NTH`` announcement of ``ROW``, its slow tier on S3 with ``:s3``, the first
 tier's free space that checkpoint's size plus ``N`` pages with ``first-full``. Planning
 first runs each candidate job once without a fault and counts what every row announces, so
@@ -12,6 +13,8 @@ that runs it again alone.
     python -m tests.faults --sample             # the CI sample
     python -m tests.faults --trial save/write_file:sigkill:6:100037
     python -m tests.faults --faults first-full --no-s3   # the almost full first tier only
+    python -m tests.faults --kinds keep1,spoil,cli,stall,ops,ops-s3,multinode  # issue 25's
+    python -m tests.faults --trial node/write_metadata@0:sigkill:3:1   # a multi-node trial
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -37,6 +41,7 @@ import tierstore
 
 from .checks import check
 from .inject import FAULTS, FIRST_FULL, FULL_FAULTS, Injector
+from .multinode import dry_counts, plan_multinode, run_chain
 from .places import Env, mount_tmpfs, server_module, unmount
 from .plan import Trial, plan_cells, plan_first_full, row_key
 from .procs import ChildResult, run_child, run_pool
@@ -52,6 +57,22 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 LOCAL_FAULTS = ("raise", "sigkill", "enospc", "tmpfs-full", "eio", "slow")
 #: Faults tried on the S3 tier's drains; server-death only there.
 S3_FAULTS = ("raise", "sigkill", "eio", "slow")
+#: The kinds of trials (``--kinds``): the matrix as it was (``classic``), and issue 25's:
+#: ``keep1`` (every fault at every row, ``keep = 1`` on every tier), ``spoil`` (a drain's source
+#: file corrupted or removed under it), ``cli`` (``tierstore ls/status/verify`` beside a live
+#: drain), ``stall`` (a drain's retention stalled on the slow tier while the job saves), ``ops``
+#: (``scrub --repair`` and ``promote`` under every fault, on a local slow tier) and ``ops-s3``
+#: (the same against an S3 server that fails, is slow, freezes or dies).
+#: ``multinode``: 2 simulated nodes x 2 ranks under torchrun (see ``multinode``).
+KINDS = ("classic", "keep1", "spoil", "cli", "stall", "ops", "ops-s3", "multinode")
+#: The multi-node trials of the CI sample: the coordinator killed in ``finish`` (before its
+#: ``.metadata``, the other node's part already published), and a gathered drain whose
+#: source part on the other node goes bad under it.
+MULTINODE_SAMPLE = ("node/write_metadata@0:sigkill:3:1", "node/drain_file@2:corrupt-source:2:2")
+#: Faults of the ``ops-s3`` trials.
+OPS_S3_FAULTS = ("raise", "eio", "slow", "flaky", "server-death")
+#: Drain rows where a ``cli`` trial holds the drain (no copy thread is running then).
+CLI_ROWS = ("drain/drain_begin", "drain/drain_commit", "drain/publish", "drain/retain")
 #: Seconds one forked step of a trial may take before it counts as hung.
 CHILD_TIMEOUT = 120.0
 
@@ -69,11 +90,12 @@ def _prepare(scenario: Scenario, place: Place) -> ChildResult:
     return run_child(job, log_path=place.log, timeout=CHILD_TIMEOUT)
 
 
-def dry_run(seed: int, s3: bool, env: Env) -> dict[str, int]:
+def dry_run(seed: int, s3: bool, env: Env, variant: str = "") -> dict[str, int]:
     """How many times each row is announced in the job of ``seed`` without a fault."""
-    scenario = Scenario.from_seed(seed, s3)
-    trial = Trial("dry", "raise", 0, seed, s3)
-    place = env.place_for(trial, f"dry-{seed}{'-s3' if s3 else ''}-{uuid.uuid4().hex[:6]}")
+    trial = Trial("dry", "raise", 0, seed, s3, variant=variant)
+    scenario = trial.scenario()
+    place = env.place_for(trial, f"dry-{seed}{'-s3' if s3 else ''}{variant}-"
+                                 f"{uuid.uuid4().hex[:6]}")
     try:
         if scenario.restart_after:
             _prepare(scenario, place)
@@ -96,7 +118,7 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
     """Run ``trial``: the job with the fault (after its first process, if restarted), then the
     checks in a fresh process. Returns its outcome (JSON-ready)."""
     started = time.monotonic()
-    scenario = Scenario.from_seed(trial.seed, trial.s3)
+    scenario = trial.scenario()
     place = env.place_for(trial, name)
     violations: list[str] = []
     if env.server is not None and trial.s3 and not env.server.running():
@@ -118,7 +140,8 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
         first_full = trial.fault == FIRST_FULL
         injector = Injector(trial.row, trial.nth, trial.fault, delay=trial.delay,
                             mount=place.mount, server_pid=place.server_pid,
-                            tier="fast" if first_full else None, sizes=sizes,
+                            tier="fast" if first_full else "slow" if trial.fault == "stall"
+                            else None, sizes=sizes,
                             room=trial.room or 0)
         run_job(scenario, place, injector, prepare=False)
         return injector.fired
@@ -128,6 +151,11 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
     timings["job_s"] = time.monotonic() - started - sum(timings.values())
     journal = Journal.read(place.journal)
     fired = any(kind == "fired" for kind, _ in journal)
+    if trial.fault == "flaky" and place.server_pid is not None:
+        try:  # in case the job ended before its thread woke the server
+            os.kill(place.server_pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
     if trial.fault == "server-death":
         env.server.restart()  # the operator brings it back before anyone looks
         timings["restart_s"] = time.monotonic() - started - sum(timings.values())
@@ -143,6 +171,12 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
     if trial.fault == "slow":
         violations += [f"a slow backend failed a step: {rest}"
                        for kind, rest in journal if kind == "error"]
+    violations += [rest for kind, rest in journal if kind == "broken"]
+    if trial.fault == "stall":
+        violations += stalled_saves(journal)
+        if fired and not any(kind == "stalled" for kind, _ in journal):
+            violations.append("the stall was armed but the slow tier's retention evicted "
+                              "nothing after it (a bug of the plan: pick another nth)")
     checked = run_child(lambda: check(scenario, place, trial), log_path=place.log,
                         timeout=CHILD_TIMEOUT)
     timings["check_s"] = time.monotonic() - started - sum(timings.values())
@@ -154,7 +188,7 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
         notes = checked.value["notes"]
     passed = not violations
     outcome = {"spec": trial.spec, "row": trial.row, "fault": trial.fault, "s3": trial.s3,
-               "room": trial.room, "backend": scenario.fast_backend,
+               "room": trial.room, "variant": trial.variant, "backend": scenario.fast_backend,
                "passed": passed, "violations": violations, "notes": notes,
                "scenario": scenario.describe(), "seconds": round(time.monotonic() - started, 3),
                "timings": {k: round(v, 3) for k, v in timings.items()},
@@ -166,11 +200,31 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
     return outcome
 
 
+def stalled_saves(journal: list[tuple[str, str]]) -> list[str]:
+    """The saves that waited for a drain's retention stalled on the slow tier: begun while it
+    stalled, at least a second before it ended, returned only once it had ended, and took 1.5 s
+    or more (a save of these states takes a fraction of that)."""
+    out = []
+    for kind, rest in journal:
+        if kind != "stalled":
+            continue
+        start, end = map(float, rest.split()[:2])
+        for k, r in journal:
+            if k == "timed":
+                cid, t0, t1 = r.split()[:3]
+                if start <= float(t0) <= end - 1.0 and float(t1) >= end - 0.05 \
+                        and float(t1) - float(t0) >= 1.5:
+                    out.append(f"the save of {cid} waited {float(t1) - float(t0):.1f} s for a "
+                               f"drain's retention stalled on the slow tier "
+                               f"({end - start:.1f} s)")
+    return out
+
+
 def failure(trial: Trial, error: str) -> dict[str, Any]:
     """The outcome of a trial the harness itself failed to run (``error``: a traceback)."""
     return {"spec": trial.spec, "row": trial.row, "fault": trial.fault, "s3": trial.s3,
-            "passed": False, "violations": [f"the harness failed: {error}"], "notes": [],
-            "scenario": Scenario.from_seed(trial.seed, trial.s3).describe(), "seconds": 0,
+            "variant": trial.variant, "passed": False, "violations": [f"the harness failed: {error}"], "notes": [],
+            "scenario": trial.scenario().describe(), "seconds": 0,
             "timings": {}, "dir": None}
 
 
@@ -218,6 +272,59 @@ class Matrix:
         return run_pool(count, fn, jobs=self.args.jobs, setup=setup,
                         teardown=lambda env: env and unmount(env.mount), on_result=report)
 
+    def counted(self, seeds: list[int], variant: str) -> dict[int, dict[str, int]]:
+        """What each job of ``seeds`` (with ``variant``) announces, from dry runs."""
+        counts = self.pool(len(seeds), lambda i, env: dry_run(seeds[i], False, env, variant),
+                           tmpfs=False, label=f"counting fault points {variant}".strip())
+        broken = [f"seed {seed}: {c['error']}" for seed, c in zip(seeds, counts) if "error" in c]
+        if broken:  # a job without any fault failed: nothing else can be trusted
+            raise SystemExit(f"the job ({variant or 'as drawn'}) failed without a fault:\n"
+                             + "\n".join(broken))
+        return dict(zip(seeds, counts))
+
+    def new_trials(self, local_faults: list[str]) -> list[Trial]:
+        """Plan the trials of issue 25's kinds on memory/local tiers (see :data:`KINDS`)."""
+        a, kinds, trials = self.args, self.args.kinds, []
+        base = a.seed * 100_000
+        n = max(2, a.seeds // 4)
+        keep1 = self.counted([base + 20_000 + i for i in range(n)], "keep1") \
+            if {"keep1", "spoil"} & set(kinds) else {}
+        if "keep1" in kinds:
+            trials += plan_cells(keep1, tuple(local_faults), a.new_per_cell,
+                                 random.Random(f"{a.seed}-keep1"), s3=False, variant="keep1")
+        if "spoil" in kinds:
+            rng = random.Random(f"{a.seed}-spoil")
+            drawn = self.counted([base + 30_000 + i for i in range(n)], "")
+            for variant, counts in (("", drawn), ("keep1", keep1)):
+                trials += plan_cells(counts, ("corrupt-source", "vanish-source"),
+                                     a.new_per_cell * 4, rng, s3=False,
+                                     rows=["drain/drain_file"], variant=variant)
+        if "cli" in kinds:
+            counts = self.counted([base + 40_000 + i for i in range(n)], "cli")
+            trials += plan_cells(counts, ("cli",), a.new_per_cell * 2,
+                                 random.Random(f"{a.seed}-cli"), s3=False, rows=list(CLI_ROWS),
+                                 variant="cli")
+        if "stall" in kinds:
+            rng = random.Random(f"{a.seed}-stall")
+            # (the first retention on the slow tier has nothing to evict yet)
+            trials += [Trial("drain/retain", "stall", rng.randint(2, 4),
+                             base + 50_000 + i % n, variant="stall")
+                       for i in range(a.new_per_cell * 4)]
+        if "ops" in kinds:
+            counts = self.counted([base + 60_000 + i for i in range(n)], "ops")
+            rows = sorted({r for c in counts.values() for r in c
+                           if r.startswith(("scrub/", "promote/"))}, key=row_key)
+            trials += plan_cells(counts, tuple(local_faults), a.new_per_cell,
+                                 random.Random(f"{a.seed}-ops"), s3=False, rows=rows,
+                                 variant="ops")
+        trials = [t for t in trials if t.fault in a.faults]
+        if a.sample:  # the CI sample: two trials of each new kind
+            rng, by_kind = random.Random(f"{a.seed}-sample"), {}
+            for t in rng.sample(trials, len(trials)):
+                by_kind.setdefault((t.variant, t.fault), []).append(t)
+            trials = [t for group in by_kind.values() for t in group[:2]]
+        return trials
+
     def local_trials(self) -> list[Trial]:
         """Plan the trials on memory/local tiers."""
         seeds = [self.args.seed * 100_000 + i for i in range(self.args.seeds)]
@@ -230,7 +337,9 @@ class Matrix:
                 faults = [f for f in faults if f not in needs_root]
                 self.skipped += [f"{f} (mounting a tmpfs needs root)" for f in needs_root]
         cells = tuple(f for f in faults if f != FIRST_FULL)
-        trials = []
+        trials = self.new_trials([f for f in cells])
+        if "classic" not in self.args.kinds:
+            return trials
         if cells:
             counts = self.pool(len(seeds), lambda i, env: dry_run(seeds[i], False, env),
                                tmpfs=False, label="counting fault points")
@@ -239,8 +348,8 @@ class Matrix:
             if broken:  # a job without any fault failed: nothing else can be trusted
                 raise SystemExit("the job failed without a fault:\n" + "\n".join(broken))
             rng = random.Random(self.args.seed)
-            trials = plan_cells(dict(zip(seeds, counts)), cells, self.args.per_cell, rng,
-                                s3=False)
+            trials += plan_cells(dict(zip(seeds, counts)), cells, self.args.per_cell, rng,
+                                 s3=False)
         if FIRST_FULL in faults:
             trials += plan_first_full(seeds, self.args.per_cell,
                                       random.Random(f"{self.args.seed}-{FIRST_FULL}"))
@@ -257,7 +366,27 @@ class Matrix:
             raise RuntimeError(f"could not create the bucket: {made.describe()}")
 
     def s3_trials(self) -> list[Trial]:
-        """Plan the trials with an S3 tier: drains only, a few server deaths."""
+        """Plan the trials with an S3 tier: drains only, a few server deaths; then scrub and
+        promote against it (``ops-s3``)."""
+        trials = self.classic_s3_trials() if "classic" in self.args.kinds else []
+        if "ops-s3" in self.args.kinds:
+            env = self.env("s3", tmpfs=False)
+            seeds = [self.args.seed * 100_000 + 70_000 + i for i in range(self.args.s3_seeds)]
+            counts = {s: dry_run(s, True, env, "ops") for s in seeds}
+            rows = sorted({r for c in counts.values() for r in c
+                           if r.startswith(("scrub/", "promote/"))}, key=row_key)
+            faults = tuple(f for f in OPS_S3_FAULTS if f in self.args.faults)
+            ops = plan_cells(counts, faults, self.args.s3_per_cell,
+                             random.Random(f"{self.args.seed}-ops-s3"), s3=True, rows=rows,
+                             variant="ops")
+            if self.args.sample:  # the CI sample: the server frozen, and killed, once each
+                ops = [next(t for t in ops if t.fault == f) for f in ("flaky", "server-death")
+                       if any(t.fault == f for t in ops)]
+            trials += ops
+        return trials
+
+    def classic_s3_trials(self) -> list[Trial]:
+        """The S3 trials of the matrix as it was: drains under every fault."""
         env = self.env("s3", tmpfs=False)
         seeds = [self.args.seed * 100_000 + 50_000 + i for i in range(self.args.s3_seeds)]
         counts = {s: dry_run(s, True, env) for s in seeds}
@@ -299,17 +428,41 @@ class Matrix:
         self.say(f"S3 trials: {len(trials)}/{len(trials)}")
         return results
 
+    def run_multinode(self) -> list[dict[str, Any]]:
+        """Plan and run the multi-node trials (torchrun, one chain of launches)."""
+        a = self.args
+        workdir = os.path.join(self.workdir, "multinode")
+        os.makedirs(workdir, exist_ok=True)
+        if a.sample:
+            trials = [Trial.parse(spec) for spec in MULTINODE_SAMPLE]
+        else:
+            seeds = [a.seed * 100_000 + 80_000 + i for i in range(a.multinode_seeds)]
+            counts = {s: dry_counts(workdir, s) for s in seeds}
+            trials = plan_multinode(counts, a.multinode_per_cell,
+                                    random.Random(f"{a.seed}-multinode"))
+        trials = [t for t in trials if t.fault in a.faults]
+        self.say(f"{len(trials)} multi-node trials (2 nodes x 2 ranks, torchrun)")
+        results = run_chain(trials, workdir, say=self.say)
+        for r in results:
+            if not r["passed"]:
+                self.say(f"FAILED {r['spec']}: {r['violations'][0]}")
+        return results
+
     def run(self) -> int:
         """Run the matrix; print (and write) the table; 0 when every trial passed."""
         started = time.monotonic()
         results: list[dict[str, Any]] = []
         try:
-            if any(f in (*LOCAL_FAULTS, FIRST_FULL) for f in self.args.faults):
+            if any(f in (*LOCAL_FAULTS, FIRST_FULL, "cli", "corrupt-source", "vanish-source",
+                          "stall") for f in self.args.faults) \
+                    and set(self.args.kinds) - {"ops-s3", "multinode"}:
                 results += self.run_local()
-            if self.args.s3:
+            if self.args.s3 and {"classic", "ops-s3"} & set(self.args.kinds):
                 results += self.run_s3()
-            else:
+            elif not self.args.s3:
                 self.skipped.append("the S3 tier (--no-s3)")
+            if "multinode" in self.args.kinds:
+                results += self.run_multinode()
         finally:
             if self.server is not None:
                 self.server.stop()
@@ -342,6 +495,17 @@ class Matrix:
     def run_one(self, trial: Trial) -> int:
         """Run one trial and say everything about it; its directories are kept."""
         self.args.keep = True
+        if trial.row.startswith("node/"):
+            workdir = os.path.join(self.workdir, "one")
+            result = run_chain([trial], workdir, say=self.say)[0]
+            print(f"trial {trial.spec}: {'passed' if result['passed'] else 'FAILED'} in "
+                  f"{result['seconds']} s\njob: {result['scenario']}\nfiles: {result['dir']} "
+                  f"(log: {result['dir']}/log)")
+            for v in result["violations"]:
+                print(f"  VIOLATION: {v}")
+            for n in result["notes"]:
+                print(f"  note: {n}")
+            return 0 if result["passed"] else 1
         try:
             if trial.s3:
                 self.start_server()
@@ -416,6 +580,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how many jobs the S3 trials are drawn from (4)")
     p.add_argument("--faults", type=lambda s: tuple(s.split(",")), default=FAULTS,
                    help=f"comma-separated subset of {','.join(FAULTS)}")
+    p.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=KINDS,
+                   help=f"comma-separated subset of {','.join(KINDS)} (issue 25's kinds: all "
+                        f"but classic)")
+    p.add_argument("--new-per-cell", type=int, default=3,
+                   help="trials per row and fault of keep1 and ops (spoil: 4x per variant, "
+                        "cli: 2x per row, stall: 4x in all) (3)")
+    p.add_argument("--multinode-per-cell", type=int, default=1,
+                   help="multi-node trials per rank, phase and fault (1)")
+    p.add_argument("--multinode-seeds", type=int, default=2,
+                   help="multi-node jobs (seeds; odd ones wait after each save) (2)")
     p.add_argument("--no-s3", dest="s3", action="store_false", help="skip the S3 trials")
     p.add_argument("--seed", type=int, default=1, help="draws the jobs and the points (1)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel workers")
@@ -427,6 +601,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sample:
         args.per_cell, args.s3_per_cell, args.s3_trials, args.server_deaths = 1, 1, 4, 1
         args.seeds, args.s3_seeds = 16, 2
+        args.new_per_cell = 1
+    if set(args.kinds) - set(KINDS):
+        p.error(f"unknown kinds {sorted(set(args.kinds) - set(KINDS))}; choose from "
+                f"{', '.join(KINDS)}")
     unknown = set(args.faults) - set(FAULTS)
     if unknown:
         p.error(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")

@@ -17,16 +17,17 @@ import sys
 from dataclasses import dataclass
 
 from .inject import FAULTS, FIRST_FULL
-from .scenario import Scenario
+from .scenario import VARIANTS, Scenario
 
 __all__ = ["FIRST_FULL_ROW", "OPERATIONS", "PHASE_ORDER", "ROOMS", "Trial", "plan_cells",
            "plan_first_full", "row_key"]
 
 _SPEC = re.compile(r"(?P<row>[^:]+):(?P<fault>[^:]+):(?P<nth>\d+):(?P<seed>\d+)(?P<s3>:s3)?"
-                   r"(?::room(?P<room>[+-]?\d+))?")
+                   r"(?::room(?P<room>[+-]?\d+))?(?::(?P<variant>[a-z0-9]+))?")
 
-#: Operations in the table's order (rows are ``operation/phase``).
-OPERATIONS = ("save", "drain", "load", "verify", "gc")
+#: Operations in the table's order (rows are ``operation/phase``); ``scrub`` and ``promote``
+#: are the operator's (the ``ops`` variant), ``node`` the multi-node trials' (``multinode``).
+OPERATIONS = ("save", "drain", "load", "verify", "gc", "scrub", "promote", "node")
 
 
 @dataclass(frozen=True)
@@ -40,23 +41,32 @@ class Trial:
     s3: bool = False
     #: first-full: the first tier's free space minus what the checkpoint takes, in blocks
     room: int | None = None
+    #: the job's variant (scenario.VARIANTS), "" for the job as drawn
+    variant: str = ""
 
     @property
     def spec(self) -> str:
-        """``ROW:FAULT:NTH:SEED[:s3][:roomN]``, what ``--trial`` takes."""
+        """``ROW:FAULT:NTH:SEED[:s3][:roomN][:VARIANT]``, what ``--trial`` takes."""
         return (f"{self.row}:{self.fault}:{self.nth}:{self.seed}" + (":s3" if self.s3 else "")
-                + (f":room{self.room:+d}" if self.room is not None else ""))
+                + (f":room{self.room:+d}" if self.room is not None else "")
+                + (f":{self.variant}" if self.variant else ""))
+
+    def scenario(self) -> Scenario:
+        """The job this trial runs."""
+        return Scenario.from_seed(self.seed, self.s3, self.variant)
 
     @classmethod
     def parse(cls, spec: str) -> "Trial":
         """The trial ``spec`` names."""
         m = _SPEC.fullmatch(spec)
-        if m is None or m["fault"] not in FAULTS or (m["fault"] == FIRST_FULL) != bool(m["room"]):
+        if m is None or m["fault"] not in FAULTS or (m["fault"] == FIRST_FULL) != bool(m["room"]) \
+                or (m["variant"] or "") not in ("", *VARIANTS):
             raise argparse.ArgumentTypeError(
-                f"{spec!r} is not ROW:FAULT:NTH:SEED[:s3][:roomN] with FAULT one of "
-                f"{', '.join(FAULTS)} (roomN, e.g. room-2, with {FIRST_FULL} only)")
+                f"{spec!r} is not ROW:FAULT:NTH:SEED[:s3][:roomN][:VARIANT] with FAULT one of "
+                f"{', '.join(FAULTS)} (roomN, e.g. room-2, with {FIRST_FULL} only) and VARIANT "
+                f"one of {', '.join(VARIANTS)}")
         return cls(m["row"], m["fault"], int(m["nth"]), int(m["seed"]), bool(m["s3"]),
-                   int(m["room"]) if m["room"] else None)
+                   int(m["room"]) if m["room"] else None, m["variant"] or "")
 
     @property
     def delay(self) -> float:
@@ -86,7 +96,8 @@ def row_key(row: str) -> tuple:
 
 
 def plan_cells(counts: dict[int, dict[str, int]], faults: tuple[str, ...], per_cell: int,
-               rng: random.Random, *, s3: bool, rows: list[str] | None = None) -> list[Trial]:
+               rng: random.Random, *, s3: bool, rows: list[str] | None = None,
+               variant: str = "") -> list[Trial]:
     """``per_cell`` trials for every (row, fault) pair: each on a job (seed) that reaches the
     row, spread over as many jobs as there are, at a random announcement of it."""
     reached: dict[str, list[tuple[int, int]]] = {}
@@ -103,7 +114,7 @@ def plan_cells(counts: dict[int, dict[str, int]], faults: tuple[str, ...], per_c
             picks = rng.sample(jobs, len(jobs))
             for k in range(per_cell):
                 seed, n = picks[k % len(picks)]
-                trials.append(Trial(row, fault, rng.randint(1, n), seed, s3))
+                trials.append(Trial(row, fault, rng.randint(1, n), seed, s3, variant=variant))
     return trials
 
 

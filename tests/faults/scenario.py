@@ -6,6 +6,13 @@ through ``fsspec``) with varied ``every`` and ``keep``; the slow tier may compre
 drains re-encode every item). The job saves a few steps (plain or ``dcp.async_save``), maybe an
 emergency save, and may first be killed half-way and restarted (``restart_after``), so that
 resumed drains and leftovers of a dead process are part of it.
+
+A *variant* (:data:`VARIANTS`) bends the drawn job towards one kind of trial: ``keep1`` (``keep =
+1`` on every tier), ``cli`` (``keep = 1``, a wait after every save, so that a drain held at its
+fault point leaves every tier still while a ``tierstore`` command runs beside it), ``stall``
+(ten saves 0.4 s apart while a drain's eviction on the slow tier stalls), ``ops`` (S3 slow
+tier; after the saves a copy is corrupted, then ``scrub --repair`` and ``promote`` run against
+the object store).
 """
 
 from __future__ import annotations
@@ -13,7 +20,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-__all__ = ["Place", "Scenario"]
+__all__ = ["Place", "Scenario", "VARIANTS"]
+
+#: The variants of a drawn job (see the module docstring); "" is the job as drawn.
+VARIANTS = ("keep1", "cli", "stall", "ops")
 
 
 @dataclass(frozen=True)
@@ -47,10 +57,33 @@ class Scenario:
     restart_after: int | None  # a first process saves up to this step and is killed in it
     prepare_kill: str | None   # the row (see inject.row_of) of that step where it dies
     slow_zstd: bool = False    # the slow tier compresses: drains re-encode every item
+    variant: str = ""          # one of VARIANTS, or "" (see the module docstring)
 
     @classmethod
-    def from_seed(cls, seed: int, s3: bool = False) -> "Scenario":
-        """The job of ``seed`` (``s3``: the second tier is an S3 bucket)."""
+    def from_seed(cls, seed: int, s3: bool = False, variant: str = "") -> "Scenario":
+        """The job of ``seed`` (``s3``: the second tier is an S3 bucket), bent by
+        ``variant``."""
+        drawn = cls._drawn(seed, s3)
+        if not variant:
+            return drawn
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}")
+        import dataclasses
+
+        change: dict = {"variant": variant, "fast_keep": 1, "slow_keep": 1}
+        if variant == "cli":
+            change.update(wait_each=True)
+        elif variant == "stall":
+            change.update(fast_every=1, slow_every=1, saves=10, wait_each=False,
+                          restart_after=None, prepare_kill=None, emergency=False)
+        elif variant == "ops":
+            # step-2 reaches the slow tier, step-3 only the first one (promoted later).
+            change.update(fast_every=1, slow_every=2, fast_keep=2, saves=3, wait_each=True,
+                          restart_after=None, prepare_kill=None, emergency=False)
+        return dataclasses.replace(drawn, **change)
+
+    @classmethod
+    def _drawn(cls, seed: int, s3: bool) -> "Scenario":
         rng = random.Random(seed)
         fast_every = rng.choice([1, 1, 1, 2])
         # The contract asks for a tier with every = 1; with the fast one at 2, odd steps go
@@ -137,11 +170,13 @@ class Scenario:
     def describe(self) -> str:
         """One line for reports."""
         keep = f"keep {self.fast_keep}/{self.slow_keep}"
-        return (f"{self.fast_backend}(every {self.fast_every}) -> "
+        return ((f"[{self.variant}] " if self.variant else "") + f"{self.fast_backend}(every {self.fast_every}) -> "
                 f"{'s3' if self.s3 else 'local'}(every {self.slow_every}"
                 f"{', zstd' if self.slow_zstd else ''}), {keep}, "
                 f"{self.saves} {'async ' if self.async_saves else ''}saves"
                 f"{', wait each' if self.wait_each else ''}"
                 f"{', emergency save' if self.emergency else ''}"
                 + (f", killed at {self.prepare_kill} of step-{self.restart_after} and restarted"
-                   if self.restart_after else ""))
+                   if self.restart_after else "")
+                + (", then corrupt a copy, scrub --repair, promote" if self.variant == "ops"
+                   else ""))

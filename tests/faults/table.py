@@ -7,7 +7,19 @@ from typing import Any
 from .inject import FAULTS
 from .plan import row_key
 
-__all__ = ["table"]
+__all__ = ["kind_of", "table"]
+
+
+def kind_of(result: dict[str, Any]) -> str:
+    """Which kind of trial (matrix.KINDS) an outcome is."""
+    variant = result.get("variant") or ""
+    if result["row"].startswith("node/"):
+        return "multinode"
+    if variant == "ops":
+        return "ops-s3" if result["s3"] else "ops"
+    if result["fault"] in ("corrupt-source", "vanish-source"):
+        return "spoil"
+    return variant or "classic"
 
 
 def table(results: list[dict[str, Any]], wall_s: float, skipped: list[str]) -> str:
@@ -41,6 +53,15 @@ def table(results: list[dict[str, Any]], wall_s: float, skipped: list[str]) -> s
                  f"tier, {sum(r['fault'] == 'server-death' for r in on_s3)} of them killing "
                  f"the server; {len(notes) - leased} load(s) refused with a TierstoreError, "
                  f"{leased} leftover(s) kept by a writer's lease until it expired).")
+    kinds: dict[str, list[int]] = {}
+    for r in results:
+        c = kinds.setdefault(kind_of(r), [0, 0])
+        c[0] += r["passed"]
+        c[1] += 1
+    if set(kinds) - {"classic"}:
+        lines += ["", "by kind (issue 25: keep1, spoil, cli, stall, ops, ops-s3, multinode):",
+                  "", "| kind | passed/run |", "|---|---:|"]
+        lines += [f"| {k} | {c[0]}/{c[1]} |" for k, c in kinds.items()]
     rooms = sorted({r["room"] for r in results if r.get("room") is not None})
     if rooms:
         def by(room, backend):

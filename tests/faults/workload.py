@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 import warnings
 from typing import Iterator
 
@@ -41,7 +42,11 @@ class Journal:
     ``killed WHAT`` (where the first process of a restarted job died),
     ``error OPERATION ID TYPE: MESSAGE`` (a step failed), ``wrong ID DIFFERENCES`` (a load
     returned other data than was saved), ``remains ID ENTRIES`` (what a failed save left of
-    itself on the first tier, right after it failed)."""
+    itself on the first tier, right after it failed), ``timed ID START END`` (wall clock of a
+    save that returned), ``holds TIER ID...`` (what ``list()`` showed complete on a tier at a
+    quiet point: after a ``wait()`` that succeeded, before an operator's command), and what the
+    new kinds saw: ``spoiled TIER ID FILE FAULT`` (a copy the fault damaged on purpose),
+    ``stalled START END``, ``cli ...``, ``broken WHAT`` (a promise the job saw broken)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -105,12 +110,60 @@ def saving(journal: Journal, place: Place, cid: str) -> Iterator[None]:
     """Journal a save of ``cid``: ``begin``, then ``saved`` when it returns, or what it left
     of itself on the first tier when it fails (the failure goes on to ``step``)."""
     journal.write("begin", cid)
+    started = time.time()
     try:
         yield
     except FAILURES:
         journal.write("remains", cid, *remains_of(place.fast, cid))
         raise
     journal.write("saved", cid)
+    journal.write("timed", cid, f"{started:.3f}", f"{time.time():.3f}")
+
+
+def holds(store: tierstore.Store, journal: Journal) -> None:
+    """Write down which checkpoints each tier holds complete now (``holds`` lines): what the
+    checker then expects to find there, unless ``keep`` made room for newer ones."""
+    by_tier: dict[str, list[str]] = {}
+    for info in store.list():
+        for name in info.tiers:
+            by_tier.setdefault(name, []).append(info.id)
+    for name, ids in sorted(by_tier.items()):
+        journal.write("holds", name, *ids)
+
+
+def spoil_a_copy(place: Place, cid: str, journal: Journal) -> None:
+    """Flip a byte in the middle of one data file of ``cid`` on the first tier (the ``ops``
+    variant: something for ``scrub --repair`` to repair)."""
+    root = os.path.join(place.fast, cid)
+    names = sorted(n for n in os.listdir(root) if n.endswith(".distcp")) \
+        if os.path.isdir(root) else []
+    if not names:
+        return
+    with open(os.path.join(root, names[0]), "r+b") as f:
+        size = f.seek(0, 2)
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    journal.write("spoiled", "fast", cid, names[0], "scrub-target")
+
+
+def operator(store: tierstore.Store, scenario: Scenario, journal: Journal, place: Place,
+             injector: Injector) -> None:
+    """The ``ops`` variant: a copy on the first tier goes bad, the operator runs ``scrub
+    --repair`` and promotes the newest checkpoint to the slow tier (which does not take it by
+    ``every``), against the object store under its fault."""
+    ids = scenario.save_ids()
+    with step(injector, journal, "scrub"):
+        spoil_a_copy(place, ids[-2], journal)
+        holds(store, journal)
+        report = store.scrub(repair=True)
+        journal.write("scrubbed", f"checked={report.checked}", f"bad={len(report.bad)}",
+                      f"repaired={len(report.repaired)}", f"unrepaired={len(report.unrepaired)}")
+    with step(injector, journal, "promote", ids[-1]):
+        holds(store, journal)
+        store.promote(ids[-1], "slow")
+        journal.write("promoted", ids[-1])
 
 
 def save(store: tierstore.Store, scenario: Scenario, journal: Journal, cid: str,
@@ -186,6 +239,7 @@ def run_job(scenario: Scenario, place: Place, injector: Injector, *, prepare: bo
     """Run the job (``prepare``: only the part of the first process, which saves up to
     ``restart_after`` and is to be killed in it; otherwise the rest, from a fresh store)."""
     journal = Journal(place.journal)
+    injector.journal, injector.place, injector.scenario = journal, place, scenario
     # The first process's kill is part of the job's past, not the trial's fault.
     injector.on_fire = lambda what: journal.write("killed" if prepare else "fired", what)
     ids = scenario.save_ids()
@@ -207,19 +261,26 @@ def run_job(scenario: Scenario, place: Place, injector: Injector, *, prepare: bo
         if first:  # what the killed process left: its drains resume at open, then gc
             with step(injector, journal, "wait"):
                 store.wait()
+                holds(store, journal)
             with step(injector, journal, "gc"):
                 store.gc()
         for cid in ids[first:]:
             with step(injector, journal, "save", cid):
                 save(store, scenario, journal, cid, place)
+            if scenario.variant == "stall":
+                time.sleep(0.4)  # a training step between saves: drains keep up, and stall
             if scenario.wait_each:
                 with step(injector, journal, "wait"):
                     store.wait()
+                    holds(store, journal)
         if scenario.emergency:
             with step(injector, journal, "save", scenario.emergency_id()):
                 emergency_save(store, scenario, journal, place)
         with step(injector, journal, "wait"):
             store.wait()
+            holds(store, journal)
+        if scenario.variant == "ops":
+            operator(store, scenario, journal, place, injector)
         load_all(store, scenario, journal, injector)
         with step(injector, journal, "verify"):
             latest = store.latest()
