@@ -8,6 +8,7 @@ the user unwrapped.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import time
@@ -30,6 +31,7 @@ from tierstore.engine.watchdog import Watchdog
 from tierstore.engine.saves import SaveSlot
 from tierstore.errors import CheckpointNotFound, IntegrityError
 from tierstore.events import Event, EventKind, Phase
+from tierstore.format.checksum import ALGORITHM, Hasher
 from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
 from tierstore.format.item_io import FileReadError, LoadUndo, check_file, read_items
@@ -315,33 +317,41 @@ class TierstoreReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _first_good_copy(self, relative: str) -> tuple[int, list[str], bool]:
+    def _first_good_copy(self, relative: str) -> tuple[int, list[str], str]:
         """Where reading ``relative`` starts: the index of the first source whose local copy
         matches its manifest entry (checked now, before anything of the load lands), or of
         the first whose copy cannot be checked without reading it (a stream); what was wrong
-        with the sources before it; and whether that copy was checked."""
+        with the sources before it; and, when that copy was checked, the unkeyed digest of
+        the bytes checked ("" otherwise).
+
+        The read then re-checks those bytes against that digest only: a local tier's files
+        can be changed by this user alone (the root's owner is checked), so the read guards
+        against a copy changing under the load, not against forgery, which the (keyed)
+        check has ruled out. A signed load thus hashes with the key once, not twice."""
         ctx, cid = self._services.context, self._checkpoint_id
         problems: list[str] = []
         if relative in self._fetched or not ctx.config.verify_on_load:
-            return 0, problems, False
+            return 0, problems, ""
         for n, (tier, manifest) in enumerate(self._sources):
             entry = manifest.files.get(relative)
             if entry is None:
                 problems.append(f"tier '{tier.name}': not in its manifest")
                 continue
+            hasher = tier.keyring.hasher_for(entry.checksum)
+            plain = None if entry.checksum.startswith(ALGORITHM + ":") else Hasher()
             try:
                 with tier.backend.open_read(f"{cid}/{relative}") as f:
-                    why = check_file(f, entry, tier.keyring.hasher_for(entry.checksum))
+                    why = check_file(f, entry, hasher, plain)
             except (OSError, IntegrityError) as exc:
                 why = str(exc)
             if why is None:
-                return n, problems, False
+                return n, problems, ""
             if not why:
-                return n, problems, True
+                return n, problems, entry.checksum if plain is None else plain.hexdigest()
             problems.append(f"tier '{tier.name}': {why}")
             log.warning("checkpoint %s: %s on tier '%s' is bad (%s)", cid, relative,
                         tier.name, why)
-        return len(self._sources), problems, False
+        return len(self._sources), problems, ""
 
     def _no_good_copy(self, relative: str, problems: list[str], damaged: str = "") -> None:
         if not problems:
@@ -354,9 +364,10 @@ class TierstoreReader(StorageReader):
 
     def _read_one_file(self, relative: str, reqs: list[ReadItem], planner: LoadPlanner,
                        undo: LoadUndo, start: int = 0, problems: list[str] | None = None,
-                       checked: bool = False) -> int:
+                       checked: str = "") -> int:
         """Read ``relative`` from the sources from ``start`` on; the copy at ``start`` was
-        checked already when ``checked`` (its destinations' old bytes are not kept)."""
+        checked already when ``checked`` (the unkeyed digest of its bytes then: the read
+        compares with it, and its destinations' old bytes are not kept)."""
         ctx, cid = self._services.context, self._checkpoint_id
         problems = list(problems or [])
         damaged = ""
@@ -382,8 +393,12 @@ class TierstoreReader(StorageReader):
                 with tier.backend.open_read(f"{cid}/{relative}") as f:
                     verify = (tier.keyring.hasher_for(entry.checksum)
                               if ctx.config.verify_on_load else None)
+                    read_entry = entry
+                    if checked and verify is not None:
+                        verify = Hasher()
+                        read_entry = dataclasses.replace(entry, checksum=checked)
                     landing = True
-                    nbytes = read_items(f, entry, reqs, self._metadata.storage_data,
+                    nbytes = read_items(f, read_entry, reqs, self._metadata.storage_data,
                                         self._metadata, planner, verify,
                                         trusted=ctx.config.trusted_pickles, undo=undo,
                                         keep_old=keep_old)
@@ -395,7 +410,7 @@ class TierstoreReader(StorageReader):
                     damaged = (f". Its copy on tier '{tier.name}' changed between its check "
                                f"and its read, after some of its bytes had reached the state "
                                f"dict: the tensors it holds are partly overwritten")
-                checked = False
+                checked = ""
                 # The message, not the exception: a log handler that keeps records (pytest's,
                 # logging.handlers.MemoryHandler) would keep its traceback's frames alive, and
                 # with them this load's destination tensors.

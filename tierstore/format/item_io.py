@@ -479,11 +479,13 @@ def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, meta
     return parts
 
 
-def check_file(f: IO[bytes], entry: FileEntry, hasher: Hasher) -> str | None:
+def check_file(f: IO[bytes], entry: FileEntry, hasher: Hasher,
+               also: Hasher | None = None) -> str | None:
     """Check a local file against ``entry`` before a load reads it into the state dict, from
     its pages mapped (no copy, no memory of its own: a copy of the old tensors would cost a
     fresh page for every byte of them). Returns "" when it matches, what is wrong when not,
-    None when ``f`` is not a regular file (a stream: read it once, keeping the old bytes)."""
+    None when ``f`` is not a regular file (a stream: read it once, keeping the old bytes).
+    ``also`` hashes the same bytes on the way (the read's own check, see the reader)."""
     try:
         fd = f.fileno()
         st = os.fstat(fd)
@@ -497,6 +499,8 @@ def check_file(f: IO[bytes], entry: FileEntry, hasher: Hasher) -> str | None:
         with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as pages:
             pages.madvise(mmap.MADV_SEQUENTIAL)
             hasher.update(pages)
+            if also is not None:
+                also.update(pages)
     actual = hasher.hexdigest()
     if actual != entry.checksum:
         return f"checksum mismatch: manifest says {entry.checksum}, the bytes give {actual}"
