@@ -17,6 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from recording import Recorder
+
 import tierstore
 from tierstore import EventKind
 
@@ -127,21 +129,12 @@ def test_a_file_with_no_good_copy_leaves_the_state_dict_as_it_was(saved, io_thre
             saved.write(p, raw)
 
 
-class Events:
-    def __init__(self):
-        self.events = []
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event):
-        self.events.append(event)
-
-
 @pytest.mark.parametrize("io_threads", [1, 4])
 def test_a_bad_copy_on_the_first_tier_falls_back_and_loads_bitwise(saved, io_threads):
     for p in saved.files("fast"):
         saved.corrupt_middle(p)
     dest = state(2)
-    events = Events()
+    events = Recorder()
     with tierstore.open(saved.config(io_threads), plugins=[events]) as store:
         dcp.load(dest, storage_reader=store.reader(), checkpoint_id=CID)
     assert_bitwise_equal(dest, state(1))

@@ -169,12 +169,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         the files it did write are good ones."""
         source, cid = job.source, job.checkpoint_id
         host, rank = self._host, self._rank
-        host.phase(Phase.DRAIN_BEGIN, cid, target.name, rank, source=source.name)
-        manifest = source.complete_manifest(cid)
-        if manifest is None:
-            raise DrainError(f"checkpoint '{cid}' is no longer complete on tier "
-                             f"'{source.name}', so it cannot be copied to '{target.name}'",
-                             cid, target.name)
+        manifest = self._source_manifest(job, target)
         codecs = [c.name for c in target.config.codecs]
         if manifest.codecs != codecs:
             # Re-encoding would rewrite every file, the good ones too, with bytes the old
@@ -262,15 +257,21 @@ class Drainer(BackgroundJobs[DrainJob]):
         self._host.event(Event(EventKind.FAILED, job.checkpoint_id, target.name, self._rank,
                                detail={"during": "drain", "error": str(err)}))
 
-    def _drain_one(self, job: DrainJob, target: Tier) -> None:
+    def _source_manifest(self, job: DrainJob, target: Tier) -> Manifest:
+        """Announce a copy's begin; the manifest of its source, complete, or DrainError."""
         source, cid = job.source, job.checkpoint_id
-        host, rank = self._host, self._rank
-        host.phase(Phase.DRAIN_BEGIN, cid, target.name, rank, source=source.name)
+        self._host.phase(Phase.DRAIN_BEGIN, cid, target.name, self._rank, source=source.name)
         manifest = source.complete_manifest(cid)
         if manifest is None:
             raise DrainError(f"checkpoint '{cid}' is no longer complete on tier "
                              f"'{source.name}', so it cannot be copied to '{target.name}'",
                              cid, target.name)
+        return manifest
+
+    def _drain_one(self, job: DrainJob, target: Tier) -> None:
+        source, cid = job.source, job.checkpoint_id
+        host, rank = self._host, self._rank
+        manifest = self._source_manifest(job, target)
         # A node-local checkpoint going to a shared tier: every group copies its part into one
         # staging directory (named by the save), and rank 0 commits once all parts are there.
         gathering = target.layout.shared and not source.layout.shared
