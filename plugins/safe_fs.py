@@ -311,18 +311,28 @@ class TierTree:
     def _descend(self, fd: int, parts: list[str], create: bool, rel: str) -> int:
         """From the directory open as ``fd`` (taken over: closed here) down through ``parts``,
         link-free; the last one's descriptor."""
-        try:
-            for name in parts:
-                try:
-                    below = open_dir_at(fd, name, create=create)
-                except OSError as exc:
-                    raise self.refusal(fd, name, rel, exc) from None
-                os.close(fd)
-                fd = below
-        except BaseException:
+        return _walk_down(fd, parts, create,
+                          lambda at, name, exc: self.refusal(at, name, rel, exc))
+
+
+def _walk_down(fd: int, names, create: bool, refusal=None) -> int:
+    """From the directory open as ``fd`` (taken over: closed here) down through ``names``,
+    each opened link-free from its parent (made when ``create``); the last one's descriptor.
+    ``refusal(fd, name, error)`` turns a failure into the error raised (default: as it is)."""
+    try:
+        for name in names:
+            try:
+                below = open_dir_at(fd, name, create=create)
+            except OSError as exc:
+                if refusal is None:
+                    raise
+                raise refusal(fd, name, exc) from None
             os.close(fd)
-            raise
-        return fd
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _parts(rel: str) -> list[str]:
@@ -353,12 +363,4 @@ def _make_dirs(path: str) -> int:
                 raise
             missing.append(os.path.basename(top))
             top = parent
-    try:
-        for name in reversed(missing):
-            below = open_dir_at(fd, name, create=True)
-            os.close(fd)
-            fd = below
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _walk_down(fd, reversed(missing), create=True)
