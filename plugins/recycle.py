@@ -99,13 +99,16 @@ class PageRecycler:
         self.bin = os.path.join(self._bins, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._bin_fd: int | None = None  # the bin, holding its lock
         self._bins_fd: int | None = None  # .recycle, where the bin is
-        self._free_dead_bins()
+        # Dead processes' bins are freed at this process's first write here, not when the tier
+        # is opened: a reading command (`tierstore ls` beside a job) must change nothing.
+        self._dead_bins_freed = False
 
     def owns(self, fd: int, path: str) -> None:
         """Record the open file ``fd`` at ``path`` as written by this process (it may be
         recycled)."""
         with self._lock:
             if not self._closed:
+                self._first_write()
                 self._own[_key(os.fstat(fd))] = os.path.basename(path)
 
     def recycle(self, dir_fd: int) -> None:
@@ -149,6 +152,7 @@ class PageRecycler:
         be written over from its start, and return it open for writing; None when the bin
         holds none. Whoever writes it calls :meth:`truncate` with the length written."""
         with self._lock:
+            self._first_write()
             self._forget_unlinked()
             sizes = [] if self._closed else self._bin_sizes()
             while sizes:
@@ -309,6 +313,12 @@ class PageRecycler:
                 continue
             self._unmap(key)
             self._own.pop(key, None)
+
+    def _first_write(self) -> None:
+        """At this process's first write in the tier (under ``_lock``): free the dead bins."""
+        if not self._dead_bins_freed:
+            self._dead_bins_freed = True
+            self._free_dead_bins()
 
     def _free_dead_bins(self) -> None:
         """Free the bins no live process holds locked (a crashed job's recycled pages): the

@@ -119,3 +119,26 @@ def test_a_node_never_writes_a_gathered_copy_before_the_committing_rank_began_it
     # Only the checkpoint's files (no part reports, no marker) are left in the copy.
     assert sorted(os.listdir(tmp_path / "shared/step-1")) == sorted(
         [*copy["files"], "tierstore.json"])
+
+
+@pytest.mark.timeout(600)
+def test_an_id_whose_copy_lost_a_file_or_a_node_part_can_be_saved_again(tmp_path):
+    # step-2 lost a file of node 0's part; step-3 lost node 1's whole part (a node replaced
+    # with its RAM tier empty). Neither loads, so latest() is step-1, and a restarted job that
+    # saves step-2 and step-3 again must replace what is left, not stop at "already exists".
+    run_nodes(tmp_path, "damage")
+    old_token = manifest(tmp_path / "ram/1/step-2")["save_token"]
+    out = run_nodes(tmp_path, "resave")
+    for rank in range(4):
+        assert f"RANK {rank} LATEST step-1" in out, out
+        # A whole copy is still refused, on every rank alike, with the documented message.
+        assert re.search(rf"RANK {rank} REFUSED checkpoint 'step-1' already exists on tier "
+                         r"'ram' \(every node's part\); save under a new id, or set \[store\] "
+                         r"overwrite = true", out), out
+        assert f"RANK {rank} RESAVED step-2" in out and f"RANK {rank} RESAVED step-3" in out
+    for step in ("step-2", "step-3"):
+        part0, part1 = (manifest(tmp_path / f"ram/{n}/{step}") for n in (0, 1))
+        assert part0["save_token"] == part1["save_token"] != old_token
+    # Nothing of the damaged copies is left beside the new ones (no staging or trash entry).
+    for node in (0, 1):
+        assert sorted(os.listdir(tmp_path / f"ram/{node}")) == ["step-1", "step-2", "step-3"]

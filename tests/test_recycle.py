@@ -68,8 +68,6 @@ def test_files_this_process_did_not_write_are_deleted_not_recycled(tmp_path):
 
 def test_a_dead_processs_bin_is_freed_by_the_next_one_a_live_ones_is_not(tmp_path):
     dead = tmp_path / RECYCLE_DIR / "999999999"
-    dead.mkdir(parents=True)
-    (dead / "0-100").write_bytes(b"x" * 100)
     # A live process's bin, whatever its name says: it holds the bin's lock.
     live = subprocess.Popen(
         [sys.executable, "-c",
@@ -81,13 +79,19 @@ def test_a_dead_processs_bin_is_freed_by_the_next_one_a_live_ones_is_not(tmp_pat
     try:
         live_bin = live.stdout.readline().strip()
         assert os.listdir(live_bin) == ["0-100"]
-        LocalBackend(str(tmp_path), fsync=False, recycle=True)
+        dead.mkdir()  # (after the live process's first write, which would have freed it)
+        (dead / "0-100").write_bytes(b"x" * 100)
+        # Opening the tier changes nothing (a reading command such as `tierstore ls` opens it
+        # too); the first write frees the dead bin and leaves the live one.
+        reader = LocalBackend(str(tmp_path), fsync=False, recycle=True)
+        assert (dead / "0-100").read_bytes() == b"x" * 100
+        write(reader, "y/b", b"2" * 10)
         assert not dead.exists()
         assert os.path.isdir(live_bin)
     finally:
         live.kill()
         live.wait()
-    LocalBackend(str(tmp_path), fsync=False, recycle=True)
+    write(LocalBackend(str(tmp_path), fsync=False, recycle=True), "z/c", b"3")
     assert not os.path.exists(live_bin)
 
 

@@ -17,9 +17,16 @@ argv: ROOT ACTION. Actions:
   ``store.wait()`` raised.
 - ``order``: step-1 saved; rank 0 starts its drain to the shared tier 3 s late, after rank 2
   has started its own; each rank prints when it copied its first file.
+- ``damage`` (``keep = 3``): step-1, step-2 and step-3 saved; then rank 0 removes one file of
+  node 0's part of step-2 and rank 2 removes node 1's whole part of step-3 (a node replaced
+  with its RAM tier lost): neither id can load any more.
+- ``resave``: a fresh job after ``damage``: latest() must be step-1; saving step-1 again is
+  refused (``RANK <r> REFUSED <message>``); step-2 and step-3 are saved again with new data
+  (the states of steps 102 and 103) and each loads bitwise as the new data.
 """
 
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -30,9 +37,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import init_device_mesh
 
 import tierstore
-from tierstore.errors import DrainError
+from tierstore.errors import CommitError, DrainError
 from tierstore.events import Phase
-from worker_common import check_node_checkpoint, local_shards, node_state, run_worker
+from worker_common import (check_equal, check_node_checkpoint, local_shards, node_state,
+                           run_worker)
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
@@ -80,6 +88,8 @@ def config(root: str, action: str) -> dict:
     tiers = [{"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 1}]
     if action in ("corrupt", "order"):
         tiers.append({"name": "shared", "backend": "fsspec", "url": f"file://{root}/shared"})
+    if action in ("damage", "resave"):
+        tiers[0]["keep"] = 3
     store = {"part_timeout": 60, "collective_timeout": 60}
     if action == "stale":
         store["overwrite"] = True
@@ -129,6 +139,35 @@ def main() -> int:
                 for k, v in local_shards(node_state(s, rank, mesh, OWN_NUMEL)).items()
                 if k != "step")]
             print(f"RANK {rank} LOADED {which[0] if which else 'MIXED'}", flush=True)
+    elif action == "damage":
+        for step in (1, 2, 3):
+            save(store, faults, mesh, rank, f"step-{step}", step)
+        store.wait()
+        dist.barrier()
+        if rank == 0:
+            os.remove(os.path.join(root, "ram", "0", "step-2", "__0_0.distcp"))
+        if rank == 2:
+            shutil.rmtree(os.path.join(root, "ram", "1", "step-3"))
+        dist.barrier()
+    elif action == "resave":
+        latest = store.latest()
+        print(f"RANK {rank} LATEST {latest}", flush=True)
+        try:
+            save(store, faults, mesh, rank, "step-1", 101)
+            problems.append("saving step-1 again was not refused")
+        except CommitError as exc:
+            print(f"RANK {rank} REFUSED {exc}", flush=True)
+        for step in (2, 3):
+            cid = f"step-{step}"
+            save(store, faults, mesh, rank, cid, 100 + step)
+            out = node_state(100 + step, rank, mesh, OWN_NUMEL, zero=True)
+            dcp.load(out, storage_reader=store.reader(), checkpoint_id=cid,
+                     process_group=store.process_group)
+            check_equal(problems, local_shards(out),
+                        local_shards(node_state(100 + step, rank, mesh, OWN_NUMEL)), cid)
+            print(f"RANK {rank} RESAVED {cid}", flush=True)
+        store.wait()
+        dist.barrier()
     elif action in ("corrupt", "order"):
         save(store, faults, mesh, rank, "step-1", 1)
         try:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierstore.engine.context import StoreContext
+from tierstore.engine.existing import Holding, holdings, whole_copies
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.publish import Publisher
 from tierstore.engine.replication import ReplicationJob, Replicator
@@ -89,6 +90,9 @@ class _SaveState:
     seq: int = 0  # the store's save counter at reset
     spill: SpillIndex | None = None  # where a budgeted staging put the tensors' records
     watch: int | None = None  # the watchdog's token of this save
+    # save tokens of what was left of this id on its tier at reset, judged no loadable copy
+    # (tierstore.engine.existing): the commit replaces them
+    replaces: frozenset[str] = frozenset()
 
 
 class TierstoreWriter(StorageWriter, AsyncStager):
@@ -207,20 +211,21 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         step = ledger.step_for(cid)
         tier = ctx.tiers[0] if self._emergency else ctx.tiers.first_for(step)
         ctx.host.phase(Phase.SAVE_BEGIN, cid, tier.name, ctx.rank)
-        exists: list[str] = []
+        held: list[Holding] = []
         if not ctx.config.overwrite:
             # The first tier and slower tiers on this machine's filesystems are asked now; a
             # remote tier (an object store) is asked by the drain before it copies, so a slow or
-            # dead server never stands between training and its fast tier.
+            # dead server never stands between training and its fast tier. Only a copy that
+            # could load counts (tierstore.engine.existing): a leftover is replaced.
             slower = [] if self._emergency else ctx.tiers.tiers_for(step)[1:]
-            exists = [f"tier '{t.name}' ({t.backend.describe()})"
-                      for t in [tier, *(s for s in slower if s.backend.local_path("") is not None)]
-                      if t.read_manifest(cid) is not None
-                      and (t.layout.shared or not services.publisher.is_pending(t, cid))]
+            held = holdings([tier, *(s for s in slower if s.backend.local_path("") is not None)],
+                            cid, services.publisher.is_pending)
         if ctx.tiers.node_local and ctx.groups.io is not None:
             # Ranks see different directories: decide together, before DCP's collectives, so
             # that no rank raises while the others go on (and hang in them).
-            exists = self._settle_parts(cid, exists)
+            exists = self._settle_parts(cid, held)
+        else:
+            exists = whole_copies(held)
         if exists:
             raise CommitError(
                 f"checkpoint '{cid}' already exists on {exists[0]}; save under a new id, or "
@@ -228,19 +233,21 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         ledger.save_running(None)  # a new save on this thread: any earlier one is over
         self._over()
         self._save = _SaveState(cid, step, tier, time.perf_counter(), drain=not self._emergency,
-                                seq=ledger.save_seq, spill=self._staged_spill)
+                                seq=ledger.save_seq, spill=self._staged_spill,
+                                replaces=frozenset(h.token for h in held if h.tier == tier.name))
         self._staged_spill = None
         if services.watchdog is not None:
             self._save.watch = services.watchdog.begin(f"save of '{cid}'")
 
-    def _settle_parts(self, cid: str, exists: list[str]) -> list[str]:
+    def _settle_parts(self, cid: str, held: list[Holding]) -> list[str]:
         """Collective (every rank, in ``reset``): settle the pending parts of node-local tiers
         (``tierstore.engine.publish``) and agree whether ``cid`` exists. Each group's leader
         names its pending parts; the rank holding the coordinator's part says which save token
         committed each of those ids there; a pending part with that token is confirmed, any
         other is an orphan of a save whose coordinator failed, and gc removes it now (so that
         saving its id again succeeds everywhere). Returns where ``cid`` exists, the same list
-        on every rank."""
+        on every rank (:func:`~tierstore.engine.existing.whole_copies` over every rank's
+        ``held``, a pending part counting when its save committed)."""
         services = self._services
         ctx = services.context
         group = ctx.groups.io
@@ -253,7 +260,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 mine[t.name] = services.publisher.pending_parts(t)
             except Exception:  # noqa: BLE001 - never raise on one rank only: settled next time
                 log.warning("tier '%s': could not list its pending parts", t.name, exc_info=True)
-        gathered = all_gather_object((exists, mine), group)
+        gathered = all_gather_object((held, mine), group)
         asked = {(name, pid) for _, pending in gathered for name, parts in pending.items()
                  for pid in parts}
         answer = None
@@ -270,7 +277,6 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                                        and manifest.has_metadata else None)
         if asked:
             answer = broadcast_object(answer, group, 0)
-        agreed = [where for found, _ in gathered for where in found]
         for rank, (_, pending) in enumerate(gathered):
             for name, parts in pending.items():
                 for pid, token in parts.items():
@@ -287,9 +293,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                         except Exception:  # noqa: BLE001 - never raise on one rank only
                             log.warning("tier '%s': settling the part %s failed; the next save "
                                         "tries again", name, pid, exc_info=True)
-                    if committed and pid == cid and not ctx.config.overwrite:
-                        agreed.append(f"tier '{name}' (the part of rank {rank}'s node)")
-        return sorted(set(agreed))
+        answer = answer or {}
+        return whole_copies([h for found, _ in gathered for h in found],
+                            lambda h: not h.pending or answer.get((h.tier, cid)) == h.token)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember this rank's role; refuse a save that did not come with a checkpoint id
@@ -511,7 +517,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             # Pending: the checkpoint exists only once the coordinator's finish commits it.
             services.publisher.publish(tier, save.checkpoint_id, save.staging, save.token, files,
                                        save.step, seconds=time.perf_counter() - save.started,
-                                       drain=save.drain, pending=True)
+                                       drain=save.drain, pending=True,
+                                       replaces=save.replaces)
         except BaseException:
             tier.abort_save(save.checkpoint_id, save.staging)
             raise
@@ -546,7 +553,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 len(raw), tier.keyring.digest(raw), None)
             services.publisher.publish(tier, save.checkpoint_id, save.staging, save.token, files,
                                        save.step, seconds=time.perf_counter() - save.started,
-                                       all_files=all_files, drain=save.drain)
+                                       all_files=all_files, drain=save.drain,
+                                       replaces=save.replaces)
         except BaseException:
             tier.abort_save(save.checkpoint_id, save.staging)
             raise

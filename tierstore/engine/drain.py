@@ -268,6 +268,16 @@ class Drainer(BackgroundJobs[DrainJob]):
                              cid, target.name)
         return manifest
 
+    @staticmethod
+    def _copy_in_the_way(target: Tier, cid: str) -> bool:
+        """Whether ``target`` holds a copy of ``cid`` that a drain must not replace: on a tier
+        of this machine, a complete one (what is left of a damaged copy is replaced, as a save
+        replaces it: tierstore.engine.existing); on a remote tier, any manifest (only
+        ``promote`` and ``scrub --repair`` replace a copy there, in place)."""
+        if target.backend.local_path("") is not None:
+            return target.complete_manifest(cid) is not None
+        return target.read_manifest(cid) is not None
+
     def _drain_one(self, job: DrainJob, target: Tier) -> None:
         source, cid = job.source, job.checkpoint_id
         host, rank = self._host, self._rank
@@ -280,7 +290,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
                          nbytes=manifest.size_bytes, detail={"source": source.name}))
         if not self._context.config.overwrite and not gathering and not job.replace and \
-                target.read_manifest(cid) is not None:
+                self._copy_in_the_way(target, cid):
             # The save asked only this machine's tiers up front (see TierstoreWriter.reset).
             raise DrainError(
                 f"checkpoint '{cid}' already exists on tier '{target.name}' "

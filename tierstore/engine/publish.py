@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Collection
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.drain import DrainJob, Drainer
@@ -88,12 +89,15 @@ class Publisher:
     def publish(self, tier: Tier, checkpoint_id: str, staging: str, token: str,
                 files: dict[str, FileEntry], step: int, seconds: float,
                 all_files: dict[str, FileEntry] | None = None, drain: bool = True,
-                pending: bool = False) -> Manifest:
+                pending: bool = False, replaces: Collection[str] = ()) -> Manifest:
         """Write the manifest and make the checkpoint (this rank's part of it, on a node-local
         tier) visible on ``tier``, queue drains to slower tiers, then apply ``keep``.
         ``all_files``: every file of the checkpoint, known on the coordinator. ``pending``: a
         node-local part published before the checkpoint's commit (see the module docstring),
-        marked so in the same commit; ``keep`` neither counts it nor evicts anything for it."""
+        marked so in the same commit; ``keep`` neither counts it nor evicts anything for it.
+        ``replaces``: save tokens of copies of this id that the save found here at its start
+        and judged no loadable checkpoint (tierstore.engine.existing); any other copy that is
+        complete here now appeared meanwhile, and is kept (CommitError) unless ``overwrite``."""
         ctx = self._context
         host, rank, layout = ctx.host, ctx.rank, tier.layout
         manifest = build_manifest(
@@ -103,7 +107,8 @@ class Publisher:
             save_token=token, created=time.time() - seconds)
         host.phase(Phase.WRITE_MANIFEST, checkpoint_id, tier.name, rank)
         existing = tier.complete_manifest(checkpoint_id)
-        if existing is not None and not ctx.config.overwrite:
+        if existing is not None and not ctx.config.overwrite \
+                and existing.save_token not in replaces:
             raise CommitError(
                 f"checkpoint '{checkpoint_id}' appeared on tier '{tier.name}' while this save "
                 f"was running; save under a new id or set [store] overwrite = true"
