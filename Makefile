@@ -27,8 +27,10 @@ $(VENV)/.installed-test: $(VENV)/.installed examples/tierstore-example-plugin/py
 demo: $(VENV)/.installed
 	$(PY) -m tierstore.demo
 
+# Two workers (one per core of the CI machine), each with its own servers (tests/conftest.py);
+# worksteal evens out the long multi-rank tests. The slowest tests are listed at the end.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
 # The CUDA paths (pinned buffers, side-stream copies, lazy staging on a GPU), on a machine with
 # an NVIDIA GPU, where PyPI's torch wheel is a CUDA build. Everywhere else these tests skip (and

@@ -20,7 +20,9 @@ CONTRACT_API = {"writer", "reader", "latest", "list", "verify", "pin", "unpin", 
                 # the operator tools: each command of `tierstore` is a Store method too
                 "status", "inspect", "promote", "scrub", "export",
                 # lazy staging: what training waits on before it changes the state
-                "wait_staging", "hook_optimizer"}
+                "wait_staging", "hook_optimizer",
+                # goodput: the training code's steps, beside the store's own events
+                "record_step"}
 
 
 def _lint_imports() -> subprocess.CompletedProcess:

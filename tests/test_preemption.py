@@ -78,6 +78,7 @@ def test_sigterm_single_process_saves_that_step_and_exits(tmp_path):
     code, out = _run_and_signal(script_command("preempt_worker.py", tmp_path, 200), 0, at_step)
     assert code == 0, out
     assert "NO SIGNAL" not in out, out
+    assert "ATEXIT 0" in out, out  # the process's atexit handlers ran and were flushed
     _check_emergency_checkpoint(tmp_path, out, at_step, world=1)
 
 
@@ -86,6 +87,7 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tmp_path):
     at_step = random.randint(2, 12)
     code, out = _run_and_signal(torchrun_command("preempt_worker.py", tmp_path, 300), 1, at_step)
     assert code == 0, out
+    assert "ATEXIT 0" in out and "ATEXIT 1" in out, out
     _check_emergency_checkpoint(tmp_path, out, at_step, world=2)
 
 

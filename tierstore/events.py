@@ -39,9 +39,13 @@ class EventKind:
     REPAIRED = "repaired"        # scrub replaced a bad copy on a tier from a good one
                                  # (detail: files, source)
 
+    OPENED = "opened"            # a training process opened the store (detail: pid,
+                                 # world_size); each restart of a job opens it again
+    STEP = "step"                # the training code finished a step (Store.record_step;
+                                 # detail: step; seconds: the step's own time)
     ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
            DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED, REPLICATED, PEER_FETCHED,
-           UNREACHABLE, REJECTED, STALLED, REPAIRED)
+           UNREACHABLE, REJECTED, STALLED, REPAIRED, OPENED, STEP)
 
 
 class Phase:

@@ -14,17 +14,20 @@ saves and exits::
 
 ``save_and_exit`` lets the save in flight finish, saves the current state synchronously to the
 fastest tier (no drains: there is no time), commits it, closes the store without waiting for
-older drains (the next ``tierstore.open`` resumes them) and exits the process.
+older drains (the next ``tierstore.open`` resumes them) and ends the process at once (its
+``atexit`` handlers run; ``finally`` blocks above the call do not).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 import torch.distributed as dist
 
@@ -89,13 +92,27 @@ class Preemption:
         log.warning("emergency checkpoint %s committed on tier '%s'", checkpoint_id, fastest)
 
     def save_and_exit(self, state_dict: dict[str, Any], checkpoint_id: str,
-                      exit_code: int = 0) -> None:
+                      exit_code: int = 0) -> NoReturn:
         """``save``, then close the store without waiting for older drains (they are listed on
-        stderr and resumed by the next ``tierstore.open``) and exit with ``exit_code``."""
+        stderr and resumed by the next ``tierstore.open``), run the process's ``atexit``
+        handlers, flush stdout and stderr, and end the process at once with ``exit_code``
+        (``os._exit``).
+
+        At once, because the interpreter's own teardown (freeing every module, thread and
+        tensor one by one) took 1.4 s after a committed emergency save in a 4-rank job: time
+        that the scheduler's grace period and the job's restart both wait for, with the
+        checkpoint already safe. So ``finally`` blocks and context managers around this call do
+        not run; ``atexit`` handlers do (logging's flush among them)."""
         self.save(state_dict, checkpoint_id)
         self.close()
         self._close_store(wait=False)
-        sys.exit(exit_code)
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken stream: nothing more to say
+                pass
+        os._exit(exit_code)
 
     def close(self) -> None:
         """Put the previous signal handlers back and release the agreement group."""

@@ -8,6 +8,7 @@ hands the work to the service that owns it. No service holds the Store.
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import time
 import weakref
@@ -23,6 +24,7 @@ from tierstore.dcp.reader import ReaderServices, TierstoreReader
 from tierstore.dcp.writer import TierstoreWriter, WriterServices
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import Groups, StoreContext
+from tierstore.engine.events_log import EventsLog
 from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_unfinished
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.health import TierHealth
@@ -35,6 +37,7 @@ from tierstore.engine.scrub import BackgroundScrub, Scrubber
 from tierstore.engine.stats import TierFigures, TierStats
 from tierstore.engine.watchdog import Watchdog
 from tierstore.errors import DrainError
+from tierstore.events import Event, EventKind
 from tierstore.handoff import HandOff, checkpoint_process_store
 from tierstore.preemption import Preemption
 from tierstore.tiers.build import build_tiers
@@ -58,9 +61,15 @@ class Store:
         spec = StoreSpec.of(config, plugins)
         self._stats = TierStats()
         self._watchdog = watchdog = Watchdog()
+        self._events_log = events_log = EventsLog()
         config, host = load_config(config, plugins, {"tierstore.engine.stats": self._stats,
-                                                     "tierstore.engine.watchdog": watchdog})
+                                                     "tierstore.engine.watchdog": watchdog,
+                                                     "tierstore.engine.events_log": events_log})
         job = rank_context(process_group)
+        # A read-only store (a query beside the job) logs nothing: `tierstore ls` run during a
+        # job must not read as one of its restarts.
+        if config.events_log and not read_only:
+            events_log.start(config.events_log)
         # A read-only store never saves, so it never builds the buffers a save stages into.
         stager = None if read_only else host.lookup("staging", config.staging.name).factory(
             **config.staging.options)
@@ -75,6 +84,7 @@ class Store:
             tiers = build_tiers(config, host, job, main, unreachable, tolerate_unreachable)
         except BaseException:
             _destroy(main, io)  # a failed open leaves no groups behind
+            events_log.stop()
             raise
         replication = (make_store_group(process_group, timeout) if tiers.peer is not None
                        else None)
@@ -113,6 +123,9 @@ class Store:
         # may be draining the same checkpoint, leaves that to the job or to `tierstore wait`.
         if job.rank == 0 and not tiers.node_local and not hand_off and not read_only:
             queue_missing_copies(list(tiers), self._drainer, health)
+        if not hand_off and not read_only:  # a process of the job started (or restarted)
+            host.event(Event(EventKind.OPENED, rank=job.rank,
+                             detail={"pid": os.getpid(), "world_size": job.world_size}))
         host.store_opened(self)
 
     @property
@@ -135,6 +148,15 @@ class Store:
         """A DCP StorageReader loading from this store."""
         self._check_open()
         return TierstoreReader(self._reader_services)
+
+    def record_step(self, step: int, seconds: float) -> None:
+        """The training code finished step ``step``, which took ``seconds`` of its own (not
+        counting saves or loads between steps): a ``step`` event for observers and for
+        ``[store] events_log``, from which ``tierstore goodput`` tells productive time from
+        time lost to checkpoints, restarts and failures. Cheap: call it every step."""
+        ctx = self._ctx
+        ctx.host.event(Event(EventKind.STEP, rank=ctx.rank, seconds=float(seconds),
+                             detail={"step": int(step)}))
 
     # -- queries -----------------------------------------------------------------------------
     def latest(self) -> str | None:
@@ -325,6 +347,7 @@ class Store:
             for tier in [*ctx.tiers, *ctx.tiers.replica_tiers.values()]:
                 tier.backend.close()
             _destroy(ctx.groups.main, ctx.groups.io, ctx.groups.replication)
+            self._events_log.stop()
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:

@@ -4,11 +4,14 @@ Run by tests/test_preemption.py as a plain process or under torchrun (gloo). arg
 root, the number of steps. Each step fills every tensor with the step number (so a checkpoint's
 content says which step it holds), prints ``STEP <rank> <step> <pid>``, and async-saves every
 third step (keys ``rank<r>_bytes`` are per rank). When any rank got SIGTERM, every rank prints ``EMERGENCY <rank> <step>`` and
-``preemption.save_and_exit`` saves that step and exits 0. Running out of steps exits 3.
+``preemption.save_and_exit`` saves that step and exits 0. Running out of steps exits 3. An
+``atexit`` handler prints ``ATEXIT <rank>`` without flushing: ``save_and_exit`` must run it and
+flush what it printed before the process ends.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -33,6 +36,7 @@ def main() -> int:
         {"name": "disk", "backend": "local", "path": f"{root}/disk"},
     ]})
     preemption = store.preemption()
+    atexit.register(lambda: print(f"ATEXIT {rank}"))  # no flush: save_and_exit flushes
     state = {"weights": torch.zeros(256, 64), "bias": torch.zeros(64, dtype=torch.float64),
              f"rank{rank}_bytes": torch.zeros(1000, dtype=torch.uint8), "step": 0}
     future = None

@@ -15,6 +15,13 @@
     tierstore plugins [tiers.toml]          registered plugins by kind, with their origin
     tierstore demo                          the demo job (what `make demo` runs)
     tierstore bench --out DIR               the benchmarks side by side, with charts
+    tierstore goodput EVENTS.jsonl --out DIR
+                                            goodput of a job from its [store] events_log:
+                                            report.json, timeline.png, goodput.png
+    tierstore simulate [SCENARIO.toml] --out DIR
+                                            a real job under real failures (killed ranks, a
+                                            lost node, a preemption), once per contender
+                                            (stock DCP, tierstore): the same report and charts
 
 Every command takes --json (one JSON document on stdout, nothing else there) and exits 0 on
 success, 1 when what it checked is bad (or the operation failed), 2 on a usage or config error.
@@ -82,6 +89,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="where JSON and charts go")
     p.add_argument("--quick", action="store_true", help="fewer rounds, smaller state")
     p.set_defaults(fn=_bench)
+    p = command("goodput", "goodput of a job from its [store] events_log", config=None)
+    p.add_argument("events", help="the events log (JSON lines) the job's store appended to")
+    p.add_argument("--out", required=True, metavar="DIR", help="where report.json and charts go")
+    p.add_argument("--name", default="job", help="the job's name in the report and charts")
+    p.set_defaults(fn=_goodput)
+    p = command("simulate", "a real job under real failures, once per contender: goodput",
+                config=None)
+    p.add_argument("scenario", nargs="?", help="scenario TOML (default: the built-in one)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where report.json, the charts and each contender's files go")
+    p.set_defaults(fn=_simulate)
     return parser
 
 
@@ -89,6 +107,18 @@ def _bench(args: argparse.Namespace) -> int:
     from tierstore.cli.bench import run_bench
 
     return run_bench(args)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from tierstore.cli.simulate import run_simulate
+
+    return run_simulate(args)
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    from tierstore.cli.goodput import run_goodput
+
+    return run_goodput(args)
 
 
 def main(argv: list[str] | None = None) -> int:

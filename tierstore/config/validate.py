@@ -61,6 +61,10 @@ def _str_list(value: Any) -> str | None:
     return None
 
 
+def _non_empty(value: Any) -> str | None:
+    return "must not be empty" if isinstance(value, str) and not value.strip() else None
+
+
 def _trusted_names(value: Any) -> str | None:
     try:
         check_trusted_names(value)
@@ -116,6 +120,9 @@ STORE_OPTIONS: tuple[Option, ...] = (
     Option("accept_unsigned", bool, default=False,
            description="with a signing key, still read checkpoints that are not signed "
                        "(migrating those written before signing)"),
+    Option("events_log", str, default=None, check=_non_empty,
+           description="append every event of every rank to this file, one JSON object a line, "
+                       "across restarts (`tierstore goodput` reads it)"),
 )
 
 TIER_OPTIONS: tuple[Option, ...] = (
@@ -190,6 +197,8 @@ class StoreConfig:
     scrub_every_s: float = 0
     #: globals ("module.Name") non-tensor values from a tier may build beyond weights_only's
     trusted_pickles: tuple[str, ...] = ()
+    #: where every event is appended as a JSON line (tierstore.engine.events_log), or None
+    events_log: str | None = None
     #: the signing keys (tierstore.format.signing); kept out of repr like every secret
     keyring: Keyring = field(default=UNSIGNED, repr=False)
 
@@ -407,6 +416,8 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         collective_timeout=store_table["collective_timeout"], watchdog=store_table["watchdog"],
         scrub_every_s=store_table["scrub_every_s"], tiers=tuple(tiers), source=source,
         trusted_pickles=tuple(store_table["trusted_pickles"]),
+        events_log=(None if store_table["events_log"] is None
+                    else os.path.expanduser(store_table["events_log"])),
         keyring=keyring_from(store_table, source),
     )
 
