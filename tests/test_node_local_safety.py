@@ -122,6 +122,19 @@ def test_a_node_never_writes_a_gathered_copy_before_the_committing_rank_began_it
 
 
 @pytest.mark.timeout(600)
+def test_a_part_report_read_before_it_is_whole_is_waited_for(tmp_path):
+    # Rank 0 finds node 1's part report cut short (as when it reads while node 1 writes it):
+    # that part is not reported yet, and the copy commits once the whole report is there.
+    out = run_nodes(tmp_path, "torn")
+    for rank in range(4):
+        assert f"RANK {rank} DRAINED" in out, out
+    copy = manifest(tmp_path / "shared/step-1")
+    assert copy["ranks"] == [0, 1, 2, 3]
+    assert sorted(os.listdir(tmp_path / "shared/step-1")) == sorted(
+        [*copy["files"], "tierstore.json"])
+
+
+@pytest.mark.timeout(600)
 def test_an_id_whose_copy_lost_a_file_or_a_node_part_can_be_saved_again(tmp_path):
     # step-2 lost a file of node 0's part; step-3 lost node 1's whole part (a node replaced
     # with its RAM tier empty). Neither loads, so latest() is step-1, and a restarted job that

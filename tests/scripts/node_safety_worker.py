@@ -17,6 +17,10 @@ argv: ROOT ACTION. Actions:
   ``store.wait()`` raised.
 - ``order``: step-1 saved; rank 0 starts its drain to the shared tier 3 s late, after rank 2
   has started its own; each rank prints when it copied its first file.
+- ``torn``: step-1 saved; when node 1's leader (rank 2) copies its first file to the shared
+  tier, it first leaves its part report there cut short (what rank 0 reads when it looks while
+  the report is being written) and waits 3 s before going on: rank 0 must wait for the whole
+  report, not fail the copy.
 - ``damage`` (``keep = 3``): step-1, step-2 and step-3 saved; then rank 0 removes one file of
   node 0's part of step-2 and rank 2 removes node 1's whole part of step-3 (a node replaced
   with its RAM tier lost): neither id can load any more.
@@ -75,6 +79,12 @@ class Faults:
                 time.sleep(3)
                 print(f"RANK 0 DRAIN STARTS {time.time():.3f}", flush=True)
         if phase == Phase.DRAIN_FILE and tier == "shared" and self.first_file is None:
+            if self.action == "torn" and self.rank == 2:
+                report = os.path.join(self.root, "shared", checkpoint_id,
+                                      ".tierstore-part-1.json")
+                with open(report, "w") as f:
+                    f.write('{"ok": true, "fi')
+                time.sleep(3)
             self.first_file = time.time()
             print(f"RANK {self.rank} FIRST FILE {self.first_file:.3f}", flush=True)
 
@@ -86,7 +96,7 @@ class Faults:
 
 def config(root: str, action: str) -> dict:
     tiers = [{"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 1}]
-    if action in ("corrupt", "order"):
+    if action in ("corrupt", "order", "torn"):
         tiers.append({"name": "shared", "backend": "fsspec", "url": f"file://{root}/shared"})
     if action in ("damage", "resave"):
         tiers[0]["keep"] = 3
@@ -168,7 +178,7 @@ def main() -> int:
             print(f"RANK {rank} RESAVED {cid}", flush=True)
         store.wait()
         dist.barrier()
-    elif action in ("corrupt", "order"):
+    elif action in ("corrupt", "order", "torn"):
         save(store, faults, mesh, rank, "step-1", 1)
         try:
             store.wait()

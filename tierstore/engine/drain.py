@@ -545,6 +545,16 @@ class Drainer(BackgroundJobs[DrainJob]):
                 except FileNotFoundError:
                     waiting.append(p)
                     continue
+                except ValueError:
+                    # Not whole yet: a report is written in one call, but on a filesystem
+                    # another node can read it between its creation and its last byte. It
+                    # counts as not reported, and is read again until it is whole (or the part
+                    # times out, naming it).
+                    waiting.append(p)
+                    continue
+                if not isinstance(record, dict):
+                    waiting.append(p)
+                    continue
                 if not record.get("ok"):
                     raise DrainError(
                         f"checkpoint '{cid}': the part of ranks {list(layout.all_parts[p])} "
