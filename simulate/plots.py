@@ -84,7 +84,8 @@ def draw_timeline(contenders: list[ContenderReport], path: str | Path) -> None:
                 ax.plot([prev[0], prev[0], x_first], [prev[1], resumed, resumed],
                         color=colour, lw=1, ls=":")
                 if steps:
-                    # The first run's start-up is no restore, so only later runs are shaded.
+                    # From the new process's start to its first step: start-up and restore
+                    # (the first run's start-up follows no failure, so it is not shaded).
                     ax.axvspan(x_begin, x_first, color=colour, alpha=0.15, lw=0)
                     shaded = True
             if steps:
@@ -110,7 +111,7 @@ def draw_timeline(contenders: list[ContenderReport], path: str | Path) -> None:
         labels.append("failure (kind), drop to resumed step")
     if shaded:
         handles.append(Patch(color="grey", alpha=0.25, lw=0))
-        labels.append("restore (shaded)")
+        labels.append("restarted job starting up and restoring (shaded)")
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.savefig(path)
 

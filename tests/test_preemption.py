@@ -26,9 +26,10 @@ def _config(root: Path) -> dict:
                      {"name": "disk", "backend": "local", "path": str(root / "disk")}]}
 
 
-def _run_and_signal(cmd: list[str], signal_rank: int, at_step: int, timeout: float = 180):
-    """Start ``cmd``, send SIGTERM to the process of ``signal_rank`` once it printed step
-    ``at_step``; return (exit code, stdout)."""
+def _run_and_signal(cmd: list[str], signal_rank: int, at_step: int, timeout: float = 180,
+                    sig: int = signal.SIGTERM):
+    """Start ``cmd``, send ``sig`` to the process of ``signal_rank`` once it printed step
+    ``at_step``; return (exit code, stdout). Killed after ``timeout`` s (exit code -9)."""
     proc = subprocess.Popen(cmd, env=script_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -40,7 +41,7 @@ def _run_and_signal(cmd: list[str], signal_rank: int, at_step: int, timeout: flo
             lines.append(line)
             m = re.match(r"STEP (\d+) (\d+) (\d+)", line)
             if m and not sent and int(m[1]) == signal_rank and int(m[2]) >= at_step:
-                os.kill(int(m[3]), signal.SIGTERM)
+                os.kill(int(m[3]), sig)
                 sent = True
         code = proc.wait()
     finally:
@@ -89,6 +90,18 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tmp_path):
     assert code == 0, out
     assert "ATEXIT 0" in out and "ATEXIT 1" in out, out
     _check_emergency_checkpoint(tmp_path, out, at_step, world=2)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_under_torchrun_does_not_keep_the_survivor_for_the_roll_call(tmp_path):
+    # torchrun stops the survivors of a dead rank with SIGTERM, which the preemption handler
+    # only records: the survivor's next per-step agreement fails on the dead peer, and it must
+    # give up at once, not spend the roll call's 30 s naming the lost rank (it did, and every
+    # restart of such a job waited for it). 25 s is well under those 30 s.
+    code, out = _run_and_signal(torchrun_command("preempt_worker.py", tmp_path, 10_000), 1, 3,
+                                timeout=25, sig=signal.SIGKILL)
+    assert code != -9, f"the job was still running 25 s after its rank died:\n{out}"
+    assert code != 0 and "RanksLostError" in out, out
 
 
 @pytest.mark.timeout(60)

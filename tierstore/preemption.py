@@ -72,8 +72,12 @@ class Preemption:
 
     def requested_by_any(self) -> bool:
         """Whether any rank received the signal. Collective: every rank calls it at every step,
-        and all get the same answer."""
-        return bool(all_reduce_max(1 if self.requested else 0, self._group))
+        and all get the same answer. When a rank is gone, it raises ``RanksLostError``: at once
+        if this process got the signal (a launcher such as torchrun stops the survivors of a
+        dead rank with SIGTERM, and the handler only records it; naming the lost ranks would
+        keep the process for the roll call's 30 s), else after naming them."""
+        return bool(all_reduce_max(1 if self.requested else 0, self._group,
+                                   stop=lambda: self.requested))
 
     def save(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
         """Wait for the save in flight, then save ``state_dict`` to the fastest tier and commit

@@ -96,14 +96,16 @@ def _next_call(group: Any) -> int:
         return next(counter)
 
 
-def _collective(group: Any, what: str, run: Callable[[], T]) -> T:
+def _collective(group: Any, what: str, run: Callable[[], T],
+                stop: Callable[[], bool] | None = None) -> T:
     """Run one collective of ``group``; turn its failure (a rank died, or did not come within
-    the group's timeout) into a :class:`RanksLostError` naming the ranks that did not answer."""
+    the group's timeout) into a :class:`RanksLostError` naming the ranks that did not answer.
+    ``stop``: when it turns true, naming them is given up (see :func:`_roll_call`)."""
     call = _next_call(group)
     try:
         return run()
     except Exception as exc:  # gloo reports a lost peer or a timeout as a RuntimeError
-        missing = _roll_call(group, call)
+        missing = _roll_call(group, call, stop)
         who = (f"rank(s) {missing} did not answer" if missing
                else "no rank is known to be missing (the collective itself failed)")
         # Logged too: when DCP's own collectives fail next, its error replaces this one.
@@ -124,11 +126,14 @@ def peers_lost(group: Any, peers: list[int], what: str, exc: BaseException) -> R
         f"[store] collective_timeout); the last committed checkpoint is intact: restart the job")
 
 
-def _roll_call(group: Any, call: int) -> list[int] | None:
+def _roll_call(group: Any, call: int, stop: Callable[[], bool] | None = None
+               ) -> list[int] | None:
     """Global ranks of ``group`` that did not report the failure of its ``call``-th collective
     within ``_ROLL_CALL_S`` (or the group's timeout, if shorter), through the job's key-value
     store (torchrun's, or the one init_process_group made). None when that store is out of
-    reach."""
+    reach. A dead rank never answers, so the roll call waits its whole time: ``stop`` ends it
+    early, naming the ranks not heard of so far (a process told to stop, by SIGTERM under a
+    preemption handler, must not spend its grace period naming them)."""
     try:
         store = dist.distributed_c10d._get_default_store()
         me = dist.get_rank(group)
@@ -139,7 +144,7 @@ def _roll_call(group: Any, call: int) -> list[int] | None:
         deadline = time.monotonic() + min(_ROLL_CALL_S, _timeouts.get(name, _ROLL_CALL_S))
         while True:
             present = [r for r in range(world) if store.check([f"{key}/{r}"])]
-            if len(present) == world or time.monotonic() > deadline:
+            if len(present) == world or time.monotonic() > deadline or (stop and stop()):
                 break
             time.sleep(0.1)
         return [dist.get_global_rank(group, r) for r in range(world) if r not in present]
@@ -168,13 +173,14 @@ def broadcast_object(obj: Any, group: Any, src_group_rank: int = 0) -> Any:
     return box[0]
 
 
-def all_reduce_max(value: int, group: Any) -> int:
-    """The largest ``value`` of every rank of ``group`` (``value`` itself without a group)."""
+def all_reduce_max(value: int, group: Any, stop: Callable[[], bool] | None = None) -> int:
+    """The largest ``value`` of every rank of ``group`` (``value`` itself without a group).
+    ``stop``: see :func:`_collective`."""
     if group is None:
         return value
     flag = torch.tensor([value], dtype=torch.int64)
     _collective(group, "agreeing with every rank",
-                lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group))
+                lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group), stop)
     return int(flag.item())
 
 

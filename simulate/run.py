@@ -1,0 +1,126 @@
+"""``tierstore simulate``: every contender of a scenario through the same failures, then one
+report.
+
+:func:`run` gives each contender a work directory of its own, ``OUT/<name as a slug>/`` (its
+job spec, events log, checkpoints on disk, each run's torchrun logs) and a directory under
+/dev/shm for its RAM tiers, runs it with a :class:`~tierstore_simulate.supervisor.Supervisor`,
+accounts its events with :func:`tierstore_simulate.goodput.account`, and writes
+``OUT/report.json`` and the charts (``timeline.png``, ``goodput.png``). What it made under
+/dev/shm is removed when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from .goodput import ContenderReport, account, read_events, report_json, summary_table
+from .scenario import Scenario, ScenarioError
+from .supervisor import ContenderOutcome, Supervisor
+
+__all__ = ["MARKER", "run"]
+
+#: the file that says a work directory is the simulator's own, so a new run may replace it
+MARKER = ".tierstore-simulate"
+
+
+def _work_dirs(scenario: Scenario, out_dir: Path) -> list[Path]:
+    """Each contender's work directory, emptied: one a previous simulation left (it holds
+    :data:`MARKER`) is replaced; anything else already there is refused before anything runs."""
+    dirs = [out_dir / c.slug for c in scenario.contenders]
+    for d in dirs:
+        if d.exists() and not (d / MARKER).exists() and any(d.iterdir()):
+            raise ScenarioError(f"{d} exists and was not made by tierstore simulate; choose "
+                                f"another --out, or remove it")
+    for d in dirs:
+        if d.exists():
+            shutil.rmtree(d)  # a previous run's checkpoints would be resumed from
+        d.mkdir(parents=True)
+        (d / MARKER).write_text("a work directory of `tierstore simulate`; replaced by the "
+                                "next simulation into the same --out\n")
+    return dirs
+
+
+def _shm_root() -> Path:
+    """A fresh directory for the RAM tiers: under /dev/shm (memory, as on a real node) where
+    there is one."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return Path(tempfile.mkdtemp(prefix="tierstore-simulate-", dir=base))
+
+
+def _account(outcome: ContenderOutcome) -> ContenderReport | None:
+    """The contender's goodput report, or None where its job logged nothing."""
+    try:
+        events = read_events(outcome.events_log)
+    except FileNotFoundError:
+        return None
+    try:
+        return account(events, outcome.name, starts=outcome.starts, kinds=outcome.kinds)
+    except ValueError:  # no event of rank 0: the job never opened its store
+        return None
+
+
+def _draw(reports: list[ContenderReport], out_dir: Path, say: Callable[[str], None]
+          ) -> list[Path]:
+    try:
+        from .plots import draw_all
+    except ImportError as exc:
+        say(f"charts not drawn: tierstore_simulate.plots is not available ({exc})")
+        return []
+    return draw_all(reports, out_dir)
+
+
+def run(scenario: Scenario, out_dir: str | Path, progress: Callable[[str], None] = print
+        ) -> dict[str, Any]:
+    """Run every contender of ``scenario`` in turn in ``out_dir/<slug>/``, then write
+    ``out_dir/report.json`` and the charts; return the report. Each contender's entry has, on
+    top of its goodput figures (:meth:`ContenderReport.to_json`), ``final_state``: ``"ok"``
+    when every rank of its last run ended with the right state, else ``"bad"`` (with
+    ``error`` where its job could not go on). ``progress`` gets a line per thing that
+    happens, then the summary table."""
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work_dirs = _work_dirs(scenario, out)
+    shm_root = _shm_root()
+    outcomes: list[ContenderOutcome] = []
+    try:
+        for contender, work_dir in zip(scenario.contenders, work_dirs):
+            shm_dir = shm_root / contender.slug
+            try:
+                outcomes.append(Supervisor(scenario, contender, work_dir, shm_dir,
+                                           progress).run())
+            finally:
+                shutil.rmtree(shm_dir, ignore_errors=True)
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
+    reports, entries = [], []
+    for outcome in outcomes:
+        report = _account(outcome)
+        if report is not None:
+            reports.append(report)
+        entry = report.to_json() if report is not None else {"name": outcome.name}
+        entry["final_state"] = "ok" if outcome.final_ok else "bad"
+        if outcome.error:
+            entry["error"] = outcome.error
+        entry["work_dir"] = str(outcome.work_dir)
+        entries.append(entry)
+    # report_json's document, each contender's entry with its final state and work directory
+    # added (and a contender whose job logged nothing still listed).
+    document = {**report_json([], scenario.to_dict()), "contenders": entries}
+    report_path = out / "report.json"
+    report_path.write_text(json.dumps(document, indent=2))
+    charts = _draw(reports, out, progress) if reports else []
+    if reports:
+        progress(summary_table(reports))
+    for entry in entries:
+        if entry["final_state"] != "ok":
+            progress(f"{entry['name']}: final state BAD"
+                     + (f": {entry['error']}" if "error" in entry else
+                        f" (see the logs in {entry['work_dir']}/logs)"))
+    progress(f"report: {report_path}" + (f"; charts: {', '.join(map(str, charts))}"
+                                         if charts else ""))
+    return document

@@ -1,0 +1,176 @@
+"""``tierstore simulate``: a real two-node job under a killed rank, a lost node and a preemption,
+once with stock ``dcp.async_save`` and once with tierstore (RAM + disk, emergency save), and
+what a user checks in its report; then scenarios with mistakes, each refused with a message
+that says what to fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import script_env
+
+from tierstore.cli import main
+
+SHORT_SCENARIO = """
+[job]
+steps = 24
+step_s = 0.1
+state_mib = 2
+nodes = 2
+ranks_per_node = 1
+
+[supervisor]
+restart_delay_s = 0.5
+timeout_s = 400
+
+[[failure]]
+kind = "kill-rank"
+at_step = 7
+rank = 1
+
+[[failure]]
+kind = "lose-node"
+at_step = 13
+node = 1
+
+# Stock saves every 4 steps: step 18 is two steps past its last save (and step 19 is no save
+# step either), so a preemption there costs it steps whatever the timing.
+[[failure]]
+kind = "preempt"
+at_step = 18
+
+[[contender]]
+name = "stock"
+kind = "dcp-async"
+every = 4
+
+[[contender]]
+name = "tierstore"
+kind = "tierstore"
+every = 2
+emergency = true
+tiers = [{ name = "ram", backend = "memory", every = 2 },
+         { name = "disk", backend = "local", every = 4 }]
+"""
+
+KINDS = ["kill-rank", "lose-node", "preempt"]
+
+
+def _job_processes(out) -> list[int]:
+    """Processes still running a job of the simulation into ``out`` (its ranks and torchruns
+    have the job module and a job spec under ``out`` among their arguments)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            args = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"tierstore_simulate.job" in args and any(a.startswith(str(out).encode())
+                                                      for a in args):
+            found.append(int(entry))
+    return found
+
+
+def _simulator_shm_dirs() -> set[str]:
+    """What the simulator makes under /dev/shm (one directory per simulation)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("tierstore-simulate-")}
+
+
+@pytest.mark.timeout(600)
+def test_simulate_runs_both_contenders_through_every_failure(tmp_path):
+    scenario = tmp_path / "scenario.toml"
+    scenario.write_text(SHORT_SCENARIO)
+    out = tmp_path / "out"
+    before = _simulator_shm_dirs()
+    proc = subprocess.run([sys.executable, "-m", "tierstore.cli", "simulate", str(scenario),
+                           "--out", str(out)], env=script_env(), capture_output=True,
+                          text=True, timeout=560)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-5000:]}"
+    assert "goodput" in proc.stdout  # the summary table
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["scenario"]["job"]["steps"] == 24
+    stock, tier = report["contenders"]
+    assert (stock["name"], tier["name"]) == ("stock", "tierstore")
+    for c in (stock, tier):
+        assert [f["kind"] for f in c["failures"]] == KINDS, c
+        assert c["final_state"] == "ok", c
+        assert c["final_step"] == 24, c
+        assert 0 < c["goodput"] < 1, c
+
+    # tierstore restores from RAM each time (after the lost node, the surviving node's part
+    # comes from its RAM; rank 0's load names the tier it started from), and its emergency save
+    # at the preemption loses no step; stock resumes from its last periodic save.
+    assert [f["restored_from"] for f in tier["failures"]] == ["ram"] * 3, tier["failures"]
+    assert tier["failures"][2]["steps_lost"] == 0, tier["failures"]
+    assert stock["failures"][2]["steps_lost"] > 0, stock["failures"]
+    assert [f["restored_from"] for f in stock["failures"]] == ["shared"] * 3
+
+    for chart in ("timeline.png", "goodput.png"):
+        assert (out / chart).stat().st_size > 10_000, chart
+    assert _simulator_shm_dirs() <= before, "the simulation left directories in /dev/shm"
+    assert _job_processes(out) == [], "processes of the simulated job are still running"
+
+
+BAD = {
+    "unknown key": (
+        "[job]\nstepz = 10\n", "[job]: unknown key 'stepz'. Did you mean 'steps'?"),
+    "unknown failure kind": (
+        '[[failure]]\nkind = "explode"\nat_step = 3\n',
+        "failure[0]: kind 'explode' is not one of kill-rank, lose-node, preempt"),
+    "failure beyond the job": (
+        '[job]\nsteps = 20\n[[failure]]\nkind = "preempt"\nat_step = 25\n',
+        "failure[0]: at_step is 25; it must be at most 19"),
+    "rank beyond the job": (
+        '[job]\nnodes = 2\nranks_per_node = 1\n[[failure]]\nkind = "kill-rank"\n'
+        'at_step = 3\nrank = 2\n', "failure[0]: rank is 2; it must be at most 1"),
+    "failures out of order": (
+        '[[failure]]\nkind = "preempt"\nat_step = 9\n[[failure]]\nkind = "kill-rank"\n'
+        'at_step = 4\n', "failure[1] at_step 4 is not after failure[0]'s 9"),
+    "bad contender kind": (
+        '[[contender]]\nname = "x"\nkind = "dcp-fast"\nevery = 5\n',
+        "kind 'dcp-fast' is not one of dcp-async, dcp-sync, tierstore. Did you mean"),
+    "tier interval not a multiple": (
+        '[[contender]]\nkind = "tierstore"\nevery = 4\n'
+        'tiers = [{ name = "ram", backend = "memory", every = 4 },\n'
+        '         { name = "disk", backend = "local", every = 6 }]\n',
+        "tier 'disk' has every = 6, which is not a multiple of the save interval every = 4"),
+    "tiers on a stock contender": (
+        '[[contender]]\nkind = "dcp-async"\nevery = 5\n'
+        'tiers = [{ name = "ram", backend = "memory" }]\n',
+        'tiers is only for kind = "tierstore"'),
+    "not TOML": ("[job\nsteps = 3\n", "not valid TOML"),
+}
+NO_CONTENDER = '[[contender]]\nname = "stock"\nkind = "dcp-async"\nevery = 5\n'
+
+
+@pytest.mark.parametrize("case", sorted(BAD), ids=str)
+def test_a_bad_scenario_is_refused_with_what_to_fix(case, tmp_path, capsys):
+    text, message = BAD[case]
+    if "[[contender]]" not in text:  # so that only the mistake under test is one
+        text += NO_CONTENDER
+    scenario = tmp_path / "scenario.toml"
+    scenario.write_text(text)
+    assert main(["simulate", str(scenario), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tierstore: error: {scenario}: "), err
+    assert message in err, err
+    assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+def test_a_scenario_without_contenders_says_how_to_add_one(tmp_path, capsys):
+    scenario = tmp_path / "scenario.toml"
+    scenario.write_text("[job]\nsteps = 10\n")
+    assert main(["simulate", str(scenario), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "no contender: add at least one [[contender]] table" in err, err
+
+
+def test_a_missing_scenario_file_is_a_usage_error(tmp_path, capsys):
+    missing = tmp_path / "nope.toml"
+    assert main(["simulate", str(missing), "--out", str(tmp_path / "out")]) == 2
+    assert f"{missing}: no such scenario file" in capsys.readouterr().err
