@@ -198,8 +198,8 @@ def run_ls(config: str) -> tuple[float, float, list]:
 def parse_args(argv=None):
     p = benchmark_parser(__doc__, repeat=7,
                          warmup_costs="the first imports of torch and tierstore from disk",
-                         dir_help="parent of both stores' tiers (default the system temp dir)")
-    p.set_defaults(size_mib=64, tensors=16)
+                         dir_help="parent of both stores' tiers (default the system temp dir)",
+                         size_mib=64, tensors=16)
     p.add_argument("--checkpoints", type=int, default=5,
                    help="checkpoints the job saves, each with its copy pending (default 5)")
     args = p.parse_args(argv)

@@ -272,12 +272,17 @@ def tests_module(name: str) -> ModuleType:
 # -- options and rounds ----------------------------------------------------------------------------
 
 def benchmark_parser(doc: str, repeat: int, warmup_costs: str,
-                     dir_help: str) -> argparse.ArgumentParser:
-    """The options every benchmark in this folder takes; each adds its own after."""
+                     dir_help: str, *, size_mib: int = 1024, tensors: int = 64,
+                     per_rank: bool = False) -> argparse.ArgumentParser:
+    """The options every benchmark in this folder takes; each adds its own after. ``size_mib``
+    and ``tensors``: this benchmark's default state (``per_rank``: each rank's)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=1024, help="state dict size (default 1024)")
-    p.add_argument("--tensors", type=int, default=64, help="number of tensors (default 64)")
+    whose = " per rank" if per_rank else ""
+    p.add_argument("--size-mib", type=int, default=size_mib,
+                   help=f"state dict size{whose} (default {size_mib})")
+    p.add_argument("--tensors", type=int, default=tensors,
+                   help=f"number of tensors{whose} (default {tensors})")
     p.add_argument("--repeat", type=int, default=repeat, help=f"timed rounds (default {repeat})")
     p.add_argument("--warmup", type=int, default=1,
                    help=f"untimed rounds first (default 1): first-call costs ({warmup_costs}) "

@@ -443,13 +443,9 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = benchmark_parser(__doc__, 3, "gloo connections, thread start-up, first touch of the "
                          "destination and fetch buffers",
-                         "parent of the temp directory holding every tier (default /dev/shm)")
-    p.set_defaults(size_mib=64, tensors=16, dir="/dev/shm")
-    for action in p._actions:
-        if action.dest == "size_mib":
-            action.help = "state dict size per rank (default 64)"
-        elif action.dest == "tensors":
-            action.help = "tensors per rank (default 16)"
+                         "parent of the temp directory holding every tier (default /dev/shm)",
+                         size_mib=64, tensors=16, per_rank=True)
+    p.set_defaults(dir="/dev/shm")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds before both torchrun invocations are killed (default 600)")
     args = p.parse_args(argv)

@@ -79,8 +79,7 @@ class StopAtRetain:
 def parse_args(argv=None):
     p = benchmark_parser(__doc__, repeat=7, warmup_costs="imports, the first S3 connections",
                          dir_help="parent of the local tiers (a disk filesystem; default the "
-                                  "system temp dir)")
-    p.set_defaults(size_mib=64, tensors=16)
+                                  "system temp dir)", size_mib=64, tensors=16)
     p.add_argument("--retry-seconds", type=float, default=60.0,
                    help="the S3 tier's retry_seconds: how long the stuck pass retries "
                         "(default 60)")
