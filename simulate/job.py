@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 import tierstore
+from tierstore.engine.events_log import EventsLog
 from tierstore.events import Event, EventKind
 
 __all__ = ["JobSpec", "main", "make_state", "pid_file", "state_problems"]
@@ -183,20 +184,17 @@ class TierstoreCheckpoints:
 
 
 class StockEventsLog:
-    """What ``[store] events_log`` would append, written by the stock job itself: the same
-    fields (a :class:`tierstore.events.Event` plus ``pid``), one line per ``write(2)`` on a file
-    opened ``O_APPEND``."""
+    """What ``[store] events_log`` would append, written by the stock job itself, through the
+    store's own log writer (:class:`tierstore.engine.events_log.EventsLog`): the same lines."""
 
     def __init__(self, path: str, rank: int):
         self.rank = rank
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.log = EventsLog()
+        self.log.start(path)
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Append one event of ``kind`` (``fields``: the other fields of an Event)."""
-        record = dataclasses.asdict(Event(kind, rank=self.rank, **fields))
-        record["pid"] = os.getpid()
-        os.write(self.fd, (json.dumps(record, default=str, separators=(",", ":"))
-                           + "\n").encode())
+        self.log.append(Event(kind, rank=self.rank, **fields))
 
 
 class StockCheckpoints:

@@ -52,7 +52,12 @@ class EventsLog:
 
     @hookimpl
     def tierstore_event(self, event: Event) -> None:
-        """Append ``event`` as one JSON line."""
+        """Append ``event`` as one JSON line (the store's observer hook)."""
+        self.append(event)
+
+    def append(self, event: Event) -> None:
+        """Append ``event`` as one JSON line: the one place the log's line format is made
+        (a job that logs without a store, as the simulator's stock job does, calls this)."""
         if self._fd is None:
             return
         record = dataclasses.asdict(event)
