@@ -17,7 +17,10 @@ step and save, so rank 0's clock is the job's):
   step before it died (the step in progress);
 - **restart** is the time from a run's end to the next run's first event of its own (its start,
   else its ``opened``), plus that run's start-up until ``opened``;
-- **restore** is the time of the ``loaded`` events of a run;
+- **restore** is the time of the ``loaded`` events of a run; a failure's ``restored_from``
+  names the tier rank 0 loaded from, then (joined by ``+``) every other source any rank of the
+  run read bytes from, ``peers`` for files other ranks sent it (``ram+peers``: a replaced
+  node's ranks got their files from the replicas the surviving node holds);
 - **checkpoint stall** is the time between consecutive steps of a run (where the job saves);
 - **other** is what is left (start-up before the first step, beyond the restore); the parts sum
   to the wall time exactly.
@@ -31,7 +34,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-__all__ = ["Badput", "ContenderReport", "FailureRecord", "Run", "account", "read_events",
+from tierstore.events import FROM_PEERS
+
+#: how ``restored_from`` names the files other ranks sent a loading rank (peer fetch)
+PEERS = "peers"
+
+__all__ = ["PEERS", "Badput", "ContenderReport", "FailureRecord", "Run", "account", "read_events",
            "report_json", "split_runs", "summary_table"]
 
 
@@ -171,6 +179,7 @@ def account(events: Iterable[dict[str, Any]], name: str = "job", *,
         raise ValueError("no events of rank 0: nothing to account (is [store] events_log set, "
                          "and did rank 0 open the store?)")
     kept = _history(runs)
+    sources = _restore_sources(events, runs)
     productive = lost = stall = restart = restore = 0.0
     failures = []
     for i, run in enumerate(runs):
@@ -190,7 +199,7 @@ def account(events: Iterable[dict[str, Any]], name: str = "job", *,
                 kind=kinds[i] if i < len(kinds) else "restart", at_step=run.last_step,
                 resumed_from_step=nxt.resumed_from,
                 steps_lost=max(0, run.last_step - nxt.resumed_from),
-                restore_s=round(nxt.restore_s, 4), restored_from=nxt.restored_from))
+                restore_s=round(nxt.restore_s, 4), restored_from=sources[i + 1]))
     wall = runs[-1].end - runs[0].begins
     # The first run's start-up (beyond its restore) and the last run's tail are "other".
     other = max(0.0, wall - productive - lost - stall - restart - restore)
@@ -203,6 +212,25 @@ def account(events: Iterable[dict[str, Any]], name: str = "job", *,
                    "emergency_saved") and e.get("rank", 0) == 0 and e.get("checkpoint_id")}),
         failures=failures, time_to_durable_s=_time_to_durable(events),
         timeline=[(r.begins, list(r.steps)) for r in runs], final_step=runs[-1].last_step)
+
+
+def _restore_sources(events: list[dict[str, Any]], runs: list[Run]) -> list[str | None]:
+    """Per run, the tiers its ranks loaded from: rank 0's first, then the others' in order of
+    name, joined by ``+`` (None: nothing was loaded)."""
+    bounds = [r.begins for r in runs[1:]] + [float("inf")]
+    others: list[set[str]] = [set() for _ in runs]
+    for e in events:
+        if e.get("kind") == "loaded" and e.get("tier"):
+            i = next(i for i, end in enumerate(bounds) if float(e["at"]) < end)
+            sent = (e.get("detail") or {}).get("bytes_from") or {e["tier"]: 1}
+            # A peer tier's replica of another rank's files is a source "<tier>:rank-<r>".
+            others[i].update(PEERS if name == FROM_PEERS else name.split(":")[0]
+                             for name, n in sent.items() if n)
+    out: list[str | None] = []
+    for run, tiers in zip(runs, others):
+        first = [run.restored_from] if run.restored_from else []
+        out.append("+".join(first + sorted(tiers - set(first))) or None)
+    return out
 
 
 def _time_to_durable(events: list[dict[str, Any]]) -> dict[str, float]:

@@ -14,12 +14,18 @@ How it checkpoints is the contender's:
 - ``tierstore``: ``tierstore.open`` with ``[store] events_log``, resume from ``store.latest()``,
   ``dcp.async_save`` through ``store.writer()`` every ``every`` steps, ``store.record_step``
   each step; with ``emergency``, ``store.preemption()`` turns SIGTERM into an emergency save;
+  with ``lazy``, ``store.wait_staging()`` before each step (where an optimizer step would be);
 - ``dcp-async`` / ``dcp-sync``: stock ``dcp.async_save`` / ``dcp.save`` of ``step-<n>``
   directories in a shared directory, resume from the newest one with DCP's ``.metadata``, on a
   gloo group of their own (as a careful stock user does, so saves never interleave with the
-  training's collectives); SIGTERM's default action kills them. They append the same JSON lines
+  training's collectives); SIGTERM's default action kills them. With ``async_staging``, DCP's
+  ``DefaultStager(StagingOptions(use_async_staging=True))`` stages in a thread and the job
+  waits for its ``staging_completion`` before the next step. They append the same JSON lines
   as ``[store] events_log`` to their own log (``opened``, ``step``, ``staged``, ``committed``,
   ``loaded``), so one accounting measures every contender.
+
+Every collective (the training's all-reduce, DCP's, the store's) fails after
+``collective_timeout_s`` when a rank stops answering: how a hung rank is noticed.
 
 Every rank writes ``<pid> <node>`` to ``<work_dir>/pids/rank<r>.pid`` first, which is how the
 supervisor finds the process it strikes.
@@ -28,14 +34,17 @@ supervisor finds the process it strikes.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import traceback
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +81,9 @@ class JobSpec:
     emergency: bool = False
     store: dict[str, Any] | None = None   # tierstore's config (kind tierstore)
     shared_dir: str | None = None         # where stock DCP saves (kinds dcp-*)
+    collective_timeout_s: float = 20.0
+    lazy: bool = False                    # tierstore: lazy staging
+    async_staging: bool = False           # dcp-async: DCP's DefaultStager, async staging
 
     def write(self, path: str | Path) -> None:
         """Write the spec as JSON to ``path``."""
@@ -160,6 +172,12 @@ class TierstoreCheckpoints:
         """A ``step`` event in the store's events log."""
         self.store.record_step(step, seconds)
 
+    def before_step(self) -> None:
+        """With lazy staging, wait until the last save has copied the state (on a GPU this
+        orders the training stream instead); else nothing: staging finished in the call."""
+        if self.spec.lazy:
+            self.store.wait_staging()
+
     def preempt_if_asked(self, state: dict[str, Any], step: int) -> None:
         """With ``emergency``: when any rank got SIGTERM, save this step and exit 0."""
         if self.preemption is not None and self.preemption.requested_by_any():
@@ -207,7 +225,18 @@ class StockCheckpoints:
         self.root.mkdir(parents=True, exist_ok=True)
         # A group of its own: an async save's collectives run in DCP's thread and must not
         # interleave with the training's all-reduce on the default group.
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo",
+                                    timeout=timedelta(seconds=spec.collective_timeout_s))
+        self.stager = None
+        if spec.async_staging:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # DCP's own async staging on a CPU job: a thread copies; no pinned or shared
+            # memory and no non-blocking copies (those need an accelerator).
+            self.stager = DefaultStager(StagingOptions(
+                use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                use_non_blocking_copy=False))
+        self.staging: tuple[Any, str, float] | None = None  # (future, id, call's start)
         self.events = StockEventsLog(spec.events_log, rank)
         self.events.emit(EventKind.OPENED, detail={"pid": os.getpid(),
                                                    "world_size": dist.get_world_size()})
@@ -243,6 +272,18 @@ class StockCheckpoints:
     def preempt_if_asked(self, state: dict[str, Any], step: int) -> None:
         """Stock DCP has no preemption handling: SIGTERM's default action ends the process."""
 
+    def before_step(self) -> None:
+        """With async staging: wait for the last save's ``staging_completion`` (the state
+        must not change before it is copied); its ``staged`` event counts the call and this
+        wait, the whole stall."""
+        if self.staging is None:
+            return
+        future, cid, started = self.staging
+        self.staging = None
+        future.result()
+        self.events.emit(EventKind.STAGED, checkpoint_id=cid,
+                         seconds=time.perf_counter() - started)
+
     def save(self, state: dict[str, Any], step: int) -> None:
         """Save ``step-<step>``: ``dcp.save``, or ``dcp.async_save`` after the previous one
         completed (``staged``: the time the call blocked; ``committed``: once durable)."""
@@ -258,9 +299,15 @@ class StockCheckpoints:
             self.pending.result()
         began = time.time()
         started = time.perf_counter()
-        fut = _upload_future(dcp.async_save(state, checkpoint_id=path, process_group=self.group))
-        self.events.emit(EventKind.STAGED, checkpoint_id=cid,
-                         seconds=time.perf_counter() - started)
+        response = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
+                                  async_stager=self.stager)
+        fut = _upload_future(response)
+        staging = getattr(response, "staging_completion", None)
+        if staging is not None:
+            self.staging = (staging, cid, started)  # its stall ends in before_step
+        else:
+            self.events.emit(EventKind.STAGED, checkpoint_id=cid,
+                             seconds=time.perf_counter() - started)
 
         def committed(f: Future) -> None:
             if f.exception() is None:  # a failed save is not durable anywhere
@@ -272,8 +319,11 @@ class StockCheckpoints:
 
     def finish(self) -> None:
         """The last save durable."""
+        self.before_step()
         if self.pending is not None:
             self.pending.result()
+        if self.stager is not None:
+            self.stager.close()
 
 
 # --------------------------------------------------------------------------- the loop
@@ -290,7 +340,7 @@ def _write_pid(work_dir: str, rank: int, node: int) -> None:
 def run(spec: JobSpec) -> int:
     """Run the job of ``spec`` in this rank to its last step (or to an emergency exit); 0 when
     its final state is right, 1 when not."""
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.collective_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     _write_pid(spec.work_dir, rank, int(os.environ.get("GROUP_RANK", "0")))
     mesh = init_device_mesh("cpu", (world,))
@@ -305,6 +355,7 @@ def run(spec: JobSpec) -> int:
         print(f"RESUMED {start}", flush=True)
     gradient = torch.zeros(GRADIENT)
     for step in range(start + 1, spec.steps + 1):
+        ckpt.before_step()  # a stall: between steps, not inside one
         began = time.time()
         train_step(state, gradient)
         time.sleep(max(0.0, spec.step_s - (time.time() - began)))
@@ -328,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore", category=UserWarning)
+    # SIGUSR1 prints every thread's stack to the log: what the supervisor sends a rank that is
+    # still running when the scheduler gives up on it, so the log says where it was waiting.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return run(JobSpec.read(argv[0]))
     except Exception:  # noqa: BLE001 - the supervisor reads the log; a failure is expected

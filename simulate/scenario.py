@@ -11,28 +11,33 @@ the file, the table and the key, and says how to fix it. The built-in scenario i
     state_mib = 16        # the state's total size, sharded over the ranks
     nodes = 2             # simulated nodes: one torchrun each, {node} in tier paths
     ranks_per_node = 2
+    collective_timeout_s = 20   # a collective waits this long for a rank that hangs
 
     [supervisor]
     restart_delay_s = 2   # the scheduler's delay between a failure and the restart
     timeout_s = 600       # the most one contender's job (all its runs) may take
 
     [[failure]]           # struck when rank 0 reports at_step; the same for every contender
-    kind = "kill-rank"    # kill-rank (rank = ...) | lose-node (node = ...) | preempt
-    at_step = 17
+    kind = "kill-rank"    # kill-rank | hang-rank (rank = ...) | lose-node (node = ...) |
+    at_step = 17          # preempt | object-store-outage (duration_s = ...)
     rank = 1
 
     [[contender]]
     name = "stock dcp"
     kind = "dcp-async"    # dcp-async | dcp-sync: stock DCP to a shared directory
     every = 10            # save interval in steps
+    async_staging = false # dcp-async: DefaultStager(StagingOptions(use_async_staging=True))
 
     [[contender]]
     name = "tierstore"
     kind = "tierstore"
     every = 5
     emergency = true      # SIGTERM -> emergency checkpoint (store.preemption())
+    lazy = false          # lazy staging: async_save returns at once, copies before the step
     tiers = [{ name = "ram", backend = "memory", every = 5 },
-             { name = "disk", backend = "local", every = 10 }]
+             { name = "peer", backend = "peer", every = 5 },   # replicas on the other node
+             { name = "disk", backend = "local", every = 10 },
+             { name = "s3", backend = "s3", every = 20 }]      # the simulator's SeaweedFS
 """
 
 from __future__ import annotations
@@ -44,14 +49,19 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Contender", "DEFAULT_TOML", "Failure", "FAILURE_KINDS", "CONTENDER_KINDS", "Job",
+__all__ = ["Contender", "DEFAULT_TOML", "FATAL_KINDS", "Failure", "FAILURE_KINDS",
+           "CONTENDER_KINDS", "Job", "NODE_BACKENDS",
            "Scenario", "ScenarioError", "Supervisor", "Tier", "TIER_BACKENDS",
            "default_scenario", "load_scenario", "parse_scenario", "slug"]
 
-FAILURE_KINDS = ("kill-rank", "lose-node", "preempt")
+FAILURE_KINDS = ("kill-rank", "hang-rank", "lose-node", "preempt", "object-store-outage")
+#: failures that end the job's run (the scheduler restarts it); an outage does not
+FATAL_KINDS = ("kill-rank", "hang-rank", "lose-node", "preempt")
 CONTENDER_KINDS = ("dcp-async", "dcp-sync", "tierstore")
 #: backends a simulated tierstore tier may use; the simulator chooses their paths
-TIER_BACKENDS = ("memory", "local", "fsspec")
+TIER_BACKENDS = ("memory", "peer", "local", "fsspec", "s3")
+#: backends that hold a node's own copy: RAM, and the peer tier's replicas of other nodes
+NODE_BACKENDS = ("memory", "peer")
 
 
 class ScenarioError(ValueError):
@@ -67,6 +77,9 @@ class Job:
     state_mib: float = 16.0
     nodes: int = 2
     ranks_per_node: int = 2
+    #: seconds a collective (the training's and the checkpoint's) waits for a rank that does
+    #: not answer before it fails: how a hung rank is noticed
+    collective_timeout_s: float = 20.0
 
     @property
     def world_size(self) -> int:
@@ -86,21 +99,31 @@ class Supervisor:
 class Failure:
     """One failure of the schedule, struck once rank 0 has reported step ``at_step``.
 
-    ``rank``: the rank ``kill-rank`` kills; ``node``: the node ``lose-node`` loses (its
-    processes killed, its node-local directories deleted); ``preempt`` sends SIGTERM to every
-    rank."""
+    ``rank``: the rank ``kill-rank`` kills (SIGKILL) or ``hang-rank`` stops (SIGSTOP: the
+    others must notice through their collective timeout); ``node``: the node ``lose-node``
+    loses (its processes killed, its node-local directories deleted); ``preempt`` sends SIGTERM
+    to every rank; ``object-store-outage`` stops the simulator's object store for
+    ``duration_s`` seconds and starts it again (the job goes on: nothing restarts)."""
 
     kind: str
     at_step: int
     rank: int | None = None
     node: int | None = None
+    duration_s: float | None = None
+
+    @property
+    def fatal(self) -> bool:
+        """Whether it ends the job's run (every kind but an outage)."""
+        return self.kind in FATAL_KINDS
 
 
 @dataclass(frozen=True)
 class Tier:
-    """One tier of a tierstore contender. Its path is chosen by the simulator: ``memory`` under
-    /dev/shm, node-local (``{node}``); ``local`` and ``fsspec`` (``file://``) in the
-    contender's work directory, shared by every node unless ``node_local``."""
+    """One tier of a tierstore contender. Its path is chosen by the simulator: ``memory`` and
+    ``peer`` under /dev/shm, node-local (``{node}``; the peer tier replicates each rank's files
+    to a rank of the other node); ``local`` and ``fsspec`` (``file://``) in the contender's
+    work directory, shared by every node unless ``node_local``; ``s3`` a bucket of the
+    simulator's own SeaweedFS server."""
 
     name: str
     backend: str
@@ -119,6 +142,15 @@ class Contender:
     every: int
     tiers: tuple[Tier, ...] = ()
     emergency: bool = False
+    #: dcp-async: stage with DefaultStager(StagingOptions(use_async_staging=True))
+    async_staging: bool = False
+    #: tierstore: lazy staging (async_save returns at once; copies finish before the next step)
+    lazy: bool = False
+
+    @property
+    def uses_object_store(self) -> bool:
+        """Whether a tier is on the simulator's object store."""
+        return any(t.backend == "s3" for t in self.tiers)
 
     @property
     def slug(self) -> str:
@@ -312,6 +344,13 @@ def parse_scenario(data: dict[str, Any], source: str = "scenario") -> Scenario:
     supervisor = _supervisor(source, data.get("supervisor", {}))
     failures = tuple(_failure(source, i, f, job)
                      for i, f in enumerate(_array_of_tables(source, data, "failure")))
+    if any(f.kind == "object-store-outage" for f in failures) and not any(
+            c.get("tiers") and any(isinstance(x, dict) and x.get("backend") == "s3"
+                                   for x in c["tiers"])
+            for c in _array_of_tables(source, data, "contender") if isinstance(c, dict)):
+        raise ScenarioError(f"{source}: an object-store-outage strikes, but no contender has a "
+                            f"tier with backend = \"s3\" (the simulator's object store): add "
+                            f"one, or remove the outage")
     for i, (a, b) in enumerate(zip(failures, failures[1:]), start=1):
         if b.at_step <= a.at_step:
             raise ScenarioError(
@@ -340,7 +379,9 @@ def _job(source: str, data: Any) -> Job:
                step_s=t.number("step_s", d.step_s, positive=True),
                state_mib=t.number("state_mib", d.state_mib, positive=True),
                nodes=t.integer("nodes", d.nodes, least=1, most=64),
-               ranks_per_node=t.integer("ranks_per_node", d.ranks_per_node, least=1, most=64))
+               ranks_per_node=t.integer("ranks_per_node", d.ranks_per_node, least=1, most=64),
+               collective_timeout_s=t.number("collective_timeout_s", d.collective_timeout_s,
+                                             positive=True))
 
 
 def _supervisor(source: str, data: Any) -> Supervisor:
@@ -352,18 +393,27 @@ def _supervisor(source: str, data: Any) -> Supervisor:
 
 def _failure(source: str, index: int, data: Any, job: Job) -> Failure:
     where = f"failure[{index}]"
-    t = _Table(source, where, data, ("kind", "at_step", "rank", "node"))
+    t = _Table(source, where, data, ("kind", "at_step", "rank", "node", "duration_s"))
     kind = t.text("kind", choices=FAILURE_KINDS)
     # The last step is not allowed: the job may end before the strike lands.
     at_step = t.integer("at_step", least=1, most=job.steps - 1) if "at_step" in data else None
     if at_step is None:
         raise t.error("at_step", f"is missing; strike at a step from 1 to {job.steps - 1}")
-    if kind == "kill-rank":
+    if kind != "object-store-outage" and t.has("duration_s"):
+        raise t.error("duration_s", f"applies only to object-store-outage; a {kind} lasts "
+                                    f"until the scheduler restarts the job")
+    if kind in ("kill-rank", "hang-rank"):
         if t.has("node"):
-            raise t.error("node", "does not apply to kill-rank (it kills one rank: set rank); "
-                                  "to lose a whole node use kind = \"lose-node\"")
+            raise t.error("node", f"does not apply to {kind} (it strikes one rank: set rank); "
+                                  f"to lose a whole node use kind = \"lose-node\"")
         rank = t.integer("rank", min(1, job.world_size - 1), least=0, most=job.world_size - 1)
         return Failure(kind, at_step, rank=rank)
+    if kind == "object-store-outage":
+        for key in ("rank", "node"):
+            if t.has(key):
+                raise t.error(key, "does not apply to object-store-outage: it stops the "
+                                   "object store, not a rank")
+        return Failure(kind, at_step, duration_s=t.number("duration_s", 10.0, positive=True))
     if kind == "lose-node":
         if t.has("rank"):
             raise t.error("rank", "does not apply to lose-node (it loses every rank of a "
@@ -379,18 +429,26 @@ def _failure(source: str, index: int, data: Any, job: Job) -> Failure:
 def _contender(source: str, index: int, data: Any, job: Job) -> Contender:
     name = data.get("name") if isinstance(data, dict) else None
     where = f"contender[{index}]" + (f" '{name}'" if isinstance(name, str) else "")
-    t = _Table(source, where, data, ("name", "kind", "every", "tiers", "emergency"))
+    t = _Table(source, where, data, ("name", "kind", "every", "tiers", "emergency",
+                                      "async_staging", "lazy"))
     kind = t.text("kind", choices=CONTENDER_KINDS)
     name = t.text("name", kind)
     if not slug(name):
         raise t.error("name", f"'{name}' has no letter or digit; it names the contender's "
                               f"work directory")
     if kind != "tierstore":
-        for key in ("tiers", "emergency"):
+        for key in ("tiers", "emergency", "lazy"):
             if t.has(key):
                 raise t.error(key, f"is only for kind = \"tierstore\"; stock DCP ({kind}) "
                                    f"saves to one shared directory and dies on SIGTERM")
-        return Contender(name, kind, t.integer("every", least=1, most=job.steps))
+        if kind != "dcp-async" and t.has("async_staging"):
+            raise t.error("async_staging", "is only for kind = \"dcp-async\" (DCP's "
+                                           "DefaultStager stages async saves)")
+        return Contender(name, kind, t.integer("every", least=1, most=job.steps),
+                         async_staging=t.flag("async_staging", False))
+    if t.has("async_staging"):
+        raise t.error("async_staging", "is only for kind = \"dcp-async\"; tierstore's own "
+                                       "staging reuses its buffers (lazy = true to overlap it)")
     raw_tiers = data.get("tiers")
     every = None
     if t.has("every"):
@@ -419,7 +477,11 @@ def _contender(source: str, index: int, data: Any, job: Job) -> Contender:
     if not any(tier.every == every for tier in tiers):
         raise t.problem(f"no tier has every = {every} (the save interval), so some saves would "
                         f"go to no tier; set one tier's every to {every}")
-    return Contender(name, kind, every, tiers, t.flag("emergency", True))
+    if any(tier.backend == "peer" for tier in tiers) and job.nodes < 2:
+        raise t.problem("a peer tier replicates to another node, and the job has nodes = "
+                        f"{job.nodes}; set [job] nodes = 2 or more, or drop the peer tier")
+    return Contender(name, kind, every, tiers, t.flag("emergency", True),
+                     lazy=t.flag("lazy", False))
 
 
 def _tier(source: str, where: str, data: Any, every: int | None) -> Tier:
@@ -430,10 +492,14 @@ def _tier(source: str, where: str, data: Any, every: int | None) -> Tier:
     backend = t.text("backend", choices=TIER_BACKENDS)
     if every is None and not t.has("every"):
         raise t.error("every", "is missing (and the contender sets no every to default to)")
-    node_local = t.flag("node_local", backend == "memory")
-    if backend == "memory" and not node_local:
+    node_local = t.flag("node_local", backend in NODE_BACKENDS)
+    if backend in NODE_BACKENDS and not node_local:
         # /dev/shm is each host's own memory: a RAM tier cannot be shared between nodes.
-        raise t.error("node_local", "cannot be false for a memory tier: RAM is each node's own")
+        raise t.error("node_local", f"cannot be false for a {backend} tier: RAM is each "
+                                    f"node's own")
+    if backend == "s3" and node_local:
+        raise t.error("node_local", "cannot be true for an s3 tier: the object store is "
+                                    "shared by every node")
     return Tier(name=name, backend=backend, every=t.integer("every", every, least=1),
                 keep=t.integer("keep", least=1) if t.has("keep") else None,
                 node_local=node_local)

@@ -6,11 +6,16 @@ progress in the job's events log and strikes each failure of the schedule once r
 reported its step:
 
 - ``kill-rank``: SIGKILL to that rank's process;
+- ``hang-rank``: SIGSTOP to that rank's process: it neither answers nor dies, and the others
+  must notice through their collective timeout (``[job] collective_timeout_s``);
 - ``lose-node``: SIGKILL to the node's torchrun session and to its ranks, then its node-local
   directories deleted (what a replaced machine has lost);
-- ``preempt``: SIGTERM to every rank, SIGKILL to what is left after a grace period.
+- ``preempt``: SIGTERM to every rank, SIGKILL to what is left after a grace period;
+- ``object-store-outage``: the simulator's object store (a SeaweedFS server) killed, and
+  started again on the same data ``duration_s`` later, while the job goes on; the next
+  failure of the schedule is watched for meanwhile.
 
-A killed rank makes the others fail; once the run has ended (or a short wait is over) every
+A killed (or hung) rank makes the others fail; once the run has ended (or a short wait is over) every
 process left of it is killed, the scheduler's delay passes, and the job is started again. It
 records each run's process start and each failure's kind, what the goodput accounting needs.
 
@@ -35,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .job import JobSpec, pid_file
-from .scenario import Contender, Failure, Job, Scenario
+from .scenario import Contender, Failure, Job, Scenario, slug
 
 __all__ = ["ContenderOutcome", "EventsTail", "Supervisor", "job_spec", "node_local_dirs"]
 
@@ -46,6 +51,8 @@ POLL_S = 0.05
 FAILURE_GRACE_S = 5.0
 #: seconds ranks get after SIGTERM before SIGKILL (a scheduler's usual grace is 30 s)
 PREEMPT_GRACE_S = 30.0
+#: seconds beyond the collective timeout that the ranks of a hung job get to fail on their own
+HANG_GRACE_S = 30.0
 #: seconds to wait for a rank's pid file before striking it
 PID_WAIT_S = 60.0
 #: seconds a killed process gets to disappear
@@ -56,16 +63,31 @@ FINAL_OK = "FINAL OK"
 
 # --------------------------------------------------------------------------- the job's spec
 
-def _tier_config(tier: Any, contender: Contender, work_dir: Path, shm_dir: Path) -> dict:
+def bucket_name(contender: Contender) -> str:
+    """The object-store bucket of ``contender``'s ``s3`` tiers (a valid S3 bucket name)."""
+    return f"sim-{slug(contender.name)}"[:63].rstrip("-")
+
+
+def _tier_config(tier: Any, contender: Contender, job: Job, work_dir: Path, shm_dir: Path,
+                 object_store: Any = None) -> dict:
     """One ``[[tier]]`` of the store: the scenario's tier at the simulator's own path."""
     node = "/{node}" if tier.node_local else ""
-    where = shm_dir if tier.backend == "memory" else work_dir
-    out: dict[str, Any] = {"name": tier.name, "backend": tier.backend}
+    where = shm_dir if tier.backend in ("memory", "peer") else work_dir
+    backend = "fsspec" if tier.backend == "s3" else tier.backend
+    out: dict[str, Any] = {"name": tier.name, "backend": backend}
     location = f"{where}/{tier.name}{node}"
     if tier.backend == "fsspec":
         out["url"] = f"file://{location}"
+    elif tier.backend == "s3":
+        if object_store is None:
+            raise ValueError(f"tier '{tier.name}' is on the object store, and none was started")
+        out["url"] = f"s3://{bucket_name(contender)}/{tier.name}"
+        out["options"] = object_store.storage_options()
     else:
         out["path"] = location
+    if tier.backend == "peer":
+        # Each rank's files replicated to the rank of the same local rank on the next node.
+        out["replication"] = {"strategy": "clique", "factor": 2, "jump": job.ranks_per_node}
     # The job saves only at multiples of the contender's interval, so a tier with that interval
     # takes every save: tierstore spells that every = 1 (and needs one such tier).
     out["every"] = 1 if tier.every == contender.every else tier.every
@@ -74,20 +96,29 @@ def _tier_config(tier: Any, contender: Contender, work_dir: Path, shm_dir: Path)
     return out
 
 
-def job_spec(contender: Contender, job: Job, work_dir: Path, shm_dir: Path) -> JobSpec:
-    """The spec of ``contender``'s job running in ``work_dir`` (RAM tiers under ``shm_dir``)."""
+def job_spec(contender: Contender, job: Job, work_dir: Path, shm_dir: Path,
+             object_store: Any = None) -> JobSpec:
+    """The spec of ``contender``'s job running in ``work_dir`` (RAM tiers under ``shm_dir``;
+    ``s3`` tiers on ``object_store``, a started :class:`~tierstore_simulate.servers.SeaweedS3`)."""
     events_log = str(work_dir / "events.jsonl")
     store = None
     if contender.kind == "tierstore":
-        store = {
-            # Collectives fail within a minute when a rank is gone, rather than in ten.
-            "store": {"events_log": events_log, "collective_timeout": 60, "part_timeout": 60},
-            "tier": [_tier_config(t, contender, work_dir, shm_dir) for t in contender.tiers]}
+        timeout = job.collective_timeout_s
+        # The store's collectives give up as the training's do: a hung rank is noticed alike.
+        options: dict[str, Any] = {"events_log": events_log, "collective_timeout": timeout,
+                                   "part_timeout": max(60.0, timeout)}
+        if contender.lazy:
+            options["staging"] = {"name": "cpu", "lazy": True}
+        store = {"store": options,
+                 "tier": [_tier_config(t, contender, job, work_dir, shm_dir, object_store)
+                          for t in contender.tiers]}
     return JobSpec(kind=contender.kind, steps=job.steps, step_s=job.step_s,
                    state_bytes=int(job.state_mib * 2**20), every=contender.every,
                    work_dir=str(work_dir), events_log=events_log,
                    emergency=contender.emergency, store=store,
-                   shared_dir=str(work_dir / "shared") if store is None else None)
+                   shared_dir=str(work_dir / "shared") if store is None else None,
+                   collective_timeout_s=job.collective_timeout_s, lazy=contender.lazy,
+                   async_staging=contender.async_staging)
 
 
 def node_local_dirs(spec: JobSpec, node: int) -> list[Path]:
@@ -174,13 +205,15 @@ def _job_env() -> dict[str, str]:
 @dataclass
 class ContenderOutcome:
     """What running one contender left: where its events are, when each run's processes
-    started, the kind of each failure struck, and whether the job ended right."""
+    started, the kind of each failure struck that ended a run, the object-store outages (the
+    step each struck at, and how long the store was down), and whether the job ended right."""
 
     name: str
     work_dir: Path
     events_log: Path
     starts: list[float] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
+    outages: list[dict[str, Any]] = field(default_factory=list)
     final_ok: bool = False
     error: str | None = None
     logs: list[Path] = field(default_factory=list)
@@ -190,12 +223,17 @@ class Supervisor:
     """Runs one contender's job through the scenario's failures (see the module docstring)."""
 
     def __init__(self, scenario: Scenario, contender: Contender, work_dir: Path, shm_dir: Path,
-                 progress: Callable[[str], None] = print):
+                 progress: Callable[[str], None] = print, object_store: Any = None):
         self.scenario, self.contender = scenario, contender
         self.job = scenario.job
         self.work_dir, self.shm_dir = work_dir.resolve(), shm_dir
         self.progress = progress
-        self.spec = job_spec(contender, self.job, self.work_dir, shm_dir)
+        #: the simulator's SeaweedFS (started), where a contender has s3 tiers
+        self.object_store = object_store
+        #: when the object store, stopped by an outage, is to start again (monotonic)
+        self.outage_ends: float | None = None
+        self.outage_began = 0.0
+        self.spec = job_spec(contender, self.job, self.work_dir, shm_dir, object_store)
         self.spec_path = self.work_dir / "job.json"
         # What a process of this job (a rank, or its torchrun) has among its arguments, and
         # nothing else on the machine has (a user's `tail -f` of a log has neither): the proof
@@ -215,6 +253,8 @@ class Supervisor:
         after each failure of the schedule."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.spec.write(self.spec_path)
+        if self.contender.uses_object_store:
+            self.object_store.make_bucket(bucket_name(self.contender))
         tail = EventsTail(self.outcome.events_log)
         pending = list(self.scenario.failures)
         deadline = time.monotonic() + self.scenario.supervisor.timeout_s
@@ -229,11 +269,13 @@ class Supervisor:
                 delay = self.scenario.supervisor.restart_delay_s
                 self.say(f"restarting in {delay:g} s (the scheduler's delay)")
                 time.sleep(delay)
+                self._end_outage()
         except _Stop as stop:
             self.outcome.error = str(stop)
             self.say(f"stopped: {stop}")
         finally:
             self._end_run()
+            self._end_outage(now=True)  # the next contender finds the store up
         return self.outcome
 
     # -- one run -----------------------------------------------------------------------------
@@ -247,8 +289,7 @@ class Supervisor:
         tail.new_events()  # what the previous run's last moments appended
         tail.forget_partial()
         self._launch(run_no)
-        struck, struck_at = self._watch(run_no, tail, pending[0] if pending else None,
-                                        deadline)
+        struck, struck_at = self._watch(run_no, tail, pending, deadline)
         self._end_run()
         if struck is not None:
             self.say(f"run {run_no} is gone, {time.monotonic() - struck_at:.1f} s after the "
@@ -262,17 +303,23 @@ class Supervisor:
                      f"{', '.join(f'{f.kind} at step {f.at_step}' for f in pending)}")
         return None
 
-    def _watch(self, run_no: int, tail: EventsTail, failure: Failure | None,
+    def _watch(self, run_no: int, tail: EventsTail, pending: list[Failure],
                deadline: float) -> tuple[Failure | None, float]:
-        """Follow the run until it is over: strike ``failure`` once rank 0 has reported its
-        step; return it (None if not struck) and when it was struck."""
+        """Follow the run until it is over, striking the failures of ``pending`` in turn once
+        rank 0 has reported their steps: an outage is struck and taken off ``pending`` (the run
+        goes on); return the failure that ended the run (None: none did) and when it struck."""
         struck, struck_at = None, 0.0
         while True:
             for e in tail.new_events():
-                if (failure is not None and struck is None and e.get("kind") == "step"
-                        and e.get("rank") == 0 and e["detail"]["step"] >= failure.at_step):
-                    struck, struck_at = failure, time.monotonic()
+                if (pending and struck is None and e.get("kind") == "step"
+                        and e.get("rank") == 0 and e["detail"]["step"] >= pending[0].at_step):
+                    failure = pending[0]
                     self._strike(failure, e["detail"]["step"])
+                    if failure.fatal:
+                        struck, struck_at = failure, time.monotonic()
+                    else:
+                        pending.pop(0)
+            self._end_outage()
             codes = [p.poll() for p in self.procs]
             if all(c is not None for c in codes):
                 return struck, struck_at
@@ -284,8 +331,11 @@ class Supervisor:
                             f"statuses {[p.poll() for p in self.procs]}); see "
                             f"{', '.join(map(str, self.outcome.logs[-len(self.procs):]))}")
             if struck is not None:
-                grace = PREEMPT_GRACE_S if struck.kind == "preempt" else FAILURE_GRACE_S
+                grace = {"preempt": PREEMPT_GRACE_S,
+                         "hang-rank": self.job.collective_timeout_s + HANG_GRACE_S
+                         }.get(struck.kind, FAILURE_GRACE_S)
                 if time.monotonic() - struck_at > grace:
+                    self._dump_stacks()
                     return struck, struck_at  # what is left is killed by _end_run
                 if failed and struck.kind != "preempt":
                     # A scheduler ends the whole job once one of its nodes failed (Slurm's
@@ -318,11 +368,26 @@ class Supervisor:
 
     # -- failures ----------------------------------------------------------------------------
     def _strike(self, failure: Failure, step: int) -> None:
-        if failure.kind == "kill-rank":
+        if failure.kind in ("kill-rank", "hang-rank"):
+            sig = signal.SIGKILL if failure.kind == "kill-rank" else signal.SIGSTOP
             pid = self._rank_pid(failure.rank)
-            sent = self._signal(pid, signal.SIGKILL)
-            self.say(f"step {step}: kill-rank: SIGKILL to rank {failure.rank} (pid {pid})"
-                     + ("" if sent else ": it had already exited"))
+            sent = self._signal(pid, sig)
+            self.say(f"step {step}: {failure.kind}: {sig.name} to rank {failure.rank} "
+                     f"(pid {pid})" + ("" if sent else ": it had already exited")
+                     + (f"; the others must give up within collective_timeout_s = "
+                        f"{self.job.collective_timeout_s:g} s" if sig == signal.SIGSTOP else ""))
+        elif failure.kind == "object-store-outage":
+            if self.object_store is None or self.outage_ends is not None:
+                self.say(f"step {step}: object-store-outage: "
+                         + ("no object store in this simulation" if self.object_store is None
+                            else "the object store is already down"))
+                return
+            self.object_store.kill()
+            self.outage_began = time.monotonic()
+            self.outage_ends = self.outage_began + failure.duration_s
+            self.outcome.outages.append({"at_step": step, "duration_s": failure.duration_s})
+            self.say(f"step {step}: object-store-outage: the object store is down for "
+                     f"{failure.duration_s:g} s")
         elif failure.kind == "lose-node":
             node = failure.node
             ranks = range(node * self.job.ranks_per_node, (node + 1) * self.job.ranks_per_node)
@@ -345,6 +410,18 @@ class Supervisor:
                 self._signal(pid, signal.SIGTERM)
             self.say(f"step {step}: preempt: SIGTERM to every rank "
                      f"(SIGKILL after {PREEMPT_GRACE_S:g} s)")
+
+    def _end_outage(self, now: bool = False) -> None:
+        """Start the object store again once its outage is over (``now``: whether it is or
+        not)."""
+        if self.outage_ends is None or (not now and time.monotonic() < self.outage_ends):
+            return
+        self.outage_ends = None
+        down = time.monotonic() - self.outage_began
+        started = time.monotonic()
+        self.object_store.restart()
+        self.say(f"the object store is up again after {down:.1f} s down (it took "
+                 f"{time.monotonic() - started:.1f} s to start)")
 
     def _rank_pid(self, rank: int) -> int:
         """The pid rank ``rank`` of this run wrote, once it has."""
@@ -378,6 +455,18 @@ class Supervisor:
         until = time.monotonic() + EXIT_WAIT_S
         while any(_alive(p) for p in pids) and time.monotonic() < until:
             time.sleep(POLL_S)
+
+    def _dump_stacks(self) -> None:
+        """Ask every rank still running to print its threads' stacks to its log (the job
+        registers SIGUSR1 with faulthandler), before the run is killed: where it waited."""
+        ranks = [pid for pid in self._ours_on_machine() if b"torch.distributed.run"
+                 not in _cmdline(pid).split(b"\0")[1:3]]
+        for pid in ranks:
+            self._signal(pid, signal.SIGUSR1)
+        if ranks:
+            self.say(f"{len(ranks)} process(es) still running after the grace period; their "
+                     f"stacks are in the run's logs")
+            time.sleep(0.5)
 
     def _ours_on_machine(self) -> list[int]:
         """Every live process of this job, found by its arguments: ranks that never wrote a

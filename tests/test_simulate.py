@@ -1,7 +1,8 @@
-"""``tierstore simulate``: a real two-node job under a killed rank, a lost node and a preemption,
-once with stock ``dcp.async_save`` and once with tierstore (RAM + disk, emergency save), and
-what a user checks in its report; then scenarios with mistakes, each refused with a message
-that says what to fix."""
+"""``tierstore simulate``: a real two-node job under a killed rank, an object-store outage, a
+hung rank, a lost node and a preemption, once with stock ``dcp.async_save`` (DCP's async
+staging) and once with tierstore (RAM + peer replicas + disk + the simulator's own S3 server,
+lazy staging, emergency save), and what a user checks in its report; then scenarios with
+mistakes, each refused with a message that says what to fix."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ step_s = 0.1
 state_mib = 2
 nodes = 2
 ranks_per_node = 1
+collective_timeout_s = 3
 
 [supervisor]
 restart_delay_s = 0.5
@@ -29,8 +31,18 @@ timeout_s = 400
 
 [[failure]]
 kind = "kill-rank"
-at_step = 7
+at_step = 5
 rank = 1
+
+[[failure]]
+kind = "object-store-outage"
+at_step = 7
+duration_s = 2
+
+[[failure]]
+kind = "hang-rank"
+at_step = 10
+rank = 0
 
 [[failure]]
 kind = "lose-node"
@@ -47,17 +59,21 @@ at_step = 18
 name = "stock"
 kind = "dcp-async"
 every = 4
+async_staging = true
 
 [[contender]]
 name = "tierstore"
 kind = "tierstore"
 every = 2
 emergency = true
+lazy = true
 tiers = [{ name = "ram", backend = "memory", every = 2 },
-         { name = "disk", backend = "local", every = 4 }]
+         { name = "peer", backend = "peer", every = 2 },
+         { name = "disk", backend = "local", every = 4 },
+         { name = "s3", backend = "s3", every = 4 }]
 """
 
-KINDS = ["kill-rank", "lose-node", "preempt"]
+KINDS = ["kill-rank", "hang-rank", "lose-node", "preempt"]
 
 
 def _job_processes(out) -> list[int]:
@@ -91,6 +107,11 @@ def test_simulate_runs_both_contenders_through_every_failure(tmp_path):
                           text=True, timeout=560)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-5000:]}"
     assert "goodput" in proc.stdout  # the summary table
+    # The hung rank's partner gave up through its collective timeout and its process ended on
+    # its own: the supervisor never had to dump stacks and kill what was left.
+    assert "hang-rank: SIGSTOP to rank 0" in proc.stdout, proc.stdout
+    assert "still running after the grace period" not in proc.stdout, proc.stdout
+    assert "the object store is up again" in proc.stdout, proc.stdout
 
     report = json.loads((out / "report.json").read_text())
     assert report["scenario"]["job"]["steps"] == 24
@@ -101,14 +122,19 @@ def test_simulate_runs_both_contenders_through_every_failure(tmp_path):
         assert c["final_state"] == "ok", c
         assert c["final_step"] == 24, c
         assert 0 < c["goodput"] < 1, c
+        assert [o["at_step"] for o in c["outages"]] == [7], c  # struck; nothing restarted
 
-    # tierstore restores from RAM each time (after the lost node, the surviving node's part
-    # comes from its RAM; rank 0's load names the tier it started from), and its emergency save
-    # at the preemption loses no step; stock resumes from its last periodic save.
-    assert [f["restored_from"] for f in tier["failures"]] == ["ram"] * 3, tier["failures"]
-    assert tier["failures"][2]["steps_lost"] == 0, tier["failures"]
-    assert stock["failures"][2]["steps_lost"] > 0, stock["failures"]
-    assert [f["restored_from"] for f in stock["failures"]] == ["shared"] * 3
+    # tierstore restores from RAM (after the lost node, the surviving node's from its RAM and
+    # the new node's from its replica on the peer tier), and its emergency save at the
+    # preemption loses no step; stock resumes from its last periodic save.
+    sources = [f["restored_from"].split("+") for f in tier["failures"]]
+    assert all(s[0] == "ram" for s in sources), tier["failures"]
+    assert "peers" in sources[2], tier["failures"]  # the lost node's files, sent by node 0
+    assert tier["failures"][3]["steps_lost"] == 0, tier["failures"]
+    assert stock["failures"][3]["steps_lost"] > 0, stock["failures"]
+    assert [f["restored_from"] for f in stock["failures"]] == ["shared"] * 4
+    # Saves reached the object store around the outage (time-to-durable measured there).
+    assert tier["time_to_durable_s"]["s3"] > 0, tier
 
     for chart in ("timeline.png", "goodput.png"):
         assert (out / chart).stat().st_size > 10_000, chart
@@ -121,7 +147,21 @@ BAD = {
         "[job]\nstepz = 10\n", "[job]: unknown key 'stepz'. Did you mean 'steps'?"),
     "unknown failure kind": (
         '[[failure]]\nkind = "explode"\nat_step = 3\n',
-        "failure[0]: kind 'explode' is not one of kill-rank, lose-node, preempt"),
+        "failure[0]: kind 'explode' is not one of kill-rank, hang-rank, lose-node, preempt, "
+        "object-store-outage"),
+    "outage without an object store": (
+        '[[failure]]\nkind = "object-store-outage"\nat_step = 3\n',
+        'an object-store-outage strikes, but no contender has a tier with backend = "s3"'),
+    "duration of a kill": (
+        '[[failure]]\nkind = "kill-rank"\nat_step = 3\nduration_s = 5\n',
+        "failure[0]: duration_s applies only to object-store-outage"),
+    "async staging on tierstore": (
+        '[[contender]]\nkind = "tierstore"\nevery = 2\nasync_staging = true\n',
+        'async_staging is only for kind = "dcp-async"'),
+    "peer tier on one node": (
+        '[job]\nnodes = 1\n[[contender]]\nkind = "tierstore"\nevery = 2\n'
+        'tiers = [{ name = "ram", backend = "memory" }, { name = "p", backend = "peer" }]\n',
+        "a peer tier replicates to another node, and the job has nodes = 1"),
     "failure beyond the job": (
         '[job]\nsteps = 20\n[[failure]]\nkind = "preempt"\nat_step = 25\n',
         "failure[0]: at_step is 25; it must be at most 19"),

@@ -11,7 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Event", "EventKind", "Phase"]
+__all__ = ["Event", "EventKind", "FROM_PEERS", "Phase"]
+
+#: the source a ``loaded`` event's ``bytes_from`` names for files other ranks sent (peer fetch):
+#: no tier can be called so (a tier name has no parentheses)
+FROM_PEERS = "(peers)"
 
 
 class EventKind:
@@ -20,7 +24,8 @@ class EventKind:
     STAGED = "staged"            # async_save copied the state dict to host buffers
     WRITTEN = "written"          # one data file is written and durable on a tier
     COMMITTED = "committed"      # a checkpoint became visible on a tier
-    LOADED = "loaded"            # a load finished reading this rank's items
+    LOADED = "loaded"            # a load finished reading this rank's items (tier: where most
+    #                              of its bytes came from; detail bytes_from: bytes per tier)
     EVICTED = "evicted"          # retention (keep) deleted a checkpoint from a tier
     COLLECTED = "collected"      # gc removed what an interrupted save left behind
     FELL_BACK = "fell_back"      # a file was read from a slower tier than the first choice

@@ -30,7 +30,7 @@ from tierstore.engine.retention import Retention
 from tierstore.engine.watchdog import Watchdog
 from tierstore.engine.saves import SaveSlot
 from tierstore.errors import CheckpointNotFound, IntegrityError
-from tierstore.events import Event, EventKind, Phase
+from tierstore.events import FROM_PEERS, Event, EventKind, Phase
 from tierstore.format.checksum import ALGORITHM, Hasher
 from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
@@ -309,13 +309,31 @@ class TierstoreReader(StorageReader):
         if pool is not None:
             pool.shutdown(wait=True)
         undo.apply()
-        # A rank of a replaced node may have no source of its own: peers sent it everything.
-        first = self._sources[0][0].name if self._sources else None
+        by_source = self._bytes_by_source(per_file, firsts)
+        local = {k: v for k, v in by_source.items() if k != FROM_PEERS}
+        # The tier most of this rank's bytes came from; a rank of a replaced node may have no
+        # source of its own (peers sent it everything): then the first tier it consulted.
+        first = max(local, key=local.get) if local else (
+            self._sources[0][0].name if self._sources else None)
         ctx.host.event(Event(EventKind.LOADED, self._checkpoint_id, first,
-                               self._rank, time.perf_counter() - started, total))
+                               self._rank, time.perf_counter() - started, total,
+                               {"bytes_from": by_source}))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _bytes_by_source(self, per_file: dict, firsts: dict) -> dict[str, int]:
+        """Bytes of this load's files per tier they were read from, peer-fetched files under
+        :data:`FROM_PEERS` (the ``loaded`` event's ``bytes_from``)."""
+        out: dict[str, int] = {}
+        for relative in per_file:
+            if relative in self._fetched:
+                name, size = FROM_PEERS, len(self._fetched[relative][1])
+            else:
+                tier, manifest = self._sources[firsts[relative][0]]
+                name, size = tier.name, manifest.files[relative].size
+            out[name] = out.get(name, 0) + size
+        return out
 
     def _first_good_copy(self, relative: str) -> tuple[int, list[str], str]:
         """Where reading ``relative`` starts: the index of the first source whose local copy

@@ -35,6 +35,7 @@ from tierstore.format.item_io import HashingWriter, decode_item, encode_to
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
+from tierstore.transport.collectives import seen_lost
 
 __all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished", "finish_at_exit"]
 
@@ -499,6 +500,13 @@ class Drainer(BackgroundJobs[DrainJob]):
         while True:
             if set(target.leftovers()) - set(target.leftovers(protect={token})):
                 return
+            if seen_lost(self._context.groups.main, [0]):
+                # A dead rank 0 never begins the copy: waiting out part_timeout would only
+                # hold this process (at exit, the job's restart) for nothing.
+                raise DrainError(
+                    f"checkpoint '{cid}': rank 0, which commits the shared copy on tier "
+                    f"'{target.name}', was lost (it did not answer a collective of the store); "
+                    f"this node's part was not copied", cid, target.name)
             if time.monotonic() > deadline:
                 raise DrainError(
                     f"checkpoint '{cid}': the committing rank did not begin the shared copy on "
@@ -561,6 +569,14 @@ class Drainer(BackgroundJobs[DrainJob]):
                         f"failed on its node, so the copy on tier '{target.name}' was not "
                         f"committed: {record.get('error')}", cid, target.name)
                 vouched.update(record.get("files", {}))
+            lost = [p for p in waiting
+                    if seen_lost(self._context.groups.main, list(layout.all_parts[p]))]
+            if lost:
+                raise DrainError(
+                    f"checkpoint '{cid}': the part of ranks "
+                    f"{[list(layout.all_parts[p]) for p in lost]} will not come: a rank of it "
+                    f"was lost (it did not answer a collective of the store), so the copy on "
+                    f"tier '{target.name}' was not committed", cid, target.name)
             missing = [rel for rel, e in job.all_files.items()
                        if target.backend.size(f"{staging}/{rel}") != e.size]
             if not waiting and not missing:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tierstore.errors import RanksLostError
 
 __all__ = ["RankContext", "rank_context", "make_store_group", "all_gather_object",
-           "broadcast_object", "barrier", "all_reduce_max", "peers_lost"]
+           "broadcast_object", "barrier", "all_reduce_max", "peers_lost", "seen_lost"]
 
 log = logging.getLogger("tierstore.collectives")
 T = TypeVar("T")
@@ -87,6 +87,20 @@ def make_store_group(process_group: Any = None, timeout: float | None = None) ->
 _counters: dict[str, itertools.count] = {}
 _timeouts: dict[str, float] = {}
 _counters_lock = threading.Lock()
+#: global ranks this process has seen fail a collective or an exchange of the store: a fact
+#: about the job (a lost rank does not come back in this process's lifetime), so that work
+#: waiting on one of them, such as a drain at exit waiting for its part, stops waiting
+_lost: set[int] = set()
+
+
+def seen_lost(group: Any, ranks: list[int]) -> list[int]:
+    """Which of ``ranks`` (ranks of ``group``; None: global ranks) this process has seen fail
+    a collective or an exchange of the store."""
+    if not _lost:
+        return []
+    if group is None or not dist.is_initialized():
+        return [r for r in ranks if r in _lost]
+    return [r for r in ranks if dist.get_global_rank(group, r) in _lost]
 
 
 def _next_call(group: Any) -> int:
@@ -106,6 +120,7 @@ def _collective(group: Any, what: str, run: Callable[[], T],
         return run()
     except Exception as exc:  # gloo reports a lost peer or a timeout as a RuntimeError
         missing = _roll_call(group, call, stop)
+        _lost.update(missing or ())
         who = (f"rank(s) {missing} did not answer" if missing
                else "no rank is known to be missing (the collective itself failed)")
         # Logged too: when DCP's own collectives fail next, its error replaces this one.
@@ -120,6 +135,8 @@ def peers_lost(group: Any, peers: list[int], what: str, exc: BaseException) -> R
     """The error of a point-to-point exchange with ``peers`` (ranks of ``group``) that failed:
     one of them died or did not take part within the group's timeout."""
     names = sorted({dist.get_global_rank(group, p) for p in peers}) if group is not None else peers
+    if len(names) == 1:  # the only peer of the exchange: it is the one lost
+        _lost.update(names)
     return RanksLostError(
         f"{what} failed: one of rank(s) {names} did not answer ({type(exc).__name__}: "
         f"{str(exc).splitlines()[0][:300] if str(exc) else ''}). A rank died or hung (see "
