@@ -20,7 +20,8 @@ step and save, so rank 0's clock is the job's):
 - **restore** is the time of the ``loaded`` events of a run; a failure's ``restored_from``
   names the tier rank 0 loaded from, then (joined by ``+``) every other source any rank of the
   run read bytes from, ``peers`` for files other ranks sent it (``ram+peers``: a replaced
-  node's ranks got their files from the replicas the surviving node holds);
+  node's ranks got their files from the replicas the surviving node holds), and its
+  ``restore_s`` is the slowest rank's load (the job goes on when every rank has loaded);
 - **checkpoint stall** is the time between consecutive steps of a run (where the job saves);
 - **other** is what is left (start-up before the first step, beyond the restore); the parts sum
   to the wall time exactly.
@@ -125,6 +126,8 @@ class ContenderReport:
     #: per run: (run begins, [(step, start, end)]), for the timeline plot
     timeline: list[tuple[float, list[tuple[int, float, float]]]] = field(default_factory=list)
     final_step: int = 0
+    #: per ``every = "auto"`` tier, the interval in steps it ended with (``interval`` events)
+    intervals: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The contract's form of this contender in ``report.json``."""
@@ -179,7 +182,7 @@ def account(events: Iterable[dict[str, Any]], name: str = "job", *,
         raise ValueError("no events of rank 0: nothing to account (is [store] events_log set, "
                          "and did rank 0 open the store?)")
     kept = _history(runs)
-    sources = _restore_sources(events, runs)
+    sources, slowest = _restore_sources(events, runs)
     productive = lost = stall = restart = restore = 0.0
     failures = []
     for i, run in enumerate(runs):
@@ -199,7 +202,8 @@ def account(events: Iterable[dict[str, Any]], name: str = "job", *,
                 kind=kinds[i] if i < len(kinds) else "restart", at_step=run.last_step,
                 resumed_from_step=nxt.resumed_from,
                 steps_lost=max(0, run.last_step - nxt.resumed_from),
-                restore_s=round(nxt.restore_s, 4), restored_from=sources[i + 1]))
+                restore_s=round(max(nxt.restore_s, slowest[i + 1]), 4),
+                restored_from=sources[i + 1]))
     wall = runs[-1].end - runs[0].begins
     # The first run's start-up (beyond its restore) and the last run's tail are "other".
     other = max(0.0, wall - productive - lost - stall - restart - restore)
@@ -211,17 +215,22 @@ def account(events: Iterable[dict[str, Any]], name: str = "job", *,
         saves=len({e["checkpoint_id"] for e in events if e["kind"] in ("committed",
                    "emergency_saved") and e.get("rank", 0) == 0 and e.get("checkpoint_id")}),
         failures=failures, time_to_durable_s=_time_to_durable(events),
-        timeline=[(r.begins, list(r.steps)) for r in runs], final_step=runs[-1].last_step)
+        timeline=[(r.begins, list(r.steps)) for r in runs], final_step=runs[-1].last_step,
+        intervals={e["tier"]: int(e["detail"]["every"]) for e in events
+                   if e["kind"] == "interval" and e.get("rank", 0) == 0 and e.get("tier")})
 
 
-def _restore_sources(events: list[dict[str, Any]], runs: list[Run]) -> list[str | None]:
-    """Per run, the tiers its ranks loaded from: rank 0's first, then the others' in order of
-    name, joined by ``+`` (None: nothing was loaded)."""
+def _restore_sources(events: list[dict[str, Any]], runs: list[Run]
+                     ) -> tuple[list[str | None], list[float]]:
+    """Per run, the tiers its ranks loaded from (rank 0's first, then the others' in order of
+    name, joined by ``+``; None: nothing was loaded), and its slowest rank's load time."""
     bounds = [r.begins for r in runs[1:]] + [float("inf")]
     others: list[set[str]] = [set() for _ in runs]
+    slowest = [0.0 for _ in runs]
     for e in events:
         if e.get("kind") == "loaded" and e.get("tier"):
             i = next(i for i, end in enumerate(bounds) if float(e["at"]) < end)
+            slowest[i] = max(slowest[i], float(e.get("seconds", 0.0)))
             sent = (e.get("detail") or {}).get("bytes_from") or {e["tier"]: 1}
             # A peer tier's replica of another rank's files is a source "<tier>:rank-<r>".
             others[i].update(PEERS if name == FROM_PEERS else name.split(":")[0]
@@ -230,7 +239,7 @@ def _restore_sources(events: list[dict[str, Any]], runs: list[Run]) -> list[str 
     for run, tiers in zip(runs, others):
         first = [run.restored_from] if run.restored_from else []
         out.append("+".join(first + sorted(tiers - set(first))) or None)
-    return out
+    return out, slowest
 
 
 def _time_to_durable(events: list[dict[str, Any]]) -> dict[str, float]:

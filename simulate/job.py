@@ -16,7 +16,8 @@ How it checkpoints is the contender's:
   each step; with ``emergency``, ``store.preemption()`` turns SIGTERM into an emergency save;
   with ``lazy``, ``store.wait_staging()`` before each step (where an optimizer step would be);
 - ``dcp-async`` / ``dcp-sync``: stock ``dcp.async_save`` / ``dcp.save`` of ``step-<n>``
-  directories in a shared directory, resume from the newest one with DCP's ``.metadata``, on a
+  directories in a shared directory (or, with ``storage = "s3"``, prefixes in the object store
+  through DCP's ``FsspecWriter``/``FsspecReader``), resume from the newest one with DCP's ``.metadata``, on a
   gloo group of their own (as a careful stock user does, so saves never interleave with the
   training's collectives); SIGTERM's default action kills them. With ``async_staging``, DCP's
   ``DefaultStager(StagingOptions(use_async_staging=True))`` stages in a thread and the job
@@ -80,9 +81,12 @@ class JobSpec:
     events_log: str
     emergency: bool = False
     store: dict[str, Any] | None = None   # tierstore's config (kind tierstore)
-    shared_dir: str | None = None         # where stock DCP saves (kinds dcp-*)
+    shared_dir: str | None = None         # where stock DCP saves (kinds dcp-*), or
+    shared_url: str | None = None         # its object-store URL (FsspecWriter), with
+    storage_options: dict[str, Any] | None = None  # the filesystem's options
     collective_timeout_s: float = 20.0
     lazy: bool = False                    # tierstore: lazy staging
+    auto: bool = False                    # tierstore: save when store.should_save says
     async_staging: bool = False           # dcp-async: DCP's DefaultStager, async staging
 
     def write(self, path: str | Path) -> None:
@@ -172,6 +176,13 @@ class TierstoreCheckpoints:
         """A ``step`` event in the store's events log."""
         self.store.record_step(step, seconds)
 
+    def due(self, step: int) -> bool:
+        """Whether to save at ``step``: every ``every`` steps, or, with an ``every = "auto"``
+        tier, when the store says a tier would take it."""
+        if self.spec.auto:
+            return self.store.should_save(step)
+        return step % self.spec.every == 0
+
     def before_step(self) -> None:
         """With lazy staging, wait until the last save has copied the state (on a GPU this
         orders the training stream instead); else nothing: staging finished in the call."""
@@ -216,13 +227,25 @@ class StockEventsLog:
 
 
 class StockCheckpoints:
-    """Stock DCP: ``step-<n>`` directories in one shared directory."""
+    """Stock DCP: ``step-<n>`` directories in one shared directory (``FileSystemWriter``), or
+    prefixes in an object store (``FsspecWriter``/``FsspecReader``, as DCP offers for
+    fsspec URLs)."""
 
     def __init__(self, spec: JobSpec, rank: int):
         self.spec, self.rank = spec, rank
         self.asynchronous = spec.kind == "dcp-async"
-        self.root = Path(spec.shared_dir)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.options = dict(spec.storage_options or {})
+        if spec.shared_url:
+            import fsspec
+
+            self.root = spec.shared_url.rstrip("/")
+            self.tier = "s3"
+            # Fresh listings: another run's saves must be seen.
+            self.fs, _ = fsspec.url_to_fs(self.root, skip_instance_cache=True,
+                                          use_listings_cache=False, **self.options)
+        else:
+            self.root, self.tier, self.fs = str(spec.shared_dir), SHARED, None
+            Path(self.root).mkdir(parents=True, exist_ok=True)
         # A group of its own: an async save's collectives run in DCP's thread and must not
         # interleave with the training's all-reduce on the default group.
         self.group = dist.new_group(backend="gloo",
@@ -247,8 +270,12 @@ class StockCheckpoints:
         coordinator's ``finish``): what a stock job resumes from. Rank 0 looks; all agree."""
         found = [0]
         if self.rank == 0:
-            steps = [int(p.name.split("-")[1]) for p in self.root.glob("step-*")
-                     if p.name.split("-")[1].isdigit() and (p / ".metadata").is_file()]
+            if self.fs is None:
+                names = [p.parent.name for p in Path(self.root).glob("step-*/.metadata")]
+            else:
+                names = [p.rstrip("/").split("/")[-2]
+                         for p in self.fs.glob(f"{self.root}/step-*/.metadata")]
+            steps = [int(n.split("-")[1]) for n in names if n.split("-")[1].isdigit()]
             found = [max(steps, default=0)]
         dist.broadcast_object_list(found, src=0, group=self.group)
         return found[0]
@@ -260,8 +287,17 @@ class StockCheckpoints:
             return 0
         cid = f"step-{step}"
         started = time.perf_counter()
-        dcp.load(state, checkpoint_id=str(self.root / cid), process_group=self.group)
-        self.events.emit(EventKind.LOADED, checkpoint_id=cid, tier=SHARED,
+        path = f"{self.root}/{cid}"
+        reader = None
+        if self.fs is not None:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            reader = FsspecReader(path, **self.options)
+        # With a reader, no checkpoint_id: DCP's reset(checkpoint_id) would open the path again
+        # without the filesystem's options (credentials, endpoint).
+        dcp.load(state, checkpoint_id=None if reader else path, storage_reader=reader,
+                 process_group=self.group)
+        self.events.emit(EventKind.LOADED, checkpoint_id=cid, tier=self.tier,
                          seconds=time.perf_counter() - started)
         return int(state["step"])
 
@@ -271,6 +307,10 @@ class StockCheckpoints:
 
     def preempt_if_asked(self, state: dict[str, Any], step: int) -> None:
         """Stock DCP has no preemption handling: SIGTERM's default action ends the process."""
+
+    def due(self, step: int) -> bool:
+        """Whether to save at ``step``: every ``every`` steps."""
+        return step % self.spec.every == 0
 
     def before_step(self) -> None:
         """With async staging: wait for the last save's ``staging_completion`` (the state
@@ -288,19 +328,25 @@ class StockCheckpoints:
         """Save ``step-<step>``: ``dcp.save``, or ``dcp.async_save`` after the previous one
         completed (``staged``: the time the call blocked; ``committed``: once durable)."""
         cid = f"step-{step}"
-        path = str(self.root / cid)
+        path = f"{self.root}/{cid}"
+        writer = None
+        if self.fs is not None:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            writer = FsspecWriter(path, **self.options)
+            path = None  # see restore: the writer holds the path and its options
         if not self.asynchronous:
             started = time.perf_counter()
-            dcp.save(state, checkpoint_id=path, process_group=self.group)
-            self.events.emit(EventKind.COMMITTED, checkpoint_id=cid, tier=SHARED,
+            dcp.save(state, checkpoint_id=path, storage_writer=writer, process_group=self.group)
+            self.events.emit(EventKind.COMMITTED, checkpoint_id=cid, tier=self.tier,
                              seconds=time.perf_counter() - started, detail={"step": step})
             return
         if self.pending is not None:
             self.pending.result()
         began = time.time()
         started = time.perf_counter()
-        response = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
-                                  async_stager=self.stager)
+        response = dcp.async_save(state, checkpoint_id=path, storage_writer=writer,
+                                  process_group=self.group, async_stager=self.stager)
         fut = _upload_future(response)
         staging = getattr(response, "staging_completion", None)
         if staging is not None:
@@ -311,7 +357,7 @@ class StockCheckpoints:
 
         def committed(f: Future) -> None:
             if f.exception() is None:  # a failed save is not durable anywhere
-                self.events.emit(EventKind.COMMITTED, checkpoint_id=cid, tier=SHARED,
+                self.events.emit(EventKind.COMMITTED, checkpoint_id=cid, tier=self.tier,
                                  seconds=time.time() - began, detail={"step": step})
 
         fut.add_done_callback(committed)
@@ -361,7 +407,7 @@ def run(spec: JobSpec) -> int:
         time.sleep(max(0.0, spec.step_s - (time.time() - began)))
         ckpt.record_step(step, time.time() - began)
         ckpt.preempt_if_asked(state, step)
-        if step % spec.every == 0:
+        if ckpt.due(step):
             ckpt.save(state, step)
     ckpt.finish()
     problems = state_problems(state, spec.steps)

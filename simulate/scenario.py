@@ -27,6 +27,7 @@ the file, the table and the key, and says how to fix it. The built-in scenario i
     kind = "dcp-async"    # dcp-async | dcp-sync: stock DCP to a shared directory
     every = 10            # save interval in steps
     async_staging = false # dcp-async: DefaultStager(StagingOptions(use_async_staging=True))
+    storage = "directory" # or "s3": DCP's FsspecWriter into the simulator's object store
 
     [[contender]]
     name = "tierstore"
@@ -58,6 +59,8 @@ FAILURE_KINDS = ("kill-rank", "hang-rank", "lose-node", "preempt", "object-store
 #: failures that end the job's run (the scheduler restarts it); an outage does not
 FATAL_KINDS = ("kill-rank", "hang-rank", "lose-node", "preempt")
 CONTENDER_KINDS = ("dcp-async", "dcp-sync", "tierstore")
+#: where stock DCP saves: a shared directory, or the simulator's object store (FsspecWriter)
+STOCK_STORAGES = ("directory", "s3")
 #: backends a simulated tierstore tier may use; the simulator chooses their paths
 TIER_BACKENDS = ("memory", "peer", "local", "fsspec", "s3")
 #: backends that hold a node's own copy: RAM, and the peer tier's replicas of other nodes
@@ -127,7 +130,7 @@ class Tier:
 
     name: str
     backend: str
-    every: int
+    every: int | str       # steps, or "auto" (the store chooses, after Young/Daly)
     keep: int | None = None
     node_local: bool = False
 
@@ -146,11 +149,22 @@ class Contender:
     async_staging: bool = False
     #: tierstore: lazy staging (async_save returns at once; copies finish before the next step)
     lazy: bool = False
+    #: stock DCP: where it saves, a shared ``directory`` or the simulator's ``s3`` object store
+    storage: str = "directory"
+    #: tierstore: ``[store] mtbf_hours`` for ``every = "auto"`` tiers (None: learnt from the
+    #: restarts in the events log)
+    mtbf_hours: float | None = None
+
+    @property
+    def auto(self) -> bool:
+        """Whether a tier chooses its own interval: the job then saves when
+        ``store.should_save(step)`` says so."""
+        return any(t.every == "auto" for t in self.tiers)
 
     @property
     def uses_object_store(self) -> bool:
-        """Whether a tier is on the simulator's object store."""
-        return any(t.backend == "s3" for t in self.tiers)
+        """Whether it saves to the simulator's object store (a tier, or stock DCP's storage)."""
+        return self.storage == "s3" or any(t.backend == "s3" for t in self.tiers)
 
     @property
     def slug(self) -> str:
@@ -177,12 +191,17 @@ class Scenario:
 
 
 DEFAULT_TOML = """
+# 2 nodes x 2 ranks, 40 steps of 0.5 s; a rank killed, the object store down for 10 s, a node
+# lost (its RAM and replicas with it) and a preemption, against stock DCP (to the object store,
+# and to a shared directory more often) and tierstore with RAM and peer replicas in front of
+# each of those.
 [job]
 steps = 40
 step_s = 0.5
-state_mib = 16
+state_mib = 32
 nodes = 2
 ranks_per_node = 2
+collective_timeout_s = 20
 
 [supervisor]
 restart_delay_s = 2
@@ -194,26 +213,47 @@ at_step = 13
 rank = 1
 
 [[failure]]
+kind = "object-store-outage"
+at_step = 17
+duration_s = 10
+
+[[failure]]
 kind = "lose-node"
-at_step = 26
+at_step = 27
 node = 1
 
 [[failure]]
 kind = "preempt"
-at_step = 38
+at_step = 37
 
 [[contender]]
-name = "stock dcp.async_save"
+name = "stock async_save to s3 every 10"
 kind = "dcp-async"
 every = 10
+storage = "s3"
 
 [[contender]]
-name = "tierstore ram+disk"
+name = "stock async_save to a directory every 4"
+kind = "dcp-async"
+every = 4
+
+[[contender]]
+name = "tierstore ram+peer+s3"
 kind = "tierstore"
 every = 2
 emergency = true
 tiers = [{ name = "ram", backend = "memory", every = 2 },
-         { name = "disk", backend = "local", every = 10 }]
+         { name = "peer", backend = "peer", every = 2 },
+         { name = "s3", backend = "s3", every = 10 }]
+
+[[contender]]
+name = "tierstore ram+peer+directory"
+kind = "tierstore"
+every = 2
+emergency = true
+tiers = [{ name = "ram", backend = "memory", every = 2 },
+         { name = "peer", backend = "peer", every = 2 },
+         { name = "disk", backend = "local", every = 4 }]
 """
 
 
@@ -223,8 +263,10 @@ def slug(name: str) -> str:
 
 
 def default_scenario() -> Scenario:
-    """The built-in scenario (:data:`DEFAULT_TOML`): 2 nodes x 2 ranks, a rank killed, a node
-    lost and a preemption, against stock ``dcp.async_save`` and tierstore on RAM and disk."""
+    """The built-in scenario (:data:`DEFAULT_TOML`): 2 nodes x 2 ranks, a rank killed, an
+    object-store outage, a node lost and a preemption, against stock ``dcp.async_save`` to the
+    object store and to a shared directory, and tierstore with RAM and peer replicas in front of
+    each."""
     return parse_scenario(tomllib.loads(DEFAULT_TOML), "built-in scenario")
 
 
@@ -344,13 +386,6 @@ def parse_scenario(data: dict[str, Any], source: str = "scenario") -> Scenario:
     supervisor = _supervisor(source, data.get("supervisor", {}))
     failures = tuple(_failure(source, i, f, job)
                      for i, f in enumerate(_array_of_tables(source, data, "failure")))
-    if any(f.kind == "object-store-outage" for f in failures) and not any(
-            c.get("tiers") and any(isinstance(x, dict) and x.get("backend") == "s3"
-                                   for x in c["tiers"])
-            for c in _array_of_tables(source, data, "contender") if isinstance(c, dict)):
-        raise ScenarioError(f"{source}: an object-store-outage strikes, but no contender has a "
-                            f"tier with backend = \"s3\" (the simulator's object store): add "
-                            f"one, or remove the outage")
     for i, (a, b) in enumerate(zip(failures, failures[1:]), start=1):
         if b.at_step <= a.at_step:
             raise ScenarioError(
@@ -362,6 +397,11 @@ def parse_scenario(data: dict[str, Any], source: str = "scenario") -> Scenario:
             f"{source}: no contender: add at least one [[contender]] table, e.g.\n"
             f"  [[contender]]\n  name = \"stock\"\n  kind = \"dcp-async\"\n  every = 10")
     contenders = tuple(_contender(source, i, c, job) for i, c in enumerate(raw))
+    if any(f.kind == "object-store-outage" for f in failures) and not any(
+            c.uses_object_store for c in contenders):
+        raise ScenarioError(f"{source}: an object-store-outage strikes, but no contender uses "
+                            f"the simulator's object store (a tier with backend = \"s3\", or "
+                            f"storage = \"s3\" for stock DCP): add one, or remove the outage")
     seen: dict[str, str] = {}
     for c in contenders:
         if c.slug in seen:
@@ -430,14 +470,14 @@ def _contender(source: str, index: int, data: Any, job: Job) -> Contender:
     name = data.get("name") if isinstance(data, dict) else None
     where = f"contender[{index}]" + (f" '{name}'" if isinstance(name, str) else "")
     t = _Table(source, where, data, ("name", "kind", "every", "tiers", "emergency",
-                                      "async_staging", "lazy"))
+                                      "async_staging", "lazy", "storage", "mtbf_hours"))
     kind = t.text("kind", choices=CONTENDER_KINDS)
     name = t.text("name", kind)
     if not slug(name):
         raise t.error("name", f"'{name}' has no letter or digit; it names the contender's "
                               f"work directory")
     if kind != "tierstore":
-        for key in ("tiers", "emergency", "lazy"):
+        for key in ("tiers", "emergency", "lazy", "mtbf_hours"):
             if t.has(key):
                 raise t.error(key, f"is only for kind = \"tierstore\"; stock DCP ({kind}) "
                                    f"saves to one shared directory and dies on SIGTERM")
@@ -445,7 +485,11 @@ def _contender(source: str, index: int, data: Any, job: Job) -> Contender:
             raise t.error("async_staging", "is only for kind = \"dcp-async\" (DCP's "
                                            "DefaultStager stages async saves)")
         return Contender(name, kind, t.integer("every", least=1, most=job.steps),
-                         async_staging=t.flag("async_staging", False))
+                         async_staging=t.flag("async_staging", False),
+                         storage=t.text("storage", "directory", STOCK_STORAGES))
+    if t.has("storage"):
+        raise t.error("storage", "is only for stock DCP (kind dcp-async or dcp-sync); a "
+                                 "tierstore contender says where it saves with its tiers")
     if t.has("async_staging"):
         raise t.error("async_staging", "is only for kind = \"dcp-async\"; tierstore's own "
                                        "staging reuses its buffers (lazy = true to overlap it)")
@@ -463,25 +507,32 @@ def _contender(source: str, index: int, data: Any, job: Job) -> Contender:
                                "[{ name = \"ram\", backend = \"memory\", every = 5 }]")
     tiers = tuple(_tier(source, f"{where} tiers[{i}]", raw, every)
                   for i, raw in enumerate(raw_tiers))
-    if every is None:
-        every = min(tier.every for tier in tiers)
+    fixed = [tier.every for tier in tiers if tier.every != "auto"]
+    if len(fixed) < len(tiers):
+        # An auto tier: the job asks store.should_save each step.
+        every = 1
+    elif every is None:
+        every = min(fixed)
     names = [tier.name for tier in tiers]
     for tier in tiers:
         if names.count(tier.name) > 1:
             raise t.problem(f"tiers: two tiers are named '{tier.name}'; give each tier a "
                             f"name of its own")
+        if tier.every == "auto":
+            continue
         if tier.every % every:
             raise t.problem(f"tier '{tier.name}' has every = {tier.every}, which is not a "
                             f"multiple of the save interval every = {every}; the job saves "
                             f"every {every} steps, so make each tier's every a multiple of it")
-    if not any(tier.every == every for tier in tiers):
+    if not any(tier.every in (every, "auto") for tier in tiers):
         raise t.problem(f"no tier has every = {every} (the save interval), so some saves would "
                         f"go to no tier; set one tier's every to {every}")
     if any(tier.backend == "peer" for tier in tiers) and job.nodes < 2:
         raise t.problem("a peer tier replicates to another node, and the job has nodes = "
                         f"{job.nodes}; set [job] nodes = 2 or more, or drop the peer tier")
+    mtbf = t.number("mtbf_hours", 1.0, positive=True) if t.has("mtbf_hours") else None
     return Contender(name, kind, every, tiers, t.flag("emergency", True),
-                     lazy=t.flag("lazy", False))
+                     lazy=t.flag("lazy", False), mtbf_hours=mtbf)
 
 
 def _tier(source: str, where: str, data: Any, every: int | None) -> Tier:
@@ -500,6 +551,8 @@ def _tier(source: str, where: str, data: Any, every: int | None) -> Tier:
     if backend == "s3" and node_local:
         raise t.error("node_local", "cannot be true for an s3 tier: the object store is "
                                     "shared by every node")
-    return Tier(name=name, backend=backend, every=t.integer("every", every, least=1),
+    tier_every: int | str = ("auto" if data.get("every") == "auto"
+                             else t.integer("every", every, least=1))
+    return Tier(name=name, backend=backend, every=tier_every,
                 keep=t.integer("keep", least=1) if t.has("keep") else None,
                 node_local=node_local)

@@ -90,7 +90,8 @@ def _tier_config(tier: Any, contender: Contender, job: Job, work_dir: Path, shm_
         out["replication"] = {"strategy": "clique", "factor": 2, "jump": job.ranks_per_node}
     # The job saves only at multiples of the contender's interval, so a tier with that interval
     # takes every save: tierstore spells that every = 1 (and needs one such tier).
-    out["every"] = 1 if tier.every == contender.every else tier.every
+    out["every"] = (tier.every if tier.every == "auto" else
+                    1 if tier.every == contender.every else tier.every)
     if tier.keep is not None:
         out["keep"] = tier.keep
     return out
@@ -102,6 +103,10 @@ def job_spec(contender: Contender, job: Job, work_dir: Path, shm_dir: Path,
     ``s3`` tiers on ``object_store``, a started :class:`~tierstore_simulate.servers.SeaweedS3`)."""
     events_log = str(work_dir / "events.jsonl")
     store = None
+    stock_on_s3 = contender.kind != "tierstore" and contender.storage == "s3"
+    if stock_on_s3 and object_store is None:
+        raise ValueError(f"contender '{contender.name}' saves to the object store, and none "
+                         f"was started")
     if contender.kind == "tierstore":
         timeout = job.collective_timeout_s
         # The store's collectives give up as the training's do: a hung rank is noticed alike.
@@ -109,6 +114,8 @@ def job_spec(contender: Contender, job: Job, work_dir: Path, shm_dir: Path,
                                    "part_timeout": max(60.0, timeout)}
         if contender.lazy:
             options["staging"] = {"name": "cpu", "lazy": True}
+        if contender.mtbf_hours is not None:
+            options["mtbf_hours"] = contender.mtbf_hours
         store = {"store": options,
                  "tier": [_tier_config(t, contender, job, work_dir, shm_dir, object_store)
                           for t in contender.tiers]}
@@ -117,7 +124,11 @@ def job_spec(contender: Contender, job: Job, work_dir: Path, shm_dir: Path,
                    work_dir=str(work_dir), events_log=events_log,
                    emergency=contender.emergency, store=store,
                    shared_dir=str(work_dir / "shared") if store is None else None,
+                   shared_url=(f"s3://{bucket_name(contender)}/checkpoints"
+                               if stock_on_s3 else None),
+                   storage_options=object_store.storage_options() if stock_on_s3 else None,
                    collective_timeout_s=job.collective_timeout_s, lazy=contender.lazy,
+                   auto=contender.auto,
                    async_staging=contender.async_staging)
 
 

@@ -151,7 +151,7 @@ BAD = {
         "object-store-outage"),
     "outage without an object store": (
         '[[failure]]\nkind = "object-store-outage"\nat_step = 3\n',
-        'an object-store-outage strikes, but no contender has a tier with backend = "s3"'),
+        'an object-store-outage strikes, but no contender uses the simulator\'s object store'),
     "duration of a kill": (
         '[[failure]]\nkind = "kill-rank"\nat_step = 3\nduration_s = 5\n',
         "failure[0]: duration_s applies only to object-store-outage"),

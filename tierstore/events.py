@@ -48,9 +48,11 @@ class EventKind:
                                  # world_size); each restart of a job opens it again
     STEP = "step"                # the training code finished a step (Store.record_step;
                                  # detail: step; seconds: the step's own time)
+    INTERVAL = "interval"        # an every = "auto" tier's interval was chosen (detail: every,
+                                 # interval_s, cost_s, mtbf_s, step_s and their sources)
     ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
            DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED, REPLICATED, PEER_FETCHED,
-           UNREACHABLE, REJECTED, STALLED, REPAIRED, OPENED, STEP)
+           UNREACHABLE, REJECTED, STALLED, REPAIRED, OPENED, STEP, INTERVAL)
 
 
 class Phase:

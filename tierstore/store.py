@@ -28,6 +28,7 @@ from tierstore.engine.events_log import EventsLog
 from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_unfinished
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.health import TierHealth
+from tierstore.engine.interval import IntervalChooser
 from tierstore.engine.publish import Publisher
 from tierstore.engine.recovery import queue_missing_copies
 from tierstore.engine.replication import Replicator
@@ -62,9 +63,11 @@ class Store:
         self._stats = TierStats()
         self._watchdog = watchdog = Watchdog()
         self._events_log = events_log = EventsLog()
+        self._intervals = intervals = IntervalChooser()
         config, host = load_config(config, plugins, {"tierstore.engine.stats": self._stats,
                                                      "tierstore.engine.watchdog": watchdog,
-                                                     "tierstore.engine.events_log": events_log})
+                                                     "tierstore.engine.events_log": events_log,
+                                                     "tierstore.engine.interval": intervals})
         job = rank_context(process_group)
         # A read-only store (a query beside the job) logs nothing: `tierstore ls` run during a
         # job must not read as one of its restarts.
@@ -89,6 +92,8 @@ class Store:
         replication = (make_store_group(process_group, timeout) if tiers.peer is not None
                        else None)
         self._ctx = ctx = StoreContext(config, host, job, tiers, Groups(main, io, replication))
+        intervals.configure([t.name for t in tiers], [t.name for t in tiers if t.auto], job.rank,
+                            host, config.mtbf_hours, config.events_log)
         self._ledger = SaveLedger()
         self._retention = Retention(host, job.rank)
         gc = GarbageCollector(host, job.rank, self._ledger)
@@ -110,7 +115,8 @@ class Store:
         publisher = Publisher(ctx, self._drainer, self._retention, in_checkpoint_process=hand_off)
         self._writer_services = WriterServices(ctx, self._ledger, stager, publisher, gc,
                                                self._replicator, self._hand_off.reopen_callable,
-                                               self._hand_off.adopt_later, watchdog)
+                                               self._hand_off.adopt_later, watchdog,
+                                               intervals if intervals.active else None)
         self._reader_services = ReaderServices(ctx, self._retention, self._ledger.slot,
                                                self._catalog, health, watchdog)
         watchdog.start(config.watchdog, host, job.rank)
@@ -157,6 +163,14 @@ class Store:
         ctx = self._ctx
         ctx.host.event(Event(EventKind.STEP, rank=ctx.rank, seconds=float(seconds),
                              detail={"step": int(step)}))
+
+    def should_save(self, step: int) -> bool:
+        """Whether a save at ``step`` would go to some tier: with ``every = "auto"`` tiers,
+        ask it each step and save when it says so (every rank gets the same answer, without
+        talking: the interval in force came with an earlier save's plan). With fixed intervals
+        only, whether ``step`` is a multiple of some tier's ``every``. A save made anyway goes
+        to the fastest tier."""
+        return self._ctx.tiers.due(int(step))
 
     # -- queries -----------------------------------------------------------------------------
     def latest(self) -> str | None:

@@ -24,6 +24,9 @@ from tierstore.format.values import check_trusted_names
 from tierstore.plugin.options import ConfigSource, Option, resolve_env, validate_table
 from tierstore.plugin.host import PluginHost, build_plugin_host
 
+#: ``every = "auto"``: the tier's interval is chosen as the job runs (tierstore.tiers.schedule)
+AUTO = "auto"
+
 __all__ = ["StoreConfig", "TierConfig", "PluginChoice", "load_source", "validate_config",
            "expand_placeholders", "load_config", "check_tier_locations"]
 
@@ -37,6 +40,14 @@ def _positive(value: Any) -> str | None:
 
 def _positive_seconds(value: Any) -> str | None:
     return None if value > 0 else f"must be a positive number of seconds, got {value}"
+
+
+def _every(value: Any) -> str | None:
+    if value == AUTO:
+        return None
+    if isinstance(value, str):
+        return f'must be a whole number of steps or "auto", got "{value}"'
+    return _positive(value)
 
 
 def _not_negative(value: Any) -> str | None:
@@ -123,13 +134,18 @@ STORE_OPTIONS: tuple[Option, ...] = (
     Option("events_log", str, default=None, check=_non_empty,
            description="append every event of every rank to this file, one JSON object a line, "
                        "across restarts (`tierstore goodput` reads it)"),
+    Option("mtbf_hours", (int, float), default=None, check=_positive_seconds,
+           description="the job's mean time between failures, for tiers with every = \"auto\" "
+                       "(default: from the restarts in events_log)"),
 )
 
 TIER_OPTIONS: tuple[Option, ...] = (
     Option("name", str, required=True, description="unique name of the tier"),
     Option("backend", str, required=True, description="persistence plugin"),
-    Option("every", int, default=1, check=_positive,
-           description="this tier takes saves whose step is a multiple of it"),
+    Option("every", (int, str), default=1, check=_every,
+           description="this tier takes saves whose step is a multiple of it; \"auto\": the "
+                       "interval is chosen from the tier's measured cost and the failure rate "
+                       "(Young/Daly)"),
     Option("keep", int, default=None, check=_positive,
            description="keep the newest N complete checkpoints (default: all)"),
     Option("codecs", list, default=[], check=_codec_list,
@@ -160,7 +176,8 @@ class TierConfig:
     index: int
     name: str
     backend: str
-    every: int
+    #: a whole number of steps, or "auto" (tierstore.tiers.schedule)
+    every: int | str
     keep: int | None
     codecs: tuple[PluginChoice, ...]
     #: kept out of repr: it holds credentials read from the environment
@@ -199,6 +216,9 @@ class StoreConfig:
     trusted_pickles: tuple[str, ...] = ()
     #: where every event is appended as a JSON line (tierstore.engine.events_log), or None
     events_log: str | None = None
+    #: the job's mean time between failures in hours, for every = "auto" (None: from the
+    #: restarts the events log records)
+    mtbf_hours: float | None = None
     #: the signing keys (tierstore.format.signing); kept out of repr like every secret
     keyring: Keyring = field(default=UNSIGNED, repr=False)
 
@@ -399,11 +419,18 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
             backend_options={o.name: checked[o.name] for o in backend_opts},
             shared=checked["shared"],
         ))
-    if not any(t.every == 1 for t in tiers):
+    if not any(t.every in (1, AUTO) for t in tiers):
         raise ConfigError(
-            f"{source.name}: no tier has every = 1, so some saves would go nowhere; set every = 1 "
-            f"on the fastest tier ({tiers[0].name!r})"
+            f"{source.name}: no tier has every = 1 (or \"auto\"), so some saves would go "
+            f"nowhere; set every = 1 on the fastest tier ({tiers[0].name!r})"
         )
+    if any(t.every == AUTO for t in tiers) and store_table.get("mtbf_hours") is None \
+            and store_table.get("events_log") is None:
+        raise ConfigError(
+            f"{source.name}: tier {next(t.name for t in tiers if t.every == AUTO)!r} has "
+            f"every = \"auto\", which needs the job's failure rate: set [store] mtbf_hours "
+            f"(the mean time between failures), or [store] events_log (the restarts it records "
+            f"give it)")
     staging = _plugin_choice("staging", store_table["staging"], host, source, "staging")
     commit = (None if store_table["commit"] is None
               else _plugin_choice("commit", store_table["commit"], host, source, "commit"))
@@ -418,6 +445,7 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         trusted_pickles=tuple(store_table["trusted_pickles"]),
         events_log=(None if store_table["events_log"] is None
                     else os.path.expanduser(store_table["events_log"])),
+        mtbf_hours=store_table["mtbf_hours"],
         keyring=keyring_from(store_table, source),
     )
 

@@ -29,6 +29,7 @@ from torch.futures import Future
 from tierstore.engine.context import StoreContext
 from tierstore.engine.existing import Holding, holdings, whole_copies
 from tierstore.engine.gc import GarbageCollector
+from tierstore.engine.interval import IntervalChooser
 from tierstore.engine.publish import Publisher
 from tierstore.engine.replication import ReplicationJob, Replicator
 from tierstore.engine.saves import SaveLedger
@@ -67,14 +68,18 @@ class WriterServices:
     adopt_later: Callable[[], None]
     #: told when a save starts and ends (``[store] watchdog``); None in DCP's checkpoint process
     watchdog: Watchdog | None = None
+    #: chooses the intervals of ``every = "auto"`` tiers (None: the store has none)
+    intervals: IntervalChooser | None = None
 
 
 @dataclass(frozen=True)
 class _PlanData:
-    """What the coordinator tells every rank in its plan: file prefix and the save's token."""
+    """What the coordinator tells every rank in its plan: file prefix, the save's token, and
+    the intervals (in steps) of the ``every = "auto"`` tiers for the saves after this one."""
 
     prefix: str
     token: str
+    intervals: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -326,8 +331,22 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         """Coordinator: choose the save's token and each rank's file prefix."""
         self._require_save()
         token = uuid.uuid4().hex[:16]
-        return [dataclasses.replace(p, storage_data=_PlanData(f"__{i}_", token))
+        intervals = self._choose_intervals()
+        return [dataclasses.replace(p, storage_data=_PlanData(f"__{i}_", token, intervals))
                 for i, p in enumerate(plans)]
+
+    def _choose_intervals(self) -> tuple[tuple[str, int], ...]:
+        """Coordinator: the auto tiers' intervals, to travel with the plan to every rank."""
+        chooser = self._services.intervals
+        return tuple(sorted(chooser.choose().items())) if chooser is not None else ()
+
+    def _adopt_intervals(self, intervals: tuple[tuple[str, int], ...]) -> None:
+        """Every rank: put the coordinator's intervals in force for the next saves."""
+        tiers = self._services.context.tiers
+        for name, every in intervals:
+            tier = tiers.named(name)
+            if tier.schedule is not None:
+                tier.schedule.adopt(every)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items into files in the tier's staging directory, in parallel,
@@ -340,8 +359,13 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 # With DCP's plan caching, a rank whose plan did not change gets the first
                 # save's plan back, token included: every save's token comes from the first
                 # rank of the store's group instead (one small broadcast per save).
-                token = broadcast_object(uuid.uuid4().hex[:16], self._services.context.groups.main)
-                data = dataclasses.replace(data, token=token)
+                # The auto tiers' intervals go with it, for the same reason.
+                token, intervals = broadcast_object(
+                    (uuid.uuid4().hex[:16],
+                     self._choose_intervals() if self._services.context.rank == 0 else ()),
+                    self._services.context.groups.main)
+                data = dataclasses.replace(data, token=token, intervals=intervals)
+            self._adopt_intervals(data.intervals)
             fut = self._write_data(save, dataclasses.replace(plan, storage_data=data), planner)
             wrote = True
             return fut

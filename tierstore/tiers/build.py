@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tierstore.config.validate import StoreConfig, TierConfig, check_tier_locations
+from tierstore.config.validate import AUTO, StoreConfig, TierConfig, check_tier_locations
 from tierstore.errors import ConfigError, PluginError
 from tierstore.format.item_io import register_extension
 from tierstore.plugin.host import PluginHost
 from tierstore.plugin.options import validate_table
 from tierstore.plugin.retry import cannot_connect, foreground
 from tierstore.tiers.layout import TierLayout, compute_layouts
+from tierstore.tiers.schedule import AutoSchedule
 from tierstore.tiers.tier import Tier
 from tierstore.tiers.tierset import TierSet
 from tierstore.transport.collectives import RankContext
@@ -90,7 +91,8 @@ def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: Rank
         register_extension(type(codec.extension()))
         codecs.append(codec)
     return Tier(tc, backend, commit_reg.factory(**commit_options), commit_name, codecs=codecs,
-                keyring=config.keyring)
+                keyring=config.keyring,
+                schedule=AutoSchedule() if tc.every == AUTO else None)
 
 
 def _check_drain_paths(tiers: list[Tier], config: StoreConfig) -> None:

@@ -28,6 +28,7 @@ from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from tierstore.format.signing import UNSIGNED, Keyring
 from tierstore.plugin.bases import Backend, CommitProtocol, DirectoryLock
 from tierstore.tiers.layout import SINGLE, TierLayout
+from tierstore.tiers.schedule import AutoSchedule
 from tierstore.tiers.reports import Problem
 
 __all__ = ["Tier"]
@@ -54,6 +55,8 @@ class Tier:
     layout: TierLayout = SINGLE
     #: codec instances, in the order they are applied on write
     codecs: list = field(default_factory=list)
+    #: for ``every = "auto"``: which saves it takes (set when the store builds the tier)
+    schedule: AutoSchedule | None = None
     #: the store's signing keys: what manifests here must be sealed with, and how file
     #: digests are computed (tierstore.format.signing)
     keyring: Keyring = UNSIGNED
@@ -71,8 +74,22 @@ class Tier:
     def name(self) -> str:
         return self.config.name
 
+    @property
+    def auto(self) -> bool:
+        """Whether its interval is chosen as the job runs (``every = "auto"``)."""
+        return self.schedule is not None
+
     def takes(self, step: int) -> bool:
-        """Whether this tier takes the save numbered ``step`` (its ``every`` divides it)."""
+        """Whether this tier takes the save numbered ``step``: its ``every`` divides it, or,
+        for ``every = "auto"``, its schedule says so (and counts it taken)."""
+        if self.schedule is not None:
+            return self.schedule.takes(step)
+        return step % self.config.every == 0
+
+    def due(self, step: int) -> bool:
+        """Whether the save of ``step`` would go to this tier (asking changes nothing)."""
+        if self.schedule is not None:
+            return self.schedule.due(step)
         return step % self.config.every == 0
 
     # -- reading what is there ---------------------------------------------------------------

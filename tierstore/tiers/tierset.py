@@ -49,8 +49,14 @@ class TierSet(Sequence):
         return [t for t in self.tiers if t.takes(step)]
 
     def first_for(self, step: int) -> Tier:
-        """The fastest tier whose ``every`` takes ``step`` (one with every = 1 always does)."""
-        return next(t for t in self.tiers if t.takes(step))
+        """The fastest tier whose ``every`` takes ``step`` (one with every = 1 always does);
+        where only ``every = "auto"`` tiers could and none is due, the fastest tier: a save the
+        job asked for is never dropped (``store.should_save`` says when one is due)."""
+        return next((t for t in self.tiers if t.takes(step)), self.tiers[0])
+
+    def due(self, step: int) -> bool:
+        """Whether some tier would take the save of ``step`` (asking changes nothing)."""
+        return any(t.due(step) for t in self.tiers)
 
     def is_replica(self, tier: Tier) -> bool:
         """Whether ``tier`` holds replicas of other ranks' files."""
