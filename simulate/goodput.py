@@ -228,10 +228,12 @@ def _restore_sources(events: list[dict[str, Any]], runs: list[Run]
     others: list[set[str]] = [set() for _ in runs]
     slowest = [0.0 for _ in runs]
     for e in events:
-        if e.get("kind") == "loaded" and e.get("tier"):
+        if e.get("kind") == "loaded":
             i = next(i for i, end in enumerate(bounds) if float(e["at"]) < end)
             slowest[i] = max(slowest[i], float(e.get("seconds", 0.0)))
-            sent = (e.get("detail") or {}).get("bytes_from") or {e["tier"]: 1}
+            # (a rank of a replaced node that read nothing of its own names no tier)
+            sent = (e.get("detail") or {}).get("bytes_from") or (
+                {e["tier"]: 1} if e.get("tier") else {})
             # A peer tier's replica of another rank's files is a source "<tier>:rank-<r>".
             others[i].update(PEERS if name == FROM_PEERS else name.split(":")[0]
                              for name, n in sent.items() if n)

@@ -158,6 +158,9 @@ BAD = {
     "async staging on tierstore": (
         '[[contender]]\nkind = "tierstore"\nevery = 2\nasync_staging = true\n',
         'async_staging is only for kind = "dcp-async"'),
+    "mtbf on stock DCP": (
+        '[[contender]]\nkind = "dcp-async"\nevery = 2\nmtbf_hours = 1\n',
+        'mtbf_hours is only for kind = "tierstore"'),
     "peer tier on one node": (
         '[job]\nnodes = 1\n[[contender]]\nkind = "tierstore"\nevery = 2\n'
         'tiers = [{ name = "ram", backend = "memory" }, { name = "p", backend = "peer" }]\n',
@@ -200,6 +203,22 @@ def test_a_bad_scenario_is_refused_with_what_to_fix(case, tmp_path, capsys):
     assert err.startswith(f"tierstore: error: {scenario}: "), err
     assert message in err, err
     assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+def test_an_auto_tier_makes_the_job_ask_the_store_when_to_save(tmp_path):
+    from tierstore_simulate.scenario import load_scenario
+    from tierstore_simulate.supervisor import job_spec
+
+    scenario = tmp_path / "scenario.toml"
+    scenario.write_text('[[contender]]\nname = "auto"\nkind = "tierstore"\nmtbf_hours = 0.5\n'
+                        'tiers = [{ name = "ram", backend = "memory", every = "auto" },\n'
+                        '         { name = "disk", backend = "local", every = 10 }]\n')
+    contender = load_scenario(scenario).contenders[0]
+    assert contender.auto and contender.every == 1
+    spec = job_spec(contender, load_scenario(scenario).job, tmp_path, tmp_path / "shm")
+    assert spec.auto
+    assert spec.store["store"]["mtbf_hours"] == 0.5
+    assert [t["every"] for t in spec.store["tier"]] == ["auto", 10]
 
 
 def test_a_scenario_without_contenders_says_how_to_add_one(tmp_path, capsys):
