@@ -22,7 +22,9 @@ CONTRACT_API = {"writer", "reader", "latest", "list", "verify", "pin", "unpin", 
                 # lazy staging: what training waits on before it changes the state
                 "wait_staging", "hook_optimizer",
                 # goodput: the training code's steps, beside the store's own events
-                "record_step"}
+                "record_step",
+                # every = "auto": whether a save at this step would go to some tier
+                "should_save"}
 
 
 def _lint_imports() -> subprocess.CompletedProcess:

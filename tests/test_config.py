@@ -79,7 +79,7 @@ def test_wrong_type_names_key_and_expected_type(tmp_path):
 
 def test_bool_is_not_an_integer(tmp_path):
     msg = open_error({"tier": [{"name": "a", "backend": "local", "path": str(tmp_path), "every": True}]})
-    assert "key 'every' must be a integer, got bool True" in msg
+    assert "key 'every' must be a whole number of steps or \"auto\", got bool True" in msg
 
 
 def test_keep_and_every_must_be_positive(tmp_path):

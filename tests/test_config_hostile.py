@@ -251,8 +251,9 @@ CASES = [
             path = "{tmp}/nvme"
             every = true
             '''),
-         ("{file}:5:", "key 'every' must be a integer, got bool True",
-          "true and false are booleans, not numbers: write every = <integer>")),
+         ("{file}:5:", "key 'every' must be a whole number of steps or \"auto\", got bool True",
+          "true and false are booleans, not numbers: write every = <whole number of steps or "
+          "\"auto\">")),
     Case("quoted-bool", tiers(local(fsync="false")),
          ("key 'fsync' must be a boolean, got str 'false'",
           "Write it without quotes: fsync = false")),

@@ -143,6 +143,7 @@ TIER_OPTIONS: tuple[Option, ...] = (
     Option("name", str, required=True, description="unique name of the tier"),
     Option("backend", str, required=True, description="persistence plugin"),
     Option("every", (int, str), default=1, check=_every,
+           type_label='whole number of steps or "auto"',
            description="this tier takes saves whose step is a multiple of it; \"auto\": the "
                        "interval is chosen from the tier's measured cost and the failure rate "
                        "(Young/Daly)"),

@@ -53,8 +53,13 @@ class Option:
     #: whether {env = "NAME"} tables in the value are read from the environment (off for the
     #: top-level 'store' and 'tier', whose own keys read theirs, each at its own line)
     read_env: bool = True
+    #: how messages name the accepted values, where the types alone would mislead (a tier's
+    #: ``every`` takes a number of steps or the one string "auto")
+    type_label: str | None = None
 
     def type_name(self) -> str:
+        if self.type_label:
+            return self.type_label
         types = self.type if isinstance(self.type, tuple) else (self.type,)
         names = {str: "string", int: "integer", float: "number", bool: "boolean",
                  list: "array", dict: "table"}
