@@ -128,6 +128,9 @@ class ContenderReport:
     final_step: int = 0
     #: per ``every = "auto"`` tier, the interval in steps it ended with (``interval`` events)
     intervals: dict[str, int] = field(default_factory=dict)
+    #: object-store outages the job went on through: ``{"at_step", "duration_s"}`` each (the
+    #: simulator knows them; a log alone does not say)
+    outages: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The contract's form of this contender in ``report.json``."""

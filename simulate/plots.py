@@ -54,7 +54,8 @@ def draw_timeline(contenders: list[ContenderReport], path: str | Path) -> None:
     A failure is an ``x`` at the run's last finished step under a dotted vertical line topped by
     its kind; from there a dotted line drops to the step the next run resumed from and waits
     at it through the restart and restore; each restore (a later run's begin to its first
-    step's start) is shaded. ValueError where ``contenders`` is empty."""
+    step's start) is shaded; an object-store outage is a thick band along the line from the
+    step it struck, as long as the store was down. ValueError where ``contenders`` is empty."""
     _check(contenders)
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -65,7 +66,7 @@ def draw_timeline(contenders: list[ContenderReport], path: str | Path) -> None:
     top = max((s for c in contenders for _, steps in c.timeline for s, _, _ in steps),
               default=0) or 1
     kinds = []  # the failure labels, spread apart once the x range is known
-    shaded = False
+    shaded = outages = False
     for n, c in enumerate(contenders):
         colour = CONTENDER_COLOURS[n % len(CONTENDER_COLOURS)]
         # An empty line still gives a contender without any run its legend entry.
@@ -96,6 +97,15 @@ def draw_timeline(contenders: list[ContenderReport], path: str | Path) -> None:
                 prev = (x_begin, resumed)  # a run that died before its first step
             if i < len(c.failures):
                 kinds.append(_mark_failure(ax, prev, c.failures[i].kind, colour, top))
+        for outage in c.outages:
+            # Where the line passed the outage's step, a thick band as long as the store was
+            # down: the job went on (or not) through it.
+            at = next((end for _, steps in c.timeline for s, _, end in steps
+                       if s == outage["at_step"]), None)
+            if at is not None:
+                ax.plot([at - t0, at - t0 + outage["duration_s"]], [outage["at_step"]] * 2,
+                        color=colour, lw=7, alpha=0.35, solid_capstyle="butt")
+                outages = True
     ax.set_ylim(0, top * 1.25)  # a band above the highest line for the failure labels
     ax.set_xlim(left=0)
     _spread(kinds, ax.get_xlim())
@@ -112,6 +122,9 @@ def draw_timeline(contenders: list[ContenderReport], path: str | Path) -> None:
     if shaded:
         handles.append(Patch(color="grey", alpha=0.25, lw=0))
         labels.append("restarted job starting up and restoring (shaded)")
+    if outages:
+        handles.append(Line2D([], [], color="grey", lw=7, alpha=0.35, solid_capstyle="butt"))
+        labels.append("object store down (outage), from the step it struck")
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.savefig(path)
 

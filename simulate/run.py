@@ -16,6 +16,7 @@ in a bucket of its own, and stopped (its data removed) at the end.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -83,9 +84,10 @@ def _account(outcome: ContenderOutcome) -> ContenderReport | None:
     except FileNotFoundError:
         return None
     try:
-        return account(events, outcome.name, starts=outcome.starts, kinds=outcome.kinds)
+        report = account(events, outcome.name, starts=outcome.starts, kinds=outcome.kinds)
     except ValueError:  # no event of rank 0: the job never opened its store
         return None
+    return dataclasses.replace(report, outages=list(outcome.outages))
 
 
 def _draw(reports: list[ContenderReport], out_dir: Path, say: Callable[[str], None]
@@ -129,8 +131,6 @@ def run(scenario: Scenario, out_dir: str | Path, progress: Callable[[str], None]
         if report is not None:
             reports.append(report)
         entry = report.to_json() if report is not None else {"name": outcome.name}
-        if outcome.outages:
-            entry["outages"] = outcome.outages
         entry["final_state"] = "ok" if outcome.final_ok else "bad"
         if outcome.error:
             entry["error"] = outcome.error
