@@ -1,8 +1,8 @@
 """``tierstore simulate [SCENARIO.toml] --out DIR``: a real training job under real failures
-(a killed rank, a lost node, a preemption), restarted after each, once per contender (stock DCP,
-tierstore), and its goodput: DIR gets ``report.json``, ``timeline.png``, ``goodput.png`` and a
-work directory per contender; stdout a line per event and a summary (with --json: progress on
-stderr, the report on stdout)."""
+(a killed or hung rank, a lost node, a preemption, an object-store outage), restarted after
+each, once per contender (stock DCP, tierstore), and its goodput: DIR gets ``report.json``,
+``timeline.png``, ``goodput.png`` and a work directory per contender; stdout a line per event
+and a summary (with --json: progress on stderr, the report on stdout)."""
 
 from __future__ import annotations
 
