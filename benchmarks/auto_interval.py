@@ -10,7 +10,7 @@ with the interval auto ended with; and, beside it, the part of the badput an int
 short the restarts (a new torchrun, Python and ``import torch`` each, a few seconds that move
 by one or two between runs) are most of the wall time and most of its noise.
 
-    .venv/bin/python benchmarks/auto_interval.py                 # ~9 min on 2 cores
+    .venv/bin/python benchmarks/auto_interval.py                 # ~12 min on 2 cores
     .venv/bin/python benchmarks/auto_interval.py --json /tmp/auto.json --out /tmp/auto
 
 Needs nothing beyond ``make test``'s set-up (no object store).
