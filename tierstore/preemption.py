@@ -16,6 +16,13 @@ saves and exits::
 fastest tier (no drains: there is no time), commits it, closes the store without waiting for
 older drains (the next ``tierstore.open`` resumes them) and ends the process at once (its
 ``atexit`` handlers run; ``finally`` blocks above the call do not).
+
+Once no emergency save can happen (a rank is lost: ``requested_by_any`` raised
+``RanksLostError``), or the interpreter is exiting, the handler stands down: the previous
+handlers are put back, and a signal that was only recorded is delivered to them. A launcher that
+stops the survivors of a dead rank with SIGTERM (torchrun does) then ends them as it would
+without tierstore, instead of waiting for a process that only recorded its request (the
+interpreter's teardown alone took 1.1 s).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch.distributed as dist
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.saves import SaveSlot
+from tierstore.errors import RanksLostError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.transport.collectives import all_reduce_max, make_store_group
 
@@ -60,6 +68,9 @@ class Preemption:
         # A group of its own: the per-step agreement must not interleave with the collectives
         # of an async save running on store.process_group in DCP's thread.
         self._group = make_store_group(context.groups.main, context.config.collective_timeout)
+        # A process that ends without save_and_exit or close (an exception out of the loop)
+        # must not keep ignoring the launcher's SIGTERM through its teardown.
+        atexit.register(self._stand_down)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only record: the step in progress finishes, then the loop asks requested_by_any().
@@ -75,9 +86,28 @@ class Preemption:
         and all get the same answer. When a rank is gone, it raises ``RanksLostError``: at once
         if this process got the signal (a launcher such as torchrun stops the survivors of a
         dead rank with SIGTERM, and the handler only records it; naming the lost ranks would
-        keep the process for the roll call's 30 s), else after naming them."""
-        return bool(all_reduce_max(1 if self.requested else 0, self._group,
-                                   stop=lambda: self.requested))
+        keep the process for the roll call's 30 s), else after naming them. Either way the handler
+        stands down first (see the module's docstring): a signal it recorded ends the process
+        now if the previous handler was the default one."""
+        try:
+            return bool(all_reduce_max(1 if self.requested else 0, self._group,
+                                       stop=lambda: self.requested))
+        except RanksLostError:
+            self._stand_down()  # no emergency save can gather every rank any more
+            raise
+
+    def _stand_down(self) -> None:
+        """Put the previous handlers back and deliver to them a signal that was only recorded
+        (with the default action, that ends the process at once, as without tierstore)."""
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if self._received is not None and self._received in previous:
+            log.warning("rank %d: signal %d received and no emergency save is possible (a "
+                        "rank is lost); delivering it to the previous handler",
+                        self._context.rank, self._received)
+            _flush_stdio()
+            signal.raise_signal(self._received)
 
     def save(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
         """Wait for the save in flight, then save ``state_dict`` to the fastest tier and commit
@@ -111,18 +141,24 @@ class Preemption:
         self.close()
         self._close_store(wait=False)
         atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a closed or broken stream: nothing more to say
-                pass
+        _flush_stdio()
         os._exit(exit_code)
 
     def close(self) -> None:
         """Put the previous signal handlers back and release the agreement group."""
+        atexit.unregister(self._stand_down)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group = None
+
+
+def _flush_stdio() -> None:
+    """Flush stdout and stderr: the process may end next without its interpreter's teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more to say
+            pass
