@@ -32,6 +32,14 @@ def test_a_lost_node_comes_back_from_its_peers(tmp_path, strategy):
         assert f"RANK {rank} REPLICATED step-3 TO [{peer}] FROM [{peer}]" in out, out[-5000:]
     assert (tmp_path / "peer/0/.replicas/2-held-by-0/step-3/tierstore.json").exists()
     assert (tmp_path / "peer/1/.replicas/0-held-by-2/step-3/tierstore.json").exists()
+    # A replica keeps its save's commit time, as a drained copy does: received later (a slow or
+    # resumed replication) it must not make an older save look newer than one committed since
+    # (latest() and keep order saves by it; a restarted job then re-saved an existing id).
+    replica = json.loads((tmp_path / "peer/0/.replicas/2-held-by-0/step-3/tierstore.json")
+                         .read_text())
+    source = json.loads((tmp_path / "ram/1/step-3/tierstore.json").read_text())
+    assert (replica["committed"], replica["created"]) == \
+        (source["committed"], source["created"]), (replica, source)
     # keep = 1: step-3's replicas were received into the files of step-1's, which keep
     # dropped (recycled pages); the store's close freed what was left in the bins.
     for rank in range(4):

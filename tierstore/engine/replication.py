@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -150,7 +151,8 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         # Plain data on the wire (no pickles between ranks): entries as their fields.
         header = {"files": {rel: dataclasses.asdict(e) for rel, e in files.items()},
                   "step": job.step, "token": job.token, "codecs": manifest.codecs,
-                  "created": manifest.created, "world_size": world}
+                  "created": manifest.created, "committed": manifest.committed,
+                  "world_size": world}
         holders = self.strategy.holders(rank, world)
         held = sorted(self.replica_tiers)
         headers = {src: _with_entries(h, src) for src, h in
@@ -215,7 +217,10 @@ class Replicator(BackgroundJobs[ReplicationJob]):
             tier, job.checkpoint_id, files, plugins={"replication": str(self.strategy)},
             world_size=header["world_size"], codecs=header["codecs"], step=header["step"],
             part=0, parts=1, ranks=[src], save_token=header["token"], created=header["created"],
-            committed=time.time())
+            # The save's commit time, as a drained copy keeps it: "newest" (latest(), keep)
+            # orders saves, and a replica received after a newer save committed (a resumed or
+            # slow replication) must not make its older save the newest.
+            committed=header["committed"])
         tier.commit_save(job.checkpoint_id, staging, manifest,
                          lambda phase: self._host.phase(phase, job.checkpoint_id, tier.name,
                                                         self._rank))
@@ -225,6 +230,9 @@ def _with_entries(header: dict, src: int) -> dict:
     """``header`` as rank ``src`` sent it, its file entries rebuilt from their fields."""
     try:
         files = {rel: FileEntry(**fields) for rel, fields in header["files"].items()}
+        for name in ("created", "committed"):
+            if not isinstance(header[name], (int, float)) or not math.isfinite(header[name]):
+                raise TypeError(f"{name} is {header[name]!r}, not a time")
     except (TypeError, KeyError, AttributeError) as exc:
         raise ReplicationError(f"rank {src} sent a replication header that is not one "
                                f"({type(exc).__name__}: {exc}); every rank of a job must run "
