@@ -9,16 +9,22 @@ live under ``.replicas/<s>-held-by-<this rank>/`` in the same layout (a manifest
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 
-from tierstore.plugin import hookimpl, Option
+from tierstore.plugin import hookimpl, IntegrityError, Option
 
 from .local import LocalBackend, local_path_problem
+from .safe_fs import is_dir_at
 
 __all__ = ["PeerBackend", "REPLICA_DIR"]
 
+log = logging.getLogger("tierstore")
+
 #: directory (under the tier root) of the replicas this rank keeps for other ranks
 REPLICA_DIR = ".replicas"
+_REPLICA_NAME = re.compile(r"(0|[1-9][0-9]{0,8})-held-by-(0|[1-9][0-9]{0,8})")
 
 
 class PeerBackend(LocalBackend):
@@ -47,6 +53,21 @@ class PeerBackend(LocalBackend):
         # a link must not take the replicas (and their recycle bins) elsewhere.
         return LocalBackend(os.path.join(self.root, REPLICA_DIR, f"{src}-held-by-{holder}"),
                             fsync=self.durable, recycle=True, inside=self.root)
+
+    def replica_sets(self) -> list[tuple[int, int]]:
+        """``(src, holder)`` of each ``.replicas/<src>-held-by-<holder>`` directory here (other
+        names, and anything a link put there, are no replicas: the listing does not follow
+        links, and replica_backend reaches each through this root)."""
+        try:
+            with self._tree.directory(self._rel(REPLICA_DIR)) as fd:
+                names = [n for n in os.listdir(fd)
+                         if _REPLICA_NAME.fullmatch(n) and is_dir_at(fd, n)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except IntegrityError as exc:  # .replicas is a link: nothing there is ours to serve
+            log.warning("tier at %s: not serving replicas: %s", self.root, exc)
+            return []
+        return sorted((int(m[1]), int(m[2])) for m in map(_REPLICA_NAME.fullmatch, names))
 
 
 @hookimpl

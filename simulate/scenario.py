@@ -242,8 +242,8 @@ name = "tierstore ram+peer+s3"
 kind = "tierstore"
 every = 2
 emergency = true
-tiers = [{ name = "ram", backend = "memory", every = 2 },
-         { name = "peer", backend = "peer", every = 2 },
+tiers = [{ name = "ram", backend = "memory", every = 2, keep = 2 },
+         { name = "peer", backend = "peer", every = 2, keep = 2 },
          { name = "s3", backend = "s3", every = 10 }]
 
 [[contender]]
@@ -251,8 +251,8 @@ name = "tierstore ram+peer+directory"
 kind = "tierstore"
 every = 2
 emergency = true
-tiers = [{ name = "ram", backend = "memory", every = 2 },
-         { name = "peer", backend = "peer", every = 2 },
+tiers = [{ name = "ram", backend = "memory", every = 2, keep = 2 },
+         { name = "peer", backend = "peer", every = 2, keep = 2 },
          { name = "disk", backend = "local", every = 4 }]
 """
 

@@ -7,10 +7,13 @@ object-store tier."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from helpers import run_torchrun
 
 import tierstore
@@ -116,14 +119,24 @@ def _tree(top):
             for p in sorted(top.rglob("*"))}
 
 
-def test_a_world_size_the_strategy_cannot_serve_is_a_config_error(tmp_path):
+def test_a_world_size_the_strategy_cannot_serve_opens_and_saves_unreplicated(tmp_path, caplog):
+    # A job back on one node (here: one process) with a strategy that needs 4 ranks: the open
+    # warns that new saves are not replicated, and everything else works.
     config = {"tier": [{"name": "peer", "backend": "peer", "path": str(tmp_path / "peer"),
                         "replication": {"strategy": "clique", "factor": 2, "jump": 2}}]}
-    with pytest.raises(tierstore.ConfigError) as info:
-        tierstore.open(config)
-    message = str(info.value)
-    assert "tier 'peer'" in message and "multiple of 4 (4, 8, 12" in message
-    assert "this job has 1 ranks" in message
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 7}
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        with tierstore.open(config) as store:
+            dcp.save(state, storage_writer=store.writer(), checkpoint_id="step-7")
+            assert store.latest() == "step-7"
+            dest = {"w": torch.zeros(1000), "step": 0}
+            dcp.load(dest, storage_reader=store.reader(), checkpoint_id="step-7")
+    assert torch.equal(dest["w"], state["w"]) and dest["step"] == 7
+    message = "\n".join(r.getMessage() for r in caplog.records)
+    assert "tier 'peer'" in message and "multiple of 4 (4, 8, 12" in message, message
+    assert "this job has 1 ranks" in message, message
+    assert "New saves are not replicated until the job has a world size" in message, message
+    assert not (tmp_path / "peer/.replicas").exists()
 
 
 def test_replication_table_errors_name_the_strategies(tmp_path):
@@ -134,3 +147,25 @@ def test_replication_table_errors_name_the_strategies(tmp_path):
     config["tier"][0]["replication"] = {"strategy": "ring", "ofset": 1}
     with pytest.raises(tierstore.ConfigError, match="Did you mean 'offset'"):
         tierstore.open(config)
+
+
+def test_replica_sets_found_are_directories_named_as_replicas_and_never_through_a_link(tmp_path):
+    from tierstore_plugins.peer import PeerBackend
+
+    root = tmp_path / "peer"
+    for name in ("2-held-by-0", "13-held-by-1", "02-held-by-0", "x-held-by-1", "3-held-by-"):
+        (root / ".replicas" / name).mkdir(parents=True)
+    (root / ".replicas" / "4-held-by-0").write_text("a file, not a replica set")
+    (tmp_path / "elsewhere").mkdir()
+    (root / ".replicas" / "5-held-by-0").symlink_to(tmp_path / "elsewhere")
+    replication = {"strategy": "clique"}
+    assert PeerBackend(str(root), replication=replication).replica_sets() == [(2, 0), (13, 1)]
+
+    # A .replicas that is a link: another user's directory is not served from.
+    other = tmp_path / "other"
+    (other / "7-held-by-0").mkdir(parents=True)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / ".replicas").symlink_to(other)
+    assert PeerBackend(str(linked), replication=replication).replica_sets() == []
+    assert PeerBackend(str(tmp_path / "empty"), replication=replication).replica_sets() == []

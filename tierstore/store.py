@@ -89,7 +89,7 @@ class Store:
             _destroy(main, io)  # a failed open leaves no groups behind
             events_log.stop()
             raise
-        replication = (make_store_group(process_group, timeout) if tiers.peer is not None
+        replication = (make_store_group(process_group, timeout) if tiers.strategy is not None
                        else None)
         self._ctx = ctx = StoreContext(config, host, job, tiers, Groups(main, io, replication))
         intervals.configure([t.name for t in tiers], [t.name for t in tiers if t.auto], job.rank,
@@ -99,7 +99,7 @@ class Store:
         gc = GarbageCollector(host, job.rank, self._ledger)
         self._drainer = Drainer(ctx, self._retention, gc)
         self._replicator = (Replicator(ctx, self._retention, self._ledger)
-                            if tiers.peer is not None else None)
+                            if tiers.strategy is not None else None)
         self._gc, self._stager = gc, stager
         self._health = health = TierHealth(host, job.rank)
         for name, why in unreachable.items():
@@ -358,7 +358,7 @@ class Store:
             self._ledger.release_spill()
             if self._stager is not None:
                 self._stager.close()
-            for tier in [*ctx.tiers, *ctx.tiers.replica_tiers.values()]:
+            for tier in [*ctx.tiers, *ctx.tiers.all_replicas]:
                 tier.backend.close()
             _destroy(ctx.groups.main, ctx.groups.io, ctx.groups.replication)
             self._events_log.stop()

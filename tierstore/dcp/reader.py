@@ -197,32 +197,25 @@ class TierstoreReader(StorageReader):
         rank that has it; only files of that save count. Raises the same
         ``CheckpointNotFound`` on every rank otherwise."""
         ctx = self._services.context
-        tiers, group, world = ctx.tiers, ctx.groups.main, ctx.job.world_size
+        tiers, group = ctx.tiers, ctx.groups.main
         by_token: dict[str, set[int]] = {}
-        saved_world, shared_complete = None, False
+        saved_world = None
         for tier, manifest in sources:
             if len(tier.present_files(cid, manifest)) == len(manifest.files):
                 by_token.setdefault(manifest.save_token, set()).update(manifest.ranks)
-                shared_complete |= tier.layout.shared and not tiers.is_replica(tier) \
-                    and manifest.has_metadata and set(manifest.ranks) >= set(range(manifest.world_size))
             saved_world = manifest.world_size
-        status = all_gather_object((token if raw is not None else None, by_token, saved_world,
-                                    shared_complete), group)
+        status = all_gather_object((token if raw is not None else None, by_token, saved_world),
+                                   group)
         token = next((t for t, *_ in status if t is not None), None)
-        covered = set().union(*(b.get(token, set()) for _, b, _, _ in status))
-        saved_world = next((w for _, _, w, _ in status if w is not None), None)
+        covered = set().union(*(b.get(token, set()) for _, b, _ in status))
+        saved_world = next((w for _, _, w in status if w is not None), None)
         names = ", ".join(t.name for t in tiers)
         if saved_world is None:
             raise CheckpointNotFound(
                 f"checkpoint '{cid}' is on no tier of any rank ({names}); store.latest() gives "
                 f"the newest loadable one")
-        if saved_world != world and not any(s for *_, s in status):
-            raise CheckpointNotFound(
-                f"checkpoint '{cid}' was saved by {saved_world} ranks and this job has "
-                f"{world}: its files are on node-local tiers and peer replicas, "
-                f"which restore only with the world size (and replication strategy) of the save; "
-                f"load it with {saved_world} ranks, or from a tier that holds all of it (DCP "
-                f"reshards from there)")
+        # Whatever this job's size (DCP reshards): every file of the save must be held by some
+        # rank, and the ranks that need one get it from a holder (peer_fetch).
         missing = sorted(set(range(saved_world)) - covered)
         holders = [r for r, (has, *_) in enumerate(status) if has is not None]
         if missing or not holders:

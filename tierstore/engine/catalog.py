@@ -27,6 +27,8 @@ class Coverage:
     ranks: frozenset[int]
     has_metadata: bool
     committed: float
+    #: ranks of the job that saved it: whose files a load needs, whatever this job's size
+    world_size: int = 1
 
 
 class Catalog:
@@ -36,19 +38,21 @@ class Catalog:
         self._context, self._retention, self._health = context, retention, health
 
     def latest(self) -> str | None:
-        """Newest checkpoint this job can load: every rank's files are on some tier (of some
-        node, for node-local tiers) with their recorded sizes, and DCP's ``.metadata`` is too,
+        """Newest checkpoint this job can load: the files of every rank of the job that saved it
+        (whatever this job's size) are on some tier (of some node, for node-local tiers, or
+        held as a peer's replica) with their recorded sizes, and DCP's ``.metadata`` is too,
         all written by one save (one save token: parts left by two saves of one id, where one
         node's part is stale, are never counted together). A collective on the store's group
         under torch.distributed."""
         ctx = self._context
         views = all_gather_object(self.coverage(), ctx.groups.main)
-        world = set(range(ctx.job.world_size))
         best: tuple[float, str] | None = None
         for key in set().union(*views):
             held = [v[key] for v in views if key in v]
             ranks = set().union(*(h.ranks for h in held))
-            if ranks >= world and any(h.has_metadata for h in held):
+            # Every rank of the save, however many ranks this job has: DCP reshards the rest.
+            saved = set(range(max(h.world_size for h in held)))
+            if ranks >= saved and any(h.has_metadata for h in held):
                 newest = (max(h.committed for h in held), key[0])
                 best = newest if best is None or newest > best else best
         return best[1] if best else None
@@ -68,10 +72,12 @@ class Catalog:
         for (cid, token, ranks), (manifest, present) in parts.items():
             if len(present) != len(manifest.files):
                 continue
-            prev = out.get((cid, token), Coverage(frozenset(), False, manifest.committed))
+            prev = out.get((cid, token), Coverage(frozenset(), False, manifest.committed,
+                                                  manifest.world_size))
             out[(cid, token)] = Coverage(prev.ranks | frozenset(ranks),
                                          prev.has_metadata or manifest.has_metadata,
-                                         max(prev.committed, manifest.committed))
+                                         max(prev.committed, manifest.committed),
+                                         max(prev.world_size, manifest.world_size))
         return out
 
     def list(self) -> list[CheckpointInfo]:

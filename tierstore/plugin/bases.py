@@ -152,6 +152,12 @@ class Backend(abc.ABC):
         this one. Required when :attr:`replication` is set."""
         raise NotImplementedError(f"{type(self).__name__} holds no replicas")
 
+    def replica_sets(self) -> list[tuple[int, int]]:
+        """``(src, holder)`` of every set of replicas this directory holds now, whichever job
+        (world size, strategy) made them: a job that comes back in another shape serves them
+        too. [] where :attr:`replication` is not set."""
+        return []
+
     # -- derived ----------------------------------------------------------------------------
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write a whole small file (manifest, metadata)."""

@@ -5,6 +5,7 @@ the peer tier's replication strategy with the replica tiers this rank keeps."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from tierstore.config.validate import AUTO, StoreConfig, TierConfig, check_tier_locations
@@ -20,6 +21,8 @@ from tierstore.tiers.tierset import TierSet
 from tierstore.transport.collectives import RankContext
 
 __all__ = ["build_tiers"]
+
+log = logging.getLogger("tierstore")
 
 
 def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: Any,
@@ -38,8 +41,8 @@ def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: 
     for tier, layout in zip(tiers, compute_layouts(tiers, ctx, group, config.source)):
         tier.layout = layout
     _check_drain_paths(tiers, config)
-    peer, strategy, replica_tiers = _replication(tiers, config, host, ctx)
-    return TierSet(tuple(tiers), peer, strategy, replica_tiers)
+    peer, strategy, replica_tiers, found = _replication(tiers, config, host, ctx)
+    return TierSet(tuple(tiers), peer, strategy, replica_tiers, found)
 
 
 def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: RankContext,
@@ -117,11 +120,13 @@ def _check_drain_paths(tiers: list[Tier], config: StoreConfig) -> None:
 
 
 def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: RankContext):
-    """The peer tier, its strategy (checked against the world size) and the replica tiers for
-    the ranks this one holds; (None, None, {}) without a peer tier."""
+    """The peer tier, its strategy (None where it cannot place copies at this world size:
+    nothing is replicated then), the replica tiers for the ranks this one holds, and the
+    replica sets found here that no rank keeps now (:func:`_found_replicas`); (None, None, {},
+    ()) without a peer tier."""
     peers = [t for t in tiers if t.backend.replication is not None]
     if not peers:
-        return None, None, {}
+        return None, None, {}, ()
     source = config.source
     if len(peers) > 1:
         raise ConfigError(
@@ -142,12 +147,32 @@ def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: 
                                    f"{source.quote(name)}",
                              source=source, table_name="tier", index=peer.config.index)
     strategy = reg.factory(**options)
-    problem = strategy.check_world_size(ctx.world_size)
-    if problem:
-        raise ConfigError(f"{where}: tier '{peer.name}': {problem}")
     world = ctx.world_size
+    problem = strategy.check_world_size(world)
+    if problem:
+        # A job back in a shape the strategy cannot place copies for (one node left, say)
+        # still restores from the replicas held here; only its new saves go unreplicated.
+        if ctx.rank == 0:
+            log.warning("%s: tier '%s': %s. New saves are not replicated until the job has a "
+                        "world size the strategy can place copies for; the replicas this "
+                        "tier holds are still read and served", where, peer.name, problem)
+        return peer, None, {}, _found_replicas(peer, None, world)
     held = [src for src in range(world) if ctx.rank in strategy.holders(src, world)]
-    return peer, strategy, {src: _replica_tier(peer, src, ctx.rank) for src in held}
+    return (peer, strategy, {src: _replica_tier(peer, src, ctx.rank) for src in held},
+            _found_replicas(peer, strategy, world))
+
+
+def _found_replicas(peer: Tier, strategy: Any, world: int) -> tuple[Tier, ...]:
+    """Replica sets in this rank's peer directory that no rank sharing it keeps under the
+    strategy now (``strategy`` None: none is kept): left by a job of another size or layout,
+    read (latest, loads, peer fetch) and never written. Each rank sharing the directory reads
+    them, as it reads the directory's own checkpoints."""
+    sharing = peer.layout.part_ranks
+    kept = set() if strategy is None else {
+        (src, holder) for holder in sharing for src in range(world)
+        if holder in strategy.holders(src, world)}
+    return tuple(_replica_tier(peer, src, holder) for src, holder in peer.backend.replica_sets()
+                 if (src, holder) not in kept)
 
 
 def _replica_tier(peer: Tier, src: int, rank: int) -> Tier:

@@ -22,6 +22,9 @@ class TierSet(Sequence):
     strategy: ReplicationStrategy | None = None
     #: rank -> the tier where this rank keeps that rank's replicas (beside the peer tier)
     replica_tiers: dict[int, Tier] = field(default_factory=dict)
+    #: replica sets in this rank's peer directory that no rank keeps under the strategy now
+    #: (left by a job of another size or layout): read and served, never written
+    found_replicas: tuple[Tier, ...] = ()
 
     def __getitem__(self, index):  # type: ignore[override]
         return self.tiers[index]
@@ -60,7 +63,12 @@ class TierSet(Sequence):
 
     def is_replica(self, tier: Tier) -> bool:
         """Whether ``tier`` holds replicas of other ranks' files."""
-        return any(tier is t for t in self.replica_tiers.values())
+        return any(tier is t for t in self.all_replicas)
+
+    @property
+    def all_replicas(self) -> list[Tier]:
+        """Every replica tier this rank reads: those it keeps, then those found."""
+        return [*self.replica_tiers.values(), *self.found_replicas]
 
     def read_order(self) -> list[Tier]:
         """Every tier a load may read, fastest first: the replica tiers come right after the
@@ -69,5 +77,5 @@ class TierSet(Sequence):
         for tier in self.tiers:
             out.append(tier)
             if tier is self.peer:
-                out += self.replica_tiers.values()
+                out += self.all_replicas
         return out

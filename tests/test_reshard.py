@@ -1,0 +1,78 @@
+"""Restore at another world size from the fast tiers: a checkpoint saved by 2 simulated nodes x 2
+ranks (FSDP2 model and Adam state, a DDP-style replicated tensor, an unevenly sharded DTensor,
+non-tensor values) in node-local RAM with peer replicas, loaded bit for bit by jobs of other
+shapes, one after the other on the same tiers (as a job that comes back in another shape does):
+2 x 1, 2 x 3, 3 x 2 (node 2 new and empty: its ranks get everything from peers), then 1 x 2 after
+node 1 is lost. With a shared tier configured too, a load reads from it only what no node holds.
+(tests/scripts/reshard_worker.py compares every tensor's full value with the saved one.)"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+from helpers import run_torchrun
+
+
+def _sources(out: str) -> dict[int, dict[str, int]]:
+    """Per rank, the bytes it loaded per source (its ``loaded`` event's ``bytes_from``)."""
+    found = {}
+    for rank, pairs in re.findall(r"^RANK (\d+) BYTES (.*)$", out, re.M):
+        found[int(rank)] = {k: int(v) for k, v in (p.split("=") for p in pairs.split())}
+    return found
+
+
+def _load(root, nnodes: int, nproc: int, *extra: str) -> dict[int, dict[str, int]]:
+    out = run_torchrun("reshard_worker.py", root, "load", *extra, nproc=nproc, nnodes=nnodes,
+                       timeout=240)
+    sources = _sources(out)
+    assert sorted(sources) == list(range(nnodes * nproc)), out[-6000:]
+    return sources
+
+
+@pytest.mark.timeout(900)
+def test_a_2x2_checkpoint_restores_bitwise_at_other_shapes_from_ram_and_replicas(tmp_path):
+    root = str(tmp_path)
+    run_torchrun("reshard_worker.py", root, "save", nproc=2, nnodes=2, timeout=240)
+    fast = re.compile(r"ram|peer:rank-\d+|\(peers\)")
+
+    for nnodes, nproc in ((2, 1), (2, 3)):
+        sources = _load(root, nnodes, nproc)
+        # Every node holds its own ranks' files and replicas of the other node's: nothing
+        # moves between nodes.
+        for rank, got in sources.items():
+            assert got and all(fast.fullmatch(k) for k in got), (nnodes, nproc, rank, got)
+            assert "(peers)" not in got, (nnodes, nproc, rank, got)
+
+    sources = _load(root, 3, 2)  # node 2 is a new machine: its ranks 4 and 5 hold nothing
+    for rank in (4, 5):
+        assert set(sources[rank]) == {"(peers)"}, sources
+    assert all("(peers)" not in sources[r] for r in range(4)), sources
+
+    # Node 1 is lost (its RAM and replicas with it) and the job comes back on node 0 alone:
+    # node 0's RAM and the replicas it holds of node 1's ranks are the whole checkpoint. The
+    # peer tier opens although its strategy cannot place copies for 2 ranks.
+    for name in ("ram", "peer"):
+        for node in (1, 2):
+            shutil.rmtree(tmp_path / name / str(node), ignore_errors=True)
+    sources = _load(root, 1, 2)
+    for rank, got in sources.items():
+        assert {"peer:rank-2", "peer:rank-3"} <= set(got), (rank, got)
+        assert all(fast.fullmatch(k) for k in got) and "(peers)" not in got, (rank, got)
+
+
+@pytest.mark.timeout(600)
+def test_a_shared_tier_serves_only_the_bytes_no_node_holds(tmp_path):
+    root = str(tmp_path)
+    run_torchrun("reshard_worker.py", root, "save", "shared", nproc=2, nnodes=2, timeout=240)
+    lost_file = (tmp_path / "objects/step-2/__2_0.distcp").stat().st_size
+    # Node 1 lost, and node 0's replica of rank 2's files with it: only those come from the
+    # object-store tier.
+    shutil.rmtree(tmp_path / "ram/1")
+    shutil.rmtree(tmp_path / "peer/1")
+    shutil.rmtree(tmp_path / "peer/0/.replicas/2-held-by-0")
+    sources = _load(root, 1, 2, "shared")
+    for rank, got in sources.items():
+        assert got.get("objects") == lost_file, (rank, got, lost_file)
+        assert got.get("peer:rank-3"), (rank, got)
