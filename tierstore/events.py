@@ -44,8 +44,9 @@ class EventKind:
     REPAIRED = "repaired"        # scrub replaced a bad copy on a tier from a good one
                                  # (detail: files, source)
 
-    OPENED = "opened"            # a training process opened the store (detail: pid,
-                                 # world_size); each restart of a job opens it again
+    OPENED = "opened"            # a training process opened the store (seconds: how long
+                                 # the open took; detail: pid, world_size); each restart of
+                                 # a job opens it again
     STEP = "step"                # the training code finished a step (Store.record_step;
                                  # detail: step; seconds: the step's own time)
     INTERVAL = "interval"        # an every = "auto" tier's interval was chosen (detail: every,

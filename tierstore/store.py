@@ -57,6 +57,7 @@ class Store:
                  plugins: Iterable[object] = (), hand_off: bool = False,
                  tolerate_unreachable: bool = False, read_only: bool = False):
         plugins = tuple(plugins)
+        opening = time.perf_counter()
         #: queries only (see :func:`open`): nothing is started that writes to a tier
         self.read_only = read_only
         spec = StoreSpec.of(config, plugins)
@@ -131,6 +132,7 @@ class Store:
             queue_missing_copies(list(tiers), self._drainer, health)
         if not hand_off and not read_only:  # a process of the job started (or restarted)
             host.event(Event(EventKind.OPENED, rank=job.rank,
+                             seconds=time.perf_counter() - opening,
                              detail={"pid": os.getpid(), "world_size": job.world_size}))
         host.store_opened(self)
 
