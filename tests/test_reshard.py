@@ -2,8 +2,8 @@
 ranks (FSDP2 model and Adam state, a DDP-style replicated tensor, an unevenly sharded DTensor,
 non-tensor values) in node-local RAM with peer replicas, loaded bit for bit by jobs of other
 shapes, one after the other on the same tiers (as a job that comes back in another shape does):
-2 x 1, 2 x 3, 3 x 2 (node 2 new and empty: its ranks get everything from peers), then 1 x 2 after
-node 1 is lost. With a shared tier configured too, a load reads from it only what no node holds.
+2 x 1, 2 x 3, 3 x 2 (node 2 new and empty: its ranks get everything from peers; then again with a
+rank dying as the peers send), then 1 x 2 after node 1 is lost. With a shared tier configured too, a load reads from it only what no node holds.
 (tests/scripts/reshard_worker.py compares every tensor's full value with the saved one.)"""
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import shutil
 
 import pytest
 from helpers import run_torchrun
+
+#: the store's collective timeout in the worker's "load-kill" phase
+KILL_TIMEOUT_S = 6
 
 
 def _sources(out: str) -> dict[int, dict[str, int]]:
@@ -49,6 +52,21 @@ def test_a_2x2_checkpoint_restores_bitwise_at_other_shapes_from_ram_and_replicas
     for rank in (4, 5):
         assert set(sources[rank]) == {"(peers)"}, sources
     assert all("(peers)" not in sources[r] for r in range(4)), sources
+
+    # Rank 1 dies as the peers begin sending: nobody waits for it. Every other rank's load
+    # fails well within the collective timeout, and ranks 4 and 5, which were to get files
+    # from it, log that rank 1 did not answer (DCP's own collective fails next, and its error
+    # is the one dcp.load raises).
+    out = run_torchrun("reshard_worker.py", root, "load-kill", nproc=2, nnodes=3, timeout=240,
+                       expect_ok=False)
+    for rank in (0, 2, 3, 4, 5):
+        assert re.search(rf"^RANK {rank} RAISED ", out, re.M), out[-6000:]
+        after = float(re.search(rf"^RANK {rank} AFTER ([\d.]+)$", out, re.M)[1])
+        assert after < KILL_TIMEOUT_S, (rank, after)
+    for rank in (4, 5):
+        assert re.search(rf"^RANK {rank} LOGGED .*the files peers were to send did not arrive"
+                         rf".*rank\(s\) \[1\] did not answer", out, re.M), out[-6000:]
+    assert "RANK 1 " not in out
 
     # Node 1 is lost (its RAM and replicas with it) and the job comes back on node 0 alone:
     # node 0's RAM and the replicas it holds of node 1's ranks are the whole checkpoint. The

@@ -15,8 +15,10 @@ Each rank prints ``RANK <r> BYTES <tier>=<n> ...`` (where its bytes came from, a
 ``loaded`` event says) and ``RANK <r> FETCHED <file> FROM RANK <s>`` per file a peer sent it.
 """
 
+import logging
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -30,18 +32,27 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_dev
 from worker_common import run_worker
 
 import tierstore
-from tierstore import EventKind
+from tierstore import EventKind, Phase
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
 CID = "step-2"
+#: "load-kill": the rank that dies in its peer fetch, and the store's collective timeout
+KILLED = 1
+KILL_TIMEOUT_S = 6
 
 
 class Observer:
-    """Records the ``loaded`` event's sources and the files peers sent."""
+    """Records the ``loaded`` event's sources and the files peers sent; with ``die``, this rank
+    ends at once when its peer fetch begins (a node lost in the middle of a restore)."""
 
-    def __init__(self):
-        self.bytes_from, self.fetched = {}, []
+    def __init__(self, die=False):
+        self.bytes_from, self.fetched, self.die = {}, [], die
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase, tier, detail):
+        if self.die and phase == Phase.PEER_FETCH:
+            os._exit(0)
 
     @tierstore.hookimpl
     def tierstore_event(self, event):
@@ -91,13 +102,13 @@ def build(seed, mesh, steps):
     return model, optimizer
 
 
-def config(root, shared):
+def config(root, shared, timeout=None):
     tiers = [{"name": "ram", "backend": "memory", "path": root + "/ram/{node}"},
              {"name": "peer", "backend": "peer", "path": root + "/peer/{node}",
               "replication": {"strategy": "clique", "factor": 2, "jump": 2}}]
     if shared:
         tiers.append({"name": "objects", "backend": "fsspec", "url": f"file://{root}/objects"})
-    return {"tier": tiers}
+    return {"store": {"collective_timeout": timeout} if timeout else {}, "tier": tiers}
 
 
 def make_state(app, mesh, fill):
@@ -133,6 +144,33 @@ def full_values(obj, prefix=""):
     return out
 
 
+def load_and_die(store, mesh, rank) -> int:
+    """"load-kill": rank KILLED ends when its peer fetch begins; every other rank must not
+    wait for it for ever: its load raises, and it prints ``RANK <r> RAISED <type>: <message>``,
+    ``RANK <r> AFTER <seconds>`` and ``RANK <r> LOGGED <message>`` per error tierstore logged,
+    then ends without a teardown (the groups are unusable)."""
+    model, optimizer = build(1, mesh, steps=1)
+    state = make_state(App(model, optimizer), mesh, 0)
+    errors: list[str] = []  # what tierstore logged as errors: which rank was lost
+
+    class Errors(logging.Handler):
+        def emit(self, record):
+            errors.append(" ".join(record.getMessage().split())[:300])
+
+    logging.getLogger("tierstore").addHandler(Errors(logging.ERROR))
+    started = time.monotonic()
+    try:
+        dcp.load(state, storage_reader=store.reader(), checkpoint_id=CID,
+                 process_group=store.process_group)
+        outcome = "LOADED"
+    except Exception as exc:  # noqa: BLE001 - the test reads which error, and how soon
+        outcome = f"RAISED {type(exc).__name__}: {' '.join(str(exc).split())[:1500]}"
+    lines = [outcome, f"AFTER {time.monotonic() - started:.1f}"] + [f"LOGGED {e}" for e in errors]
+    sys.stdout.write("".join(f"RANK {rank} {line}\n" for line in lines))
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def bitwise_equal(a, b) -> bool:
     """Same dtype, shape and bytes."""
     return (isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
@@ -146,8 +184,13 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    seen = Observer()
-    with tierstore.open(config(root, shared), plugins=[seen]) as store:
+    dying = phase == "load-kill"
+    seen = Observer(die=dying and rank == KILLED)
+    store = tierstore.open(config(root, shared, KILL_TIMEOUT_S if dying else None),
+                           plugins=[seen])
+    if dying:
+        return load_and_die(store, mesh, rank)
+    with store:
         if phase == "save":
             model, optimizer = build(0, mesh, steps=2)
             state = make_state(App(model, optimizer), mesh, None)

@@ -15,6 +15,7 @@ import logging
 import time
 
 from tierstore.engine.context import StoreContext
+from tierstore.errors import RanksLostError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.tiers.tier import Tier
@@ -96,8 +97,15 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
         return target
 
     started = time.perf_counter()
-    run_transfers(group, rank, mine, open_source, open_target, lambda *_: None,
-                  ctx.copy_chunk_bytes)
+    try:
+        run_transfers(group, rank, mine, open_source, open_target, lambda *_: None,
+                      ctx.copy_chunk_bytes)
+    except RanksLostError as exc:
+        # Logged: DCP's next collective fails on the same lost rank, and its error replaces
+        # this one, which names the rank.
+        log.error("rank %d: checkpoint %s: the files peers were to send did not arrive: %s",
+                  rank, cid, exc)
+        raise
     seconds = time.perf_counter() - started
     out: dict[str, tuple[FileEntry, bytes]] = {}
     for t in mine:

@@ -166,11 +166,18 @@ def run_transfers(group: Any, rank: int, transfers: list[Transfer],
     pending_sink: Future | None = None
     in_flight: collections.deque = collections.deque()  # (works, outgoing, incoming) per round
 
+    failed_with: list[int] = []  # the peer of the first exchange that failed
+
     def finish_oldest_round() -> None:
         nonlocal received, pending_sink
         works, outgoing, incoming = in_flight.popleft()
-        for w in works:
-            w.wait()
+        for w, peer in zip(works, [p.transfer.dst for p, _ in outgoing]
+                           + [p.transfer.src for p, _ in incoming]):
+            try:
+                w.wait()
+            except RuntimeError:
+                failed_with.append(peer)
+                raise
         if pending_sink is not None:
             pending_sink.result()
         received += sum(p.length for p, _ in incoming)
@@ -202,7 +209,10 @@ def run_transfers(group: Any, rank: int, transfers: list[Transfer],
     except RuntimeError as exc:  # gloo: a peer died, or did not post within the timeout
         if isinstance(exc, TierstoreError):
             raise
-        raise peers_lost(group, peers, "transferring files between ranks", exc) from exc
+        # Name the peer whose exchange failed (a lost rank breaks its connections first),
+        # else every peer of this rank's transfers.
+        raise peers_lost(group, failed_with[:1] or peers, "transferring files between ranks",
+                         exc) from exc
     finally:
         helper.shutdown(wait=True)
         ends.close()
