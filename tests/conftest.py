@@ -18,6 +18,42 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+#: Tests that take 30 s or more on the 2-core CI machine, longest first (from `make test`'s
+#: --durations). They are scheduled first, half at the head of each xdist worker's share, so
+#: that no long test starts last and keeps one worker busy after the other ran out of work.
+LONGEST_FIRST = (
+    "tests/test_simulate.py::test_simulate_runs_both_contenders_through_every_failure",
+    "tests/test_fault_matrix.py::",  # its tests share the sample (a module fixture)
+    "tests/test_reshard.py::test_a_2x2_checkpoint_restores_bitwise_at_other_shapes",
+    "tests/test_node_local.py::test_node_local_ram_tier_with_a_shared_tier_behind_it",
+    "tests/test_peer.py::test_a_lost_node_comes_back_from_its_peers[clique]",
+    "tests/test_readonly_cli.py::test_wait_makes_the_missing_copies",
+    "tests/test_hostile_checkpoints.py::test_every_bit_of_a_manifest_and_a_data_file_flipped",
+    "tests/test_operator_cli.py::test_a_flipped_byte_is_found_by_verify_and_scrub_and_repaired",
+    "tests/test_node_local_safety.py::test_an_id_whose_copy_lost_a_file_or_a_node_part_can_be",
+    "tests/test_peer.py::test_a_lost_node_comes_back_from_its_peers[ring]",
+    "tests/test_hangs.py::test_a_lost_rank_is_named_instead_of_waited_for[latest-hung]",
+    "tests/test_multirank.py::test_two_ranks_save_and_load_bitwise",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the longest tests first, alternately at the head of each half of the collection
+    (pytest-xdist's worksteal gives each worker a contiguous share to start with, and steals
+    from the tail). The tests one prefix matches stay together (a module's tests sharing a
+    module-scoped fixture run it once)."""
+    groups: list[list] = [[] for _ in LONGEST_FIRST]
+    rest = []
+    for item in items:
+        i = next((i for i, prefix in enumerate(LONGEST_FIRST)
+                  if item.nodeid.startswith(prefix)), None)
+        (rest if i is None else groups[i]).append(item)
+    first = [it for g in groups[::2] for it in g]
+    second = [it for g in groups[1::2] for it in g]
+    half = max(0, len(items) // 2 - len(first))
+    items[:] = first + rest[:half] + second + rest[half:]
+
+
 @pytest.fixture
 def local_config(tmp_path):
     """A one-tier config (`local` backend) rooted in a fresh directory."""

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONTRACT_API = {"writer", "reader", "latest", "list", "verify", "pin", "unpin", "gc", "wait",
                 "pending", "stats", "preemption", "close", "process_group",
                 # the operator tools: each command of `tierstore` is a Store method too
-                "status", "inspect", "promote", "scrub", "export",
+                "status", "inspect", "promote", "scrub", "export", "plan",
                 # lazy staging: what training waits on before it changes the state
                 "wait_staging", "hook_optimizer",
                 # goodput: the training code's steps, beside the store's own events

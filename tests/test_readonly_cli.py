@@ -104,6 +104,10 @@ def test_reading_commands_beside_a_live_drain_change_nothing(live_job):
     assert proc.returncode == 0 and verified["ok"], proc.stderr
     proc, inspected = _cli("inspect", config, "step-1", timeout=30)
     assert proc.returncode == 0 and inspected["tiers"] == ["fast"], proc.stderr
+    proc, planned = _cli("plan", config, "step-1", timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert [s["tier"] for s in planned["sources"]] == ["fast"], planned
+    assert planned["from_slow_tiers_bytes"] == 0 and planned["missing"] == [], planned
     proc, scrubbed = _cli("scrub", config, timeout=30)
     assert proc.returncode == 0 and scrubbed["bad"] == [], proc.stderr
     assert _snapshot(fast, slow) == before  # not one file made, removed or touched

@@ -42,6 +42,7 @@ from tierstore.events import Event, EventKind
 from tierstore.handoff import HandOff, checkpoint_process_store
 from tierstore.preemption import Preemption
 from tierstore.tiers.build import build_tiers
+from tierstore.tiers.plan import RestorePlan, restore_plan
 from tierstore.format.ids import validate_checkpoint_id
 from tierstore.tiers.reports import (CheckpointInfo, ExportResult, InspectReport, PromoteResult,
                                      ScrubReport, StoreStatus, VerifyReport)
@@ -226,6 +227,17 @@ class Store:
         holders = self._catalog.complete_copies(cid, "inspect")
         whole = [m for _, m in holders if m.parts == 1] or [holders[0][1]]
         return describe(whole[0], [t.name for t, _ in holders], self.reader())
+
+    def plan(self, checkpoint_id: str, world_size: int | None = None,
+             ranks_per_node: int | None = None) -> RestorePlan:
+        """Where a restore of ``checkpoint_id`` by a job of ``world_size`` ranks,
+        ``ranks_per_node`` per node (default: the shape of the save), would read each file
+        from: a node of that job (its own copy or a replica), a shared tier, or nowhere. Looks
+        at every node's directories of node-local tiers, as this process sees them (on one
+        machine with ``{node}`` paths, or a filesystem every node mounts); writes nothing."""
+        self._check_open()
+        cid = validate_checkpoint_id(checkpoint_id)
+        return restore_plan(self._ctx.config, self._ctx.host, cid, world_size, ranks_per_node)
 
     def promote(self, checkpoint_id: str, to: str, *, pin: bool = False) -> PromoteResult:
         """Copy a complete checkpoint to tier ``to`` whatever its ``every`` (a milestone to

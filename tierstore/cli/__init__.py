@@ -4,6 +4,10 @@
     tierstore status tiers.toml             per tier: reachable, newest checkpoint, its age, steps
                                             behind, bytes, free space; pending copies
     tierstore inspect tiers.toml ID         files per rank, tensors, where each copy is
+    tierstore plan tiers.toml ID [--world-size N --ranks-per-node R]
+                                            where a restore at that shape would read each file:
+                                            a node of the job (own copy or replica), a shared
+                                            tier, or nowhere
     tierstore verify tiers.toml ID          re-read and check sizes and checksums (exit 1 if bad)
     tierstore promote tiers.toml ID --to T  copy a checkpoint to tier T whatever its `every`
     tierstore export tiers.toml ID --format torch|safetensors --out PATH
@@ -26,7 +30,7 @@
 Every command takes --json (one JSON document on stdout, nothing else there) and exits 0 on
 success, 1 when what it checked is bad (or the operation failed), 2 on a usage or config error.
 Long operations draw a progress bar on stderr when it is a terminal. ls, status, inspect,
-verify, export and scrub (without --repair) open the store read-only: beside a running job
+verify, plan, export and scrub (without --repair) open the store read-only: beside a running job
 they resume none of its drains and write nothing to any tier; wait and gc are the ones that act.
 """
 
@@ -62,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     command("ls", "list checkpoints, newest first")
     command("status", "what a failure would cost now, per tier")
     command("inspect", "a checkpoint's files and tensors").add_argument("id")
+    p = command("plan", "where a restore at a given shape would read each file from")
+    p.add_argument("id")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="ranks of the restoring job (default: the save's)")
+    p.add_argument("--ranks-per-node", type=int, metavar="R",
+                   help="ranks per node of the restoring job (default: the save's)")
     p = command("verify", "check a checkpoint's sizes and checksums")
     p.add_argument("id")
     p.add_argument("--tier", help="check only this tier")

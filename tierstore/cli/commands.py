@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 from tierstore.cli.progress import ProgressBars
 from tierstore.config.validate import load_config
-from tierstore.errors import CheckpointNotFound
+from tierstore.errors import CheckpointNotFound, ConfigError
 from tierstore.plugin.host import KINDS, build_plugin_host
 
 __all__ = ["COMMANDS"]
@@ -149,6 +149,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         lines += ["", "other values: " + ", ".join(report.objects)]
     _emit(args, report.to_json(), "\n".join(lines))
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Where a restore at a given shape would read each file from (1 when some file is
+    nowhere)."""
+    for name in ("world_size", "ranks_per_node"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} is {value}; it must be at least 1")
+    with _store(args, read_only=True) as store:
+        plan = store.plan(args.id, args.world_size, args.ranks_per_node)
+    total = plan.total_bytes or 1
+    lines = [f"{plan.checkpoint_id} (saved by {plan.saved_world_size} ranks) restored by "
+             f"{plan.world_size} ranks, {plan.ranks_per_node} per node:",
+             _table(["source", "bytes", "share"],
+                    [[s["tier"], _size(s["bytes"]), f"{100 * s['bytes'] / total:.1f}%"]
+                     for s in plan.sources]),
+             f"from slower tiers: {_size(plan.from_slow_tiers_bytes)} "
+             f"({100 * plan.from_slow_tiers_bytes / total:.1f}%)"]
+    if plan.missing:
+        lines.append(f"on no tier of any node of that job: {', '.join(plan.missing)}: "
+                     f"the restore would fail")
+    _emit(args, plan.to_json(), "\n".join(lines))
+    return 1 if plan.missing else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -295,7 +319,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 #: name -> (function, help, arguments after CONFIG)
 COMMANDS = {
-    "ls": cmd_ls, "status": cmd_status, "inspect": cmd_inspect, "verify": cmd_verify,
+    "ls": cmd_ls, "status": cmd_status, "inspect": cmd_inspect, "plan": cmd_plan,
+    "verify": cmd_verify,
     "promote": cmd_promote, "export": cmd_export, "scrub": cmd_scrub, "wait": cmd_wait,
     "gc": cmd_gc, "pin": cmd_pin, "unpin": cmd_pin, "plugins": cmd_plugins, "demo": cmd_demo,
 }

@@ -20,7 +20,7 @@ from tierstore.tiers.tier import Tier
 from tierstore.tiers.tierset import TierSet
 from tierstore.transport.collectives import RankContext
 
-__all__ = ["build_tiers"]
+__all__ = ["build_tiers", "replica_tier", "standalone_tier"]
 
 log = logging.getLogger("tierstore")
 
@@ -41,8 +41,16 @@ def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: 
     for tier, layout in zip(tiers, compute_layouts(tiers, ctx, group, config.source)):
         tier.layout = layout
     _check_drain_paths(tiers, config)
-    peer, strategy, replica_tiers, found = _replication(tiers, config, host, ctx)
+    peer, strategy, replica_tiers, found = _replication(tiers, config, host, ctx,
+                                                        quiet=tolerate_unreachable)
     return TierSet(tuple(tiers), peer, strategy, replica_tiers, found)
+
+
+def standalone_tier(tc: TierConfig, config: StoreConfig, host: PluginHost,
+                    ctx: RankContext) -> Tier:
+    """Tier ``tc`` as rank ``ctx`` of a job would see it, alone (no layout agreed with other
+    ranks, a storage that does not answer tolerated): to look at what it holds."""
+    return _build_tier(tc, config, host, ctx, {}, tolerate_unreachable=True)
 
 
 def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: RankContext,
@@ -119,11 +127,13 @@ def _check_drain_paths(tiers: list[Tier], config: StoreConfig) -> None:
                 )
 
 
-def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: RankContext):
+def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: RankContext,
+                 quiet: bool = False):
     """The peer tier, its strategy (None where it cannot place copies at this world size:
     nothing is replicated then), the replica tiers for the ranks this one holds, and the
     replica sets found here that no rank keeps now (:func:`_found_replicas`); (None, None, {},
-    ()) without a peer tier."""
+    ()) without a peer tier. ``quiet``: no warning that new saves are not replicated (the
+    operator tools, which save nothing)."""
     peers = [t for t in tiers if t.backend.replication is not None]
     if not peers:
         return None, None, {}, ()
@@ -152,13 +162,13 @@ def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: 
     if problem:
         # A job back in a shape the strategy cannot place copies for (one node left, say)
         # still restores from the replicas held here; only its new saves go unreplicated.
-        if ctx.rank == 0:
+        if ctx.rank == 0 and not quiet:
             log.warning("%s: tier '%s': %s. New saves are not replicated until the job has a "
                         "world size the strategy can place copies for; the replicas this "
                         "tier holds are still read and served", where, peer.name, problem)
         return peer, None, {}, _found_replicas(peer, None, world)
     held = [src for src in range(world) if ctx.rank in strategy.holders(src, world)]
-    return (peer, strategy, {src: _replica_tier(peer, src, ctx.rank) for src in held},
+    return (peer, strategy, {src: replica_tier(peer, src, ctx.rank) for src in held},
             _found_replicas(peer, strategy, world))
 
 
@@ -171,11 +181,11 @@ def _found_replicas(peer: Tier, strategy: Any, world: int) -> tuple[Tier, ...]:
     kept = set() if strategy is None else {
         (src, holder) for holder in sharing for src in range(world)
         if holder in strategy.holders(src, world)}
-    return tuple(_replica_tier(peer, src, holder) for src, holder in peer.backend.replica_sets()
+    return tuple(replica_tier(peer, src, holder) for src, holder in peer.backend.replica_sets()
                  if (src, holder) not in kept)
 
 
-def _replica_tier(peer: Tier, src: int, rank: int) -> Tier:
+def replica_tier(peer: Tier, src: int, rank: int) -> Tier:
     """The tier where ``rank`` keeps rank ``src``'s replicas (beside the peer tier)."""
     backend = peer.backend.replica_backend(src, rank)
     config = dataclasses.replace(peer.config, name=f"{peer.name}:rank-{src}")

@@ -1,0 +1,241 @@
+"""Restore at other world sizes: from node-local RAM and peer replicas, against a ``file://`` tier
+on tmpfs and an S3 tier (SeaweedFS), side by side in one run.
+
+Why
+---
+A job that lost a node most often comes back in another shape: fewer nodes while the
+replacement is provisioned, more when capacity returns, another number of ranks per node. The
+fast tiers are for that moment. This measures what a restore costs at each shape from them, and
+from the slower tiers a job would otherwise read.
+
+What is measured
+----------------
+One checkpoint is saved by 2 simulated nodes x 2 ranks (two torchrun invocations on a localhost
+rendezvous, ``{node}`` in the tier paths): ``--tensors`` fp32 tensors of ``--size-mib`` MiB in
+all, each a DTensor sharded by rows over the job (so another world size reshards it). Tiers,
+every one taking every save: ``ram`` (``memory``, ``<dir>/ram/{node}``), ``peer`` (``peer``,
+``<dir>/peer/{node}``, clique factor 2 jump 2: every rank's files also on the other node),
+``files`` (``fsspec`` ``file://<dir>/files``) and ``s3`` (``fsspec`` into a SeaweedFS bucket the
+benchmark starts). The RAM and peer directories are then copied aside, and put back before each
+contender. Each contender is a job of its own shape (a torchrun per node) that opens a store
+with one source's tiers only and times ``dcp.load`` of the checkpoint on every rank, from a
+barrier to the slowest rank's end (torchrun, imports and the store's open are not timed); every
+rank then checks what it loaded against the saved values, bit for bit.
+
+Shapes: ``2x2`` (intact: every rank reads its own node's RAM), ``2x2-lost`` (node 1's RAM and peer
+directories deleted: its ranks get their files from node 0's replicas), ``2x1`` (N -> N/2),
+``4x2`` (N -> 2N: nodes 2 and 3 are new and empty) and ``2x3`` (2 -> 3 ranks per node). Sources:
+``fast`` (ram + peer), ``files``, ``s3``; the lost node only from ``fast`` (the others do not
+depend on nodes).
+
+    .venv/bin/python benchmarks/restore_shapes.py                 # 128 MiB, 1 round (~4 min)
+    .venv/bin/python benchmarks/restore_shapes.py --size-mib 32 --rounds 2 --json /tmp/r.json
+
+Reading guide: ``2x2-lost / 2x2`` is what the lost node costs (target 1.1x); each resharded
+shape from ``fast`` against ``2x2`` from ``fast`` is the price of the new shape (target 1.3x),
+and against the same shape from ``files`` and ``s3``, the point of the fast tiers. On this
+2-core machine every "node" shares the same CPUs and the "network" is loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {"2x2": (2, 2), "2x2-lost": (2, 2), "2x1": (2, 1), "4x2": (4, 2), "2x3": (2, 3)}
+SOURCES = ("fast", "files", "s3")
+CID = "step-1"
+BUCKET = "restore-shapes"
+
+
+# -- the job (under torchrun) ------------------------------------------------------------------
+
+def tiers(base: str, source: str, s3_options: dict) -> list[dict]:
+    """The tiers of ``source`` ("all" for the save)."""
+    out = []
+    if source in ("all", "fast"):
+        out += [{"name": "ram", "backend": "memory", "path": base + "/ram/{node}"},
+                {"name": "peer", "backend": "peer", "path": base + "/peer/{node}",
+                 "replication": {"strategy": "clique", "factor": 2, "jump": 2}}]
+    if source in ("all", "files"):
+        out.append({"name": "files", "backend": "fsspec", "url": f"file://{base}/files"})
+    if source in ("all", "s3"):
+        out.append({"name": "s3", "backend": "fsspec", "url": f"s3://{BUCKET}/ckpt",
+                    "options": s3_options})
+    return out
+
+
+def full_tensor(i: int, rows: int):
+    """Tensor ``i`` of the checkpoint, whole (the same on every rank)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + i)
+    return torch.rand(rows, 1024, generator=gen)
+
+
+def job(spec: dict) -> int:
+    """One rank: save (``spec["phase"] == "save"``) or load and time it."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    import tierstore
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    rows = spec["size_mib"] * (1 << 20) // 4 // 1024 // spec["tensors"]
+    full = {f"t{i}": full_tensor(i, rows) for i in range(spec["tensors"])}
+    config = {"tier": tiers(spec["base"], spec["source"], spec["s3"])}
+    with tierstore.open(config) as store:
+        if spec["phase"] == "save":
+            state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+            dcp.save(state, storage_writer=store.writer(), checkpoint_id=CID,
+                     process_group=store.process_group)
+            store.wait(all_ranks=True)
+            return 0
+        state = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
+                 for k, v in full.items()}
+        dist.barrier()
+        started = time.perf_counter()
+        dcp.load(state, storage_reader=store.reader(), checkpoint_id=CID,
+                 process_group=store.process_group)
+        seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    bad = sum(not torch.equal(state[k].to_local(), distribute_tensor(v, mesh, [Shard(0)])
+                              .to_local()) for k, v in full.items())
+    flag = torch.tensor([bad])
+    dist.all_reduce(flag)
+    if rank == 0:
+        print("RESULT " + json.dumps({"seconds": float(seconds), "mismatched": int(flag)}),
+              flush=True)
+    dist.destroy_process_group()
+    return 0 if int(flag) == 0 else 1
+
+
+# -- the launcher ------------------------------------------------------------------------------
+
+def run_job(spec: dict, nnodes: int, nproc: int, timeout: float) -> dict | None:
+    """``job(spec)`` under one torchrun per node; rank 0's RESULT (None for the save)."""
+    from common import free_port
+
+    path = os.path.join(spec["base"], f"spec-{time.monotonic_ns()}.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+         f"--node-rank={node}", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+         f"--master-port={port}", "--max-restarts=0", __file__, "--job", path],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in range(nnodes)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{spec['phase']} at {nnodes}x{nproc} from {spec['source']} failed:\n"
+                           + "\n".join(err[-3000:] for _, err in outs))
+    for out, _ in outs:
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+    return None
+
+
+def put_back(base: str, pristine: str, lost: bool) -> None:
+    """The RAM and peer directories as the save left them (node 1's gone when ``lost``), and
+    no node directory beyond the save's two."""
+    for name in ("ram", "peer"):
+        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        shutil.copytree(os.path.join(pristine, name), os.path.join(base, name), symlinks=True)
+        if lost:
+            shutil.rmtree(os.path.join(base, name, "1"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--size-mib", type=int, default=128, help="the checkpoint's size (128)")
+    p.add_argument("--tensors", type=int, default=16, help="tensors it has (16)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of every contender (1)")
+    p.add_argument("--dir", default="/dev/shm", help="where the tiers go (/dev/shm)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per job (300)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    args = p.parse_args(argv)
+    if args.job:
+        with open(args.job) as f:
+            return job(json.load(f))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tierstore_simulate.servers import SeaweedS3
+
+    base = tempfile.mkdtemp(prefix="restore-shapes-", dir=args.dir)
+    pristine = tempfile.mkdtemp(prefix="restore-shapes-pristine-", dir=args.dir)
+    server = SeaweedS3().start()
+    began = time.time()
+    try:
+        server.make_bucket(BUCKET)
+        spec = {"base": base, "size_mib": args.size_mib, "tensors": args.tensors,
+                "s3": server.storage_options()}
+        run_job({**spec, "phase": "save", "source": "all"}, 2, 2, args.timeout)
+        for name in ("ram", "peer"):
+            shutil.copytree(os.path.join(base, name), os.path.join(pristine, name),
+                            symlinks=True)
+        contenders = [(shape, source) for shape in SHAPES for source in SOURCES
+                      if shape != "2x2-lost" or source == "fast"]
+        seconds: dict[str, list[float]] = {}
+        for rnd in range(args.rounds):
+            for shape, source in contenders[rnd % len(contenders):] + \
+                    contenders[:rnd % len(contenders)]:
+                put_back(base, pristine, lost=shape == "2x2-lost")
+                nnodes, nproc = SHAPES[shape]
+                result = run_job({**spec, "phase": "load", "source": source}, nnodes, nproc,
+                                 args.timeout)
+                if result is None or result["mismatched"]:
+                    print(f"MISMATCH: {shape} from {source}: {result}", file=sys.stderr)
+                    return 1
+                seconds.setdefault(f"{shape} {source}", []).append(result["seconds"])
+                print(f"round {rnd + 1}: {shape} from {source}: {result['seconds']:.3f} s",
+                      file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(pristine, ignore_errors=True)
+    median = {k: statistics.median(v) for k, v in seconds.items()}
+    gb = args.size_mib * (1 << 20) / 1e9
+    intact = median["2x2 fast"]
+    print(f"restore of {args.size_mib} MiB saved at 2x2, {args.rounds} round(s), median of the "
+          f"slowest rank ({time.time() - began:.0f} s in all)")
+    print(f"{'shape':10} {'fast s':>8} {'files s':>8} {'s3 s':>8} {'fast/intact':>12} "
+          f"{'fast/files':>11} {'fast/s3':>8}")
+    for shape in SHAPES:
+        fast = median[f"{shape} fast"]
+        files, s3 = median.get(f"{shape} files"), median.get(f"{shape} s3")
+        row = [f"{shape:10}", f"{fast:8.3f}", f"{files:8.3f}" if files else f"{'':>8}",
+               f"{s3:8.3f}" if s3 else f"{'':>8}", f"{fast / intact:11.2f}x",
+               f"{fast / files:10.2f}x" if files else f"{'':>11}",
+               f"{fast / s3:7.2f}x" if s3 else f"{'':>8}"]
+        print(" ".join(row))
+    print(f"(intact from fast: {gb / intact:.2f} GB/s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size_mib": args.size_mib, "rounds": args.rounds, "seconds": seconds,
+                       "median_s": median}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
