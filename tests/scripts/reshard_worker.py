@@ -13,6 +13,8 @@ replicated; rank 0 writes every tensor's full value to ROOT/reference.pt. "load"
 and zeroed values load it, and every tensor's full value must equal the reference bit for bit.
 Each rank prints ``RANK <r> BYTES <tier>=<n> ...`` (where its bytes came from, as the
 ``loaded`` event says) and ``RANK <r> FETCHED <file> FROM RANK <s>`` per file a peer sent it.
+"load-then-kill": the same load (each rank then prints its problems, or OK), then a second one
+in which rank KILLED dies as the peers begin sending (see load_and_die).
 """
 
 import logging
@@ -37,7 +39,8 @@ from tierstore import EventKind, Phase
 warnings.filterwarnings("ignore")
 problems: list[str] = []
 CID = "step-2"
-#: "load-kill": the rank that dies in its peer fetch, and the store's collective timeout
+#: "load-then-kill": the rank that dies in the second load's peer fetch, and the store's
+#: collective timeout
 KILLED = 1
 KILL_TIMEOUT_S = 6
 
@@ -145,10 +148,10 @@ def full_values(obj, prefix=""):
 
 
 def load_and_die(store, mesh, rank) -> int:
-    """"load-kill": rank KILLED ends when its peer fetch begins; every other rank must not
-    wait for it for ever: its load raises, and it prints ``RANK <r> RAISED <type>: <message>``,
-    ``RANK <r> AFTER <seconds>`` and ``RANK <r> LOGGED <message>`` per error tierstore logged,
-    then ends without a teardown (the groups are unusable)."""
+    """The second load of "load-then-kill": rank KILLED ends when its peer fetch begins; every
+    other rank must not wait for it for ever: its load raises, and it prints ``RANK <r> RAISED
+    <type>: <message>``, ``RANK <r> AFTER <seconds>`` and ``RANK <r> LOGGED <message>`` per
+    error tierstore logged, then ends without a teardown (the groups are unusable)."""
     model, optimizer = build(1, mesh, steps=1)
     state = make_state(App(model, optimizer), mesh, 0)
     errors: list[str] = []  # what tierstore logged as errors: which rank was lost
@@ -184,32 +187,41 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    dying = phase == "load-kill"
-    seen = Observer(die=dying and rank == KILLED)
+    dying = phase == "load-then-kill"
+    seen = Observer()
     store = tierstore.open(config(root, shared, KILL_TIMEOUT_S if dying else None),
                            plugins=[seen])
-    if dying:
-        return load_and_die(store, mesh, rank)
-    with store:
-        if phase == "save":
-            model, optimizer = build(0, mesh, steps=2)
-            state = make_state(App(model, optimizer), mesh, None)
-            dcp.save(state, storage_writer=store.writer(), checkpoint_id=CID,
-                     process_group=store.process_group)
-            store.wait()
-            reference = full_values(state)
-            if rank == 0:
-                torch.save(reference, os.path.join(root, "reference.pt"))
-            return 0
-        latest = store.latest()
-        if latest != CID:
-            problems.append(f"latest() is {latest!r}, expected {CID!r}")
-            return 1
-        model, optimizer = build(1, mesh, steps=1)
-        state = make_state(App(model, optimizer), mesh, 0)
-        dcp.load(state, storage_reader=store.reader(), checkpoint_id=latest,
+    try:
+        code = load_and_check(store, mesh, rank, root, phase, seen)
+        if dying:  # the same job loads again, and rank KILLED dies in that load's peer fetch
+            seen.die = rank == KILLED
+            load_and_die(store, mesh, rank)  # ends the process
+        return code
+    finally:
+        store.close()
+
+
+def load_and_check(store, mesh, rank, root, phase, seen) -> int:
+    """"save", or a load compared with the reference (see the module docstring)."""
+    if phase == "save":
+        model, optimizer = build(0, mesh, steps=2)
+        state = make_state(App(model, optimizer), mesh, None)
+        dcp.save(state, storage_writer=store.writer(), checkpoint_id=CID,
                  process_group=store.process_group)
-        got = full_values(state)
+        store.wait()
+        reference = full_values(state)
+        if rank == 0:
+            torch.save(reference, os.path.join(root, "reference.pt"))
+        return 0
+    latest = store.latest()
+    if latest != CID:
+        problems.append(f"latest() is {latest!r}, expected {CID!r}")
+        return 1
+    model, optimizer = build(1, mesh, steps=1)
+    state = make_state(App(model, optimizer), mesh, 0)
+    dcp.load(state, storage_reader=store.reader(), checkpoint_id=latest,
+             process_group=store.process_group)
+    got = full_values(state)
     expected = torch.load(os.path.join(root, "reference.pt"), weights_only=True)
     if sorted(got) != sorted(expected):
         problems.append(f"loaded paths {sorted(got)} differ from the saved {sorted(expected)}")
@@ -222,6 +234,8 @@ def main() -> int:
     lines += [f"FETCHED {rel} FROM RANK {src}" for rel, src in seen.fetched]
     # One write per line: print() writes the newline apart, and the ranks of a node share
     # torchrun's unbuffered stdout.
+    if phase == "load-then-kill":  # this process ends in the next load: say it now
+        lines += [f"RESHARD: {p}" for p in problems] or ["OK"]
     for line in lines:
         sys.stdout.write(f"RANK {rank} {line}\n")
         sys.stdout.flush()
