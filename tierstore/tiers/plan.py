@@ -184,8 +184,8 @@ def _copies(config: StoreConfig, host: PluginHost, cid: str,
 
 
 def _node_local(tc: Any, config: StoreConfig, host: PluginHost) -> bool:
-    """Whether ``tc``'s location differs between ranks of different nodes."""
-    a = standalone_tier(tc, config, host, RankContext(rank=0, node=0, world_size=2))
-    b = standalone_tier(tc, config, host, RankContext(rank=1, local_rank=1, node=1,
-                                                      world_size=2))
-    return a.backend.describe() != b.backend.describe()
+    """Whether ``tc``'s location differs between ranks of different nodes (its options with
+    the placeholders filled in for two ranks; no backend is built)."""
+    options = host.lookup("backend", tc.backend).options
+    return tc.expanded_options(RankContext(rank=0, node=0, world_size=2), options) != \
+        tc.expanded_options(RankContext(rank=1, local_rank=1, node=1, world_size=2), options)
