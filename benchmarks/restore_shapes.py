@@ -95,6 +95,8 @@ def job(spec: dict) -> int:
     rows = spec["size_mib"] * (1 << 20) // 4 // 1024 // spec["tensors"]
     full = {f"t{i}": full_tensor(i, rows) for i in range(spec["tensors"])}
     config = {"tier": tiers(spec["base"], spec["source"], spec["s3"])}
+    if os.environ.get("RS_IO_THREADS"):
+        config["store"] = {"io_threads": int(os.environ["RS_IO_THREADS"])}
     with tierstore.open(config) as store:
         if spec["phase"] == "save":
             state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
@@ -104,11 +106,22 @@ def job(spec: dict) -> int:
             return 0
         state = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
                  for k, v in full.items()}
+        profiler = None
+        if spec.get("profile"):
+            import cProfile
+
+            profiler = cProfile.Profile()
         dist.barrier()
         started = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         dcp.load(state, storage_reader=store.reader(), checkpoint_id=CID,
                  process_group=store.process_group)
         seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(os.path.join(
+                spec["profile"], f"{spec['shape']}-{spec['source']}-rank{rank}.prof"))
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     bad = sum(not torch.equal(state[k].to_local(), distribute_tensor(v, mesh, [Shard(0)])
                               .to_local()) for k, v in full.items())
@@ -175,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="/dev/shm", help="where the tiers go (/dev/shm)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per job (300)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help="comma-separated shapes to run (all: " + ",".join(SHAPES) + "); 2x2 "
+                        "from fast is always run, as the reference")
+    p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated sources")
+    p.add_argument("--profile", metavar="DIR",
+                   help="write each rank's cProfile of its load to DIR/<shape>-<source>-rank<r>"
+                        ".prof (the timed load then runs under the profiler)")
     args = p.parse_args(argv)
     if args.job:
         with open(args.job) as f:
@@ -194,15 +214,25 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("ram", "peer"):
             shutil.copytree(os.path.join(base, name), os.path.join(pristine, name),
                             symlinks=True)
+        shapes, sources = args.shapes.split(","), args.sources.split(",")
+        unknown = sorted(set(shapes) - set(SHAPES)) + sorted(set(sources) - set(SOURCES))
+        if unknown:
+            p.error(f"unknown shapes or sources: {', '.join(unknown)}")
         contenders = [(shape, source) for shape in SHAPES for source in SOURCES
-                      if shape != "2x2-lost" or source == "fast"]
+                      if (shape == "2x2" and source == "fast") or (
+                          shape in shapes and source in sources
+                          and (shape != "2x2-lost" or source == "fast"))]
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            spec["profile"] = os.path.abspath(args.profile)
         seconds: dict[str, list[float]] = {}
         for rnd in range(args.rounds):
             for shape, source in contenders[rnd % len(contenders):] + \
                     contenders[:rnd % len(contenders)]:
                 put_back(base, pristine, lost=shape == "2x2-lost")
                 nnodes, nproc = SHAPES[shape]
-                result = run_job({**spec, "phase": "load", "source": source}, nnodes, nproc,
+                result = run_job({**spec, "phase": "load", "source": source, "shape": shape},
+                                 nnodes, nproc,
                                  args.timeout)
                 if result is None or result["mismatched"]:
                     print(f"MISMATCH: {shape} from {source}: {result}", file=sys.stderr)
@@ -222,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'shape':10} {'fast s':>8} {'files s':>8} {'s3 s':>8} {'fast/intact':>12} "
           f"{'fast/files':>11} {'fast/s3':>8}")
     for shape in SHAPES:
+        if f"{shape} fast" not in median:
+            continue
         fast = median[f"{shape} fast"]
         files, s3 = median.get(f"{shape} files"), median.get(f"{shape} s3")
         row = [f"{shape:10}", f"{fast:8.3f}", f"{files:8.3f}" if files else f"{'':>8}",

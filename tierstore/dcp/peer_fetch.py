@@ -23,45 +23,42 @@ from tierstore.transport.collectives import all_gather_object
 from tierstore.transport.ends import BufferTarget
 from tierstore.transport.transfer import Transfer, open_to_send, run_transfers
 
-__all__ = ["fetch_from_peers"]
+__all__ = ["fetch_from_peers", "local_sources", "held_here"]
 
 log = logging.getLogger("tierstore.dcp.peer_fetch")
 
 
-def _local_sources(ctx: StoreContext, sources: list[tuple[Tier, Manifest]]
-                   ) -> list[tuple[Tier, Manifest]]:
-    """The sources that count as "here": every tier up to the last node-local one (a shared
-    tier after it is a slower tier, read only when no peer has the file)."""
+def local_sources(ctx: StoreContext, sources: list[tuple[Tier, Manifest]]
+                  ) -> list[tuple[Tier, Manifest]]:
+    """The sources that count as "here", a prefix of ``sources`` (which are in read order):
+    every tier up to the last node-local one (a shared tier after it is a slower tier, read
+    only when no peer has the file)."""
     order = ctx.tiers.read_order()
     last_local = max((i for i, t in enumerate(order)
                       if not t.layout.shared or ctx.tiers.is_replica(t)), default=-1)
     return [(t, m) for t, m in sources if order.index(t) <= last_local]
 
 
-def _good_copy(cid: str, rel: str, local: list[tuple[Tier, Manifest]],
-               verify: bool) -> tuple[Tier, FileEntry] | None:
+def held_here(cid: str, rel: str, local: list[tuple[Tier, Manifest]]
+              ) -> tuple[Tier, FileEntry] | None:
+    """The first local tier holding ``rel`` at its manifest's size (not checked further), and
+    that manifest's entry."""
     for tier, manifest in local:
         entry = manifest.files.get(rel)
-        if entry is None or tier.stored_size(f"{cid}/{rel}") != entry.size:
-            continue
-        if verify:
-            _, digest = tier.checksum_file(f"{cid}/{rel}", entry.checksum)
-            if digest != entry.checksum:
-                log.warning("checkpoint %s: %s on tier '%s' is corrupt; asking peers", cid, rel,
-                            tier.name)
-                continue
-        return tier, entry
+        if entry is not None and tier.stored_size(f"{cid}/{rel}") == entry.size:
+            return tier, entry
     return None
 
 
 def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]],
-                     needed: set[str]) -> dict[str, tuple[FileEntry, bytes]]:
-    """Collective on the store's io group: fetch the files of ``needed`` that this rank has
-    no good copy of here from ranks that do. Returns relative path -> (entry, bytes)."""
+                     missing: set[str]) -> dict[str, tuple[FileEntry, bytes]]:
+    """Collective on the store's io group: fetch the files of ``missing`` (those this rank
+    needs and has no good copy of here: the reader has checked its local copies) from ranks
+    that hold them. Returns relative path -> (entry, bytes), every one checked against its
+    manifest entry."""
     rank, group = ctx.rank, ctx.groups.io
-    local = _local_sources(ctx, sources)
-    verify = ctx.config.verify_on_load
-    missing = sorted(r for r in needed if _good_copy(cid, r, local, verify) is None)
+    local = local_sources(ctx, sources)
+    missing = sorted(missing)
     # What this rank can serve, with the entry of its own manifest: the receiver may have none
     # (DCP writes a replicated item once, in one rank's file, listed only in that part).
     servable: dict[str, FileEntry] = {}
@@ -86,7 +83,7 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
     buffers: dict[str, BufferTarget] = {}
 
     def open_source(t: Transfer):
-        found = _good_copy(cid, t.key, local, False)
+        found = held_here(cid, t.key, local)
         if found is None:
             raise FileNotFoundError(f"{cid}/{t.key} vanished from this node while a peer "
                                     f"needed it")

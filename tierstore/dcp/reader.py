@@ -9,7 +9,6 @@ the user unwrapped.
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import time
 import weakref
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierstore.dcp.peer_fetch import fetch_from_peers
+from tierstore.dcp.peer_fetch import fetch_from_peers, held_here, local_sources
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
@@ -34,7 +33,7 @@ from tierstore.events import FROM_PEERS, Event, EventKind, Phase
 from tierstore.format.checksum import ALGORITHM, Hasher
 from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
-from tierstore.format.item_io import FileReadError, LoadUndo, check_file, read_items
+from tierstore.format.item_io import BufferReader, FileReadError, LoadUndo, check_file, read_items
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
@@ -265,10 +264,8 @@ class TierstoreReader(StorageReader):
         for req in plan.items:
             per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
         started = time.perf_counter()
-        if ctx.tiers.node_local and ctx.groups.main is not None:
-            self._fetched = fetch_from_peers(ctx, self._checkpoint_id, self._sources,
-                                             set(per_file))
-
+        from_peers = ctx.tiers.node_local and ctx.groups.main is not None
+        self._fetched = {}
         # A load is all or nothing. Local copies are checked first, every file of the load
         # before any byte lands (from their mapped pages: no copy); a file no tier has a good
         # copy of fails the load with nothing changed. Copies that cannot be checked that
@@ -283,7 +280,13 @@ class TierstoreReader(StorageReader):
             return list(map(fn, items)) if pool is None else list(pool.map(fn, items))
 
         try:
-            firsts = dict(zip(per_file, each(self._first_good_copy, list(per_file))))
+            # Each local copy is checked once, here: its check decides whether peers are asked
+            # for the file, and the read compares with the digest it gave.
+            files = list(per_file)
+            here = len(local_sources(ctx, self._sources)) if from_peers else len(self._sources)
+            firsts = dict(zip(files, each(lambda r: self._first_good_copy(r, 0, here), files)))
+            if from_peers:
+                self._fetch_missing(firsts, here, each)
             for relative, (start, problems, _) in firsts.items():
                 if start >= len(self._sources) and relative not in self._fetched:
                     self._no_good_copy(relative, problems)
@@ -315,6 +318,23 @@ class TierstoreReader(StorageReader):
         fut.set_result(None)
         return fut
 
+    def _fetch_missing(self, firsts: dict[str, tuple[int, list[str], str]], here: int,
+                       each) -> None:
+        """Collective: fetch from peers the files of this load with no good copy on this
+        node's tiers (the first ``here`` sources); those no peer sent are looked for on the
+        slower tiers after them (their entries in ``firsts`` are updated)."""
+        ctx, cid = self._services.context, self._checkpoint_id
+        if ctx.config.verify_on_load:
+            missing = {r for r, (start, _, _) in firsts.items() if start >= here}
+        else:  # unchecked: a copy of the right size counts
+            local = self._sources[:here]
+            missing = {r for r in firsts if held_here(cid, r, local) is None}
+        self._fetched = fetch_from_peers(ctx, cid, self._sources, missing)
+        rest = sorted(r for r in missing if r not in self._fetched and firsts[r][0] >= here)
+        for relative, (start, problems, checked) in zip(
+                rest, each(lambda r: self._first_good_copy(r, here), rest)):
+            firsts[relative] = (start, firsts[relative][1] + problems, checked)
+
     def _bytes_by_source(self, per_file: dict, firsts: dict) -> dict[str, int]:
         """Bytes of this load's files per tier they were read from, peer-fetched files under
         :data:`FROM_PEERS` (the ``loaded`` event's ``bytes_from``)."""
@@ -328,12 +348,14 @@ class TierstoreReader(StorageReader):
             out[name] = out.get(name, 0) + size
         return out
 
-    def _first_good_copy(self, relative: str) -> tuple[int, list[str], str]:
-        """Where reading ``relative`` starts: the index of the first source whose local copy
-        matches its manifest entry (checked now, before anything of the load lands), or of
-        the first whose copy cannot be checked without reading it (a stream); what was wrong
-        with the sources before it; and, when that copy was checked, the unkeyed digest of
-        the bytes checked ("" otherwise).
+    def _first_good_copy(self, relative: str, begin: int = 0, end: int | None = None
+                         ) -> tuple[int, list[str], str]:
+        """Where reading ``relative`` starts, looking at sources ``begin`` to ``end``: the
+        index of the first source whose local copy matches its manifest entry (checked now,
+        before anything of the load lands), or of the first whose copy cannot be checked
+        without reading it (a stream), else ``end``; what was wrong with the sources before
+        it; and, when that copy was checked, the unkeyed digest of the bytes checked ("" 
+        otherwise).
 
         The read then re-checks those bytes against that digest only: a local tier's files
         can be changed by this user alone (the root's owner is checked), so the read guards
@@ -341,9 +363,11 @@ class TierstoreReader(StorageReader):
         check has ruled out. A signed load thus hashes with the key once, not twice."""
         ctx, cid = self._services.context, self._checkpoint_id
         problems: list[str] = []
+        end = len(self._sources) if end is None else end
         if relative in self._fetched or not ctx.config.verify_on_load:
-            return 0, problems, ""
-        for n, (tier, manifest) in enumerate(self._sources):
+            return begin, problems, ""
+        for n in range(begin, end):
+            tier, manifest = self._sources[n]
             entry = manifest.files.get(relative)
             if entry is None:
                 problems.append(f"tier '{tier.name}': not in its manifest")
@@ -362,7 +386,7 @@ class TierstoreReader(StorageReader):
             problems.append(f"tier '{tier.name}': {why}")
             log.warning("checkpoint %s: %s on tier '%s' is bad (%s)", cid, relative,
                         tier.name, why)
-        return len(self._sources), problems, ""
+        return end, problems, ""
 
     def _no_good_copy(self, relative: str, problems: list[str], damaged: str = "") -> None:
         if not problems:
@@ -385,7 +409,7 @@ class TierstoreReader(StorageReader):
         fetched = self._fetched.get(relative)
         if fetched is not None:  # not on this node: a peer sent it (verified)
             entry, data = fetched
-            return read_items(io.BytesIO(data), entry, reqs, self._metadata.storage_data,
+            return read_items(BufferReader(data), entry, reqs, self._metadata.storage_data,
                               self._metadata, planner, None,
                               trusted=ctx.config.trusted_pickles, undo=undo, keep_old=False)
         for n, (tier, manifest) in enumerate(self._sources):

@@ -34,7 +34,7 @@ from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, sa
                                              storage_alignment, template_for, tensor_bytes)
 from tierstore.format.values import check_value
 
-__all__ = ["NoCloseWriter",
+__all__ = ["NoCloseWriter", "BufferReader",
            "ItemLocation", "HashingWriter", "write_items", "write_tensor_record", "split_items", "read_items",
            "LoadUndo", "check_file", "FileReadError", "DIRECT_READ_MIN"]
 
@@ -507,6 +507,42 @@ def check_file(f: IO[bytes], entry: FileEntry, hasher: Hasher,
     return ""
 
 
+class BufferReader(io.RawIOBase):
+    """A read-only file over bytes already in memory (a file a peer sent), without the copy
+    ``io.BytesIO`` makes of a ``bytearray``."""
+
+    def __init__(self, data) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        """Always readable."""
+        return True
+
+    def seekable(self) -> bool:
+        """Always seekable."""
+        return True
+
+    def readinto(self, b) -> int:
+        """Copy the next bytes into ``b``; 0 at the end."""
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move to ``offset`` (from the start, the current position or the end)."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        """The current position."""
+        return self._pos
+
+
 class _FileReading:
     """Reads one data file front to back, hashing every byte when verifying (then every byte
     must be read, in order), seeking over unneeded ones otherwise."""
@@ -565,24 +601,57 @@ class _FileReading:
                                 f"the bytes give {actual}")
 
 
+def _contiguous_slice(sizes, offsets, lengths, element_size: int) -> tuple[int, int] | None:
+    """Where the box ``offsets``/``lengths`` of a row-major tensor of ``sizes`` lies in its
+    bytes, ``(start, length)``, when those bytes are one run (a whole chunk, a range of rows, a
+    range within one row...); None when the box is strided (a column range of a matrix)."""
+    dims = len(sizes)
+    if len(offsets) != dims or len(lengths) != dims:
+        return None
+    # From the last dimension back: whole dimensions, then at most one partial one, then
+    # dimensions of length 1 keep the box one run.
+    d = dims - 1
+    while d >= 0 and offsets[d] == 0 and lengths[d] == sizes[d]:
+        d -= 1
+    if any(lengths[i] != 1 for i in range(d)):
+        return None
+    stride, strides = 1, [0] * dims
+    for i in range(dims - 1, -1, -1):
+        strides[i] = stride
+        stride *= sizes[i]
+    numel = 1
+    for n in lengths:
+        numel *= n
+    start = sum(o * st for o, st in zip(offsets, strides))
+    return start * element_size, numel * element_size
+
+
 def _direct_target(span: tuple[int, int], info: _StorageInfo, group: list[ReadItem],
                    metadata: Metadata, planner: LoadPlanner):
-    """``(span, destination)`` when the item's raw bytes can be read straight into the tensor
-    the planner gives for it: a whole chunk, into a contiguous CPU tensor of the same dtype."""
+    """``(span, destination)`` when the bytes the request needs can be read straight into the
+    tensor the planner gives for it: a whole chunk or one contiguous run of it (rows of a
+    chunk saved at another world size), into a contiguous CPU tensor of the same dtype.
+    ``span`` is then where those bytes lie in the file."""
     req = group[0]
     if req.type != LoadItemType.TENSOR or info.transform_descriptors:
         return None
     sizes = _chunk_sizes(metadata, req)
-    if sizes is None or any(req.storage_offsets) or tuple(req.lengths) != tuple(sizes):
+    if sizes is None:
         return None
     md = metadata.state_dict_metadata[req.storage_index.fqn]
     target = planner.resolve_tensor(req).detach()
-    if (target.device.type != "cpu" or not target.is_contiguous()
-            or target.dtype != md.properties.dtype or tuple(target.shape) != tuple(sizes)
-            or span[1] != target.nbytes
+    run = _contiguous_slice(tuple(sizes), tuple(req.storage_offsets), tuple(req.lengths),
+                            torch._utils._element_size(md.properties.dtype))
+    whole = 1
+    for n in sizes:
+        whole *= n
+    if (run is None or target.device.type != "cpu" or not target.is_contiguous()
+            or target.dtype != md.properties.dtype
+            or tuple(target.shape) != tuple(req.lengths)
+            or span[1] != whole * target.element_size() or run[1] != target.nbytes
             or not info.offset <= span[0] <= info.offset + info.length - span[1]):
         return None
-    return span, target
+    return (span[0] + run[0], run[1]), target
 
 
 _EXTENSIONS = ExtensionRegistry()
