@@ -122,6 +122,12 @@ def test_a_changed_manifest_falls_back_to_the_next_tier(tmp_path):
      "field 'files.__0_0.distcp.size' must be an integer"),
     ("span past the end", lambda d: d["files"][span_file(d)]["spans"][0].__setitem__(2, 1 << 40),
      "reach past the file's"),
+    ("a block digest too few", lambda d: d["files"][span_file(d)]["blocks"].pop(),
+     "field 'files.__0_0.distcp.blocks' must list 1 digests"),
+    ("a block digest of another kind", lambda d: d["files"][span_file(d)]["blocks"].__setitem__(
+        0, "blake3k_0123456789abcdef:" + "0" * 64), "of the file checksum's kind"),
+    ("blocks without a block size", lambda d: d["files"][span_file(d)].__setitem__(
+        "block_bytes", 0), "field 'files.__0_0.distcp.block_bytes' must be above 0"),
     ("rank out of range", lambda d: d.__setitem__("ranks", [5]), "field 'ranks'"),
     ("unknown checksum algorithm", lambda d: d.__setitem__("checksum_algorithm", "md5"),
      "field 'checksum_algorithm'"),

@@ -2,14 +2,20 @@
 destination straight from the file when they are one run of its bytes (no ``torch.load`` of
 the whole chunk), and through the decoder when they are not. Which boxes are one run decides
 which bytes are read, so it is checked here against ``narrow`` on every box of small tensors;
-the multi-rank loads of ``test_reshard`` check the bytes that land."""
+the multi-rank loads of ``test_reshard`` check the bytes that land. A rank that needs part of a
+file a peer holds gets the blocks holding it, each checked against its own digest in the
+manifest; a block that differs is named, and bytes that did not arrive are never read."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import itertools
 
+import pytest
 import torch
 
+from tierstore.format.checksum import checksum_of
 from tierstore.format.item_io import _contiguous_slice
 
 
@@ -46,3 +52,56 @@ def test_rows_of_a_saved_chunk_are_one_run_and_columns_are_not():
     assert _contiguous_slice((8, 1024), (0, 0), (8, 1024), 2) == (0, 8 * 1024 * 2)
     assert _contiguous_slice((8, 1024), (0, 512), (8, 512), 4) is None
     assert _contiguous_slice((8, 1024), (0,), (8,), 4) is None  # not a box of this chunk
+
+
+def _entry_of(data: bytes, block: int):
+    """A manifest entry for ``data`` with blocks of ``block`` bytes, as a save writes it."""
+    from tierstore.format.item_io import HashingWriter
+    from tierstore.format.manifest import FileEntry
+
+    sink = io.BytesIO()
+    out = HashingWriter(sink, block_bytes=block)
+    out.write(data[:1000])  # writes that straddle block boundaries
+    out.write(data[1000:])
+    out.flush()
+    assert sink.getvalue() == data
+    return FileEntry(len(data), out.hasher.hexdigest(), 0, None, block, out.blocks())
+
+
+def test_a_block_from_a_peer_that_differs_from_its_digest_is_named_and_refused():
+    from tierstore.dcp.peer_fetch import _bad_blocks
+    from tierstore.format.signing import UNSIGNED
+
+    block = 1 << 12
+    data = bytes(range(256)) * 70  # 17920 bytes: 4 whole blocks and a short one
+    entry = _entry_of(data, block)
+    assert len(entry.blocks) == 5 and entry.checksum == checksum_of(data)
+    assert entry.blocks[4] == checksum_of(data[4 * block:])
+    # The blocks a load needs, as whole blocks, adjacent ones joined.
+    runs = entry.block_runs([(5000, 5001), (9000, 12000), (17000, 17920)])
+    assert runs == [(4096, 12288), (16384, 17920)]
+    received = bytearray(len(data))  # what arrived: those runs only
+    for start, end in runs:
+        received[start:end] = data[start:end]
+    assert _bad_blocks(UNSIGNED, entry, memoryview(received), runs) == ""
+    received[10000] ^= 1
+    assert "block 2 (bytes 8192-12288) differs" in _bad_blocks(UNSIGNED, entry,
+                                                                memoryview(received), runs)
+    assert _bad_blocks(UNSIGNED, entry, memoryview(received), None) == "the file's checksum differs"
+    assert entry.block_runs([(0, 1)]) == [(0, 4096)]
+    without = dataclasses.replace(entry, block_bytes=0, blocks=None)
+    assert without.block_runs([(5000, 5001)]) == [(0, len(data))]  # no blocks: the whole file
+
+
+def test_a_file_fetched_in_part_reads_only_the_bytes_that_arrived():
+    from tierstore.format.item_io import BufferReader, FileReadError
+
+    reader = BufferReader(bytearray(b"abcdefghij"), held=[(2, 6)])
+    reader.seek(2)
+    got = bytearray(4)
+    assert reader.readinto(got) == 4 and got == b"cdef"
+    reader.seek(5)
+    with pytest.raises(FileReadError, match="bytes 5-7 of the file were not fetched"):
+        reader.readinto(bytearray(2))
+    whole = BufferReader(b"abc")
+    assert whole.readinto(bytearray(5)) == 3 and whole.readinto(bytearray(1)) == 0

@@ -90,6 +90,11 @@ def test_a_2x2_checkpoint_restores_bitwise_at_other_shapes_from_ram_and_replicas
     assert sorted(sources) == list(range(6)), out[-6000:]
     for rank in (4, 5):
         assert set(sources[rank]) == {"(peers)"}, sources
+        # Peers sent the blocks of the files that hold the rows it loads, not whole files.
+        fetched = [tuple(map(int, m)) for m in re.findall(
+            rf"^RANK {rank} FETCHED \S+ FROM RANK \d+ BYTES (\d+) OF (\d+)$", out, re.M)]
+        assert fetched and any(n < size for n, size in fetched), (rank, fetched)
+        assert sources[rank]["(peers)"] == sum(n for n, _ in fetched), (rank, fetched)
     assert all("(peers)" not in sources[r] for r in range(4)), sources
     for rank in (0, 2, 3, 4, 5):
         assert re.search(rf"^RANK {rank} RAISED ", out, re.M), out[-6000:]

@@ -18,7 +18,7 @@ from recording import Recorder
 
 import tierstore
 from tierstore import ConfigError, EventKind
-from tierstore.format.checksum import Hasher
+from tierstore.format.checksum import Hasher, checksum_of
 from tierstore.format.manifest_check import SEAL_KEY, seal_of
 from tierstore.format.signing import SigningKey
 
@@ -83,9 +83,13 @@ def forge(tmp_path: Path, tier: str, cid: str = "step-7") -> None:
     raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)
     (root / name).write_bytes(raw)
     for rel, entry in data["files"].items():
+        whole = (root / rel).read_bytes()
         h = Hasher()
-        h.update((root / rel).read_bytes())
+        h.update(whole)
         entry["checksum"] = h.hexdigest()
+        if entry.get("blocks"):
+            size = entry["block_bytes"]
+            entry["blocks"] = [checksum_of(whole[i:i + size]) for i in range(0, len(whole), size)]
     data["checksum_algorithm"], data["signed_by"] = "xxh3_128", ""
     data.pop(SEAL_KEY)
     data[SEAL_KEY] = seal_of(data)

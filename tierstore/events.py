@@ -34,7 +34,10 @@ class EventKind:
     DRAIN_FINISHED = "drain_finished"
     EMERGENCY_SAVED = "emergency_saved"  # a preemption checkpoint is committed on the fastest tier
     REPLICATED = "replicated"    # this rank's files reached its peers (and theirs reached it)
-    PEER_FETCHED = "peer_fetched"  # a load got a file from another rank (detail: file, from)
+    #: a load got a file, or the blocks of it it reads, from other ranks (detail: file, from:
+    #: the first sender, senders, ranges: the byte ranges [start, end) that came, size: the
+    #: file's; the event's nbytes: those that came)
+    PEER_FETCHED = "peer_fetched"
     UNREACHABLE = "unreachable"  # a tier did not answer; what could do without it went on
                                  # (detail: during, error); skipped for a while after
     REJECTED = "rejected"        # a copy read from a tier failed its checks and was skipped

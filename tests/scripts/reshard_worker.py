@@ -12,7 +12,8 @@ replicated; rank 0 writes every tensor's full value to ROOT/reference.pt. "load"
 ``latest()`` must be "step-2"; a fresh model and optimizer (another seed, a step of their own)
 and zeroed values load it, and every tensor's full value must equal the reference bit for bit.
 Each rank prints ``RANK <r> BYTES <tier>=<n> ...`` (where its bytes came from, as the
-``loaded`` event says) and ``RANK <r> FETCHED <file> FROM RANK <s>`` per file a peer sent it.
+``loaded`` event says) and ``RANK <r> FETCHED <file> FROM RANK <s> BYTES <n> OF <size>`` per
+file peers sent it (or the blocks of it it reads).
 "load-then-kill": the same load (each rank then prints its problems, or OK), then a second one
 in which rank KILLED dies as the peers begin sending (see load_and_die).
 """
@@ -62,7 +63,8 @@ class Observer:
         if event.kind == EventKind.LOADED:
             self.bytes_from = dict(event.detail["bytes_from"])
         elif event.kind == EventKind.PEER_FETCHED:
-            self.fetched.append((event.detail["file"], event.detail["from"]))
+            self.fetched.append((event.detail["file"], event.detail["from"], event.nbytes,
+                                 event.detail["size"]))
 
 
 class Model(nn.Module):
@@ -111,7 +113,10 @@ def config(root, shared, timeout=None):
               "replication": {"strategy": "clique", "factor": 2, "jump": 2}}]
     if shared:
         tiers.append({"name": "objects", "backend": "fsspec", "url": f"file://{root}/objects"})
-    return {"store": {"collective_timeout": timeout} if timeout else {}, "tier": tiers}
+    # One data file per rank (io_threads = 1): a lost rank's bytes are one file, and the wide
+    # tensor's rows share it with the small items.
+    return {"store": {"io_threads": 1, **({"collective_timeout": timeout} if timeout else {})},
+            "tier": tiers}
 
 
 def make_state(app, mesh, fill):
@@ -119,7 +124,12 @@ def make_state(app, mesh, fill):
     uneven = torch.arange(10 * 6, dtype=torch.float64).reshape(10, 6) if fill is None \
         else torch.zeros(10, 6, dtype=torch.float64)
     replicated = torch.linspace(-3, 3, 333) if fill is None else torch.zeros(333)
+    # 8 MiB sharded by rows: 2 MiB per saved rank, several blocks of its file; a rank of a
+    # job of another size needs some of them only (and fetches only those from a peer).
+    wide = torch.arange(2048 * 1024, dtype=torch.float32).reshape(2048, 1024) if fill is None \
+        else torch.zeros(2048, 1024)
     return {"app": app, "uneven": distribute_tensor(uneven, mesh, [Shard(0)]),
+            "wide": distribute_tensor(wide, mesh, [Shard(0)]),
             "replicated": replicated,
             "step": 2 if fill is None else 0,
             "meta": ({"name": "run-a", "lrs": [0.01, 0.001]} if fill is None
@@ -231,7 +241,8 @@ def load_and_check(store, mesh, rank, root, phase, seen) -> int:
         if not same:
             problems.append(f"{path}: loaded {a!r} differs from the saved {b!r}")
     lines = ["BYTES " + " ".join(f"{k}={v}" for k, v in sorted(seen.bytes_from.items()))]
-    lines += [f"FETCHED {rel} FROM RANK {src}" for rel, src in seen.fetched]
+    lines += [f"FETCHED {rel} FROM RANK {src} BYTES {n} OF {size}"
+              for rel, src, n, size in seen.fetched]
     # One write per line: print() writes the newline apart, and the ranks of a node share
     # torchrun's unbuffered stdout.
     if phase == "load-then-kill":  # this process ends in the next load: say it now

@@ -3,27 +3,33 @@
 With node-local tiers (and peer replicas) a rank may need files that only other nodes hold: its
 own shards after its node was replaced, or another rank's file that DCP's plan sends its way.
 Every rank lists the files its plan needs that it has no good copy of here, and the files it can
-serve; all ranks derive the same schedule from that, and the files move over torch.distributed
-(tierstore.transport.transfer). A received file is checked against its manifest checksum; what
-no peer has
-is left to the slower (shared) tiers, file by file, as usual.
+serve; then the byte ranges of those files its plan reads (a rank of a job at another world size
+reads part of a file), as whole blocks of the file (each block's digest is in the manifest).
+All ranks derive the same schedule from that, spreading the blocks over every rank that holds
+the file, and they move over torch.distributed (tierstore.transport.transfer) into buffers whose
+other pages are never touched. Every received block (or a whole file without blocks) is checked
+against its digest before the load reads it; what no peer has, or sent bad, is left to the
+slower (shared) tiers, file by file, as usual.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from tierstore.engine.context import StoreContext
-from tierstore.errors import RanksLostError
+from tierstore.errors import IntegrityError, RanksLostError
 from tierstore.events import Event, EventKind, Phase
+from tierstore.format.item_io import FileReadError
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object
 from tierstore.transport.ends import BufferTarget
 from tierstore.transport.transfer import Transfer, open_to_send, run_transfers
 
-__all__ = ["fetch_from_peers", "local_sources", "held_here"]
+__all__ = ["fetch_from_peers", "FetchedFile", "local_sources", "held_here"]
 
 log = logging.getLogger("tierstore.dcp.peer_fetch")
 
@@ -50,15 +56,34 @@ def held_here(cid: str, rel: str, local: list[tuple[Tier, Manifest]]
     return None
 
 
+@dataclass(frozen=True)
+class FetchedFile:
+    """A file (or the blocks of it a load needs) that peers sent, every byte checked."""
+
+    entry: FileEntry
+    #: the file's bytes, at their offsets (only those of ``held`` when fetched in part)
+    data: memoryview
+    #: the byte ranges that arrived, or None for the whole file
+    held: list[tuple[int, int]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes that arrived."""
+        return len(self.data) if self.held is None else sum(e - s for s, e in self.held)
+
+
 def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]],
-                     missing: set[str]) -> dict[str, tuple[FileEntry, bytes]]:
+                     missing: set[str],
+                     ranges_for: Callable[[str, FileEntry], list[tuple[int, int]] | None]
+                     = lambda rel, entry: None) -> dict[str, FetchedFile]:
     """Collective on the store's io group: fetch the files of ``missing`` (those this rank
     needs and has no good copy of here: the reader has checked its local copies) from ranks
-    that hold them. Returns relative path -> (entry, bytes), every one checked against its
-    manifest entry."""
+    that hold them. ``ranges_for(rel, entry)`` gives the byte ranges of a file this rank's load
+    reads (None: all of it): of a file whose manifest entry lists blocks, only the blocks
+    holding them move, each from one of the ranks holding the file, spread over them. Returns
+    relative path -> FetchedFile, every block (or whole file) checked against its digest."""
     rank, group = ctx.rank, ctx.groups.io
     local = local_sources(ctx, sources)
-    missing = sorted(missing)
     # What this rank can serve, with the entry of its own manifest: the receiver may have none
     # (DCP writes a replicated item once, in one rank's file, listed only in that part).
     servable: dict[str, FileEntry] = {}
@@ -66,20 +91,36 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
         for rel, entry in manifest.files.items():
             if rel not in servable and tier.stored_size(f"{cid}/{rel}") == entry.size:
                 servable[rel] = entry
-    views = all_gather_object((missing, servable), group)
+    views = all_gather_object((sorted(missing), servable), group)
     if not any(m for m, _ in views):
         return {}
+    # The entry this rank goes by for each file it lacks (its own manifest's, else a
+    # holder's: the sources all belong to one save), and the blocks it asks for.
+    own = {rel: m.files[rel] for _, m in sources for rel in m.files}
+    chosen: dict[str, FileEntry] = {}
+    wants: dict[str, list[tuple[int, int]]] = {}
+    for rel in sorted(missing):
+        entry = own.get(rel) or next((has[rel] for _, has in views if rel in has), None)
+        if entry is None:
+            continue  # no rank holds it: the slower tiers, or a clear error, later
+        chosen[rel] = entry
+        try:
+            ranges = ranges_for(rel, entry)
+        except FileReadError:  # the metadata does not describe it: the read will say so
+            ranges = None
+        runs = entry.block_runs(ranges) if ranges is not None and entry.blocks else []
+        wants[rel] = runs or [(0, entry.size)]
+    asked = all_gather_object(wants, group)
     ctx.host.phase(Phase.PEER_FETCH, cid, None, rank)
     schedule: list[Transfer] = []
-    for dst, (wants, _) in enumerate(views):
-        for rel in wants:
+    for dst, runs_of in enumerate(asked):
+        for rel, runs in sorted(runs_of.items()):
             holders = [h for h, (_, has) in enumerate(views) if h != dst and rel in has]
-            if holders:
-                # Spread the load over the holders, the same way on every rank.
+            for start, end in runs if holders else ():
+                # Spread the blocks over the holders, the same way on every rank.
                 src = holders[(dst + len(schedule)) % len(holders)]
-                schedule.append(Transfer(src, dst, rel, views[src][1][rel].size))
+                schedule.append(Transfer(src, dst, rel, end - start, start))
     mine = [t for t in schedule if rank in (t.src, t.dst)]
-    entries = {rel: m.files[rel] for _, m in sources for rel in m.files}
     buffers: dict[str, BufferTarget] = {}
 
     def open_source(t: Transfer):
@@ -87,11 +128,12 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
         if found is None:
             raise FileNotFoundError(f"{cid}/{t.key} vanished from this node while a peer "
                                     f"needed it")
-        return open_to_send(found[0].backend, f"{cid}/{t.key}", t.size)
+        return open_to_send(found[0].backend, f"{cid}/{t.key}", t.offset + t.size)
 
     def open_target(t: Transfer) -> BufferTarget:
-        target = buffers[t.key] = BufferTarget(t.size)
-        return target
+        if t.key not in buffers:
+            buffers[t.key] = BufferTarget(chosen[t.key].size)
+        return buffers[t.key]
 
     started = time.perf_counter()
     try:
@@ -104,20 +146,44 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
                   rank, cid, exc)
         raise
     seconds = time.perf_counter() - started
-    out: dict[str, tuple[FileEntry, bytes]] = {}
+    senders: dict[str, list[int]] = {}
     for t in mine:
-        if t.dst != rank:
+        if t.dst == rank:
+            senders.setdefault(t.key, []).append(t.src)
+    out: dict[str, FetchedFile] = {}
+    for rel, srcs in senders.items():
+        entry, runs = chosen[rel], wants[rel]
+        data = buffers[rel].data if rel in buffers else memoryview(b"")
+        whole = runs == [(0, entry.size)]
+        try:
+            bad = _bad_blocks(ctx.config.keyring, entry, data, None if whole else runs)
+        except IntegrityError as exc:  # keyed with a key this store lacks
+            bad = str(exc)
+        if bad:
+            log.warning("checkpoint %s: the copy of %s from rank(s) %s does not match its "
+                        "manifest (%s); trying slower tiers", cid, rel, sorted(set(srcs)), bad)
             continue
-        entry = entries.get(t.key) or views[t.src][1][t.key]  # ours, else the sender's
-        data = buffers[t.key].data if t.key in buffers else bytearray()
-        if (entry is None or len(data) != entry.size
-                or ctx.config.keyring.digest(data, like=entry.checksum) != entry.checksum):
-            log.warning("checkpoint %s: the copy of %s from rank %d does not match its "
-                        "manifest; trying slower tiers", cid, t.key, t.src)
-            continue
-        out[t.key] = (entry, data)
-        ctx.host.event(Event(EventKind.PEER_FETCHED, cid, None, rank, seconds, len(data),
-                               {"file": t.key, "from": t.src}))
-        log.info("checkpoint %s: fetched %s (%d bytes) from rank %d", cid, t.key, len(data),
-                 t.src)
+        fetched = out[rel] = FetchedFile(entry, data, None if whole else runs)
+        ctx.host.event(Event(EventKind.PEER_FETCHED, cid, None, rank, seconds, fetched.nbytes,
+                             {"file": rel, "from": srcs[0], "senders": sorted(set(srcs)),
+                              "ranges": [list(r) for r in runs], "size": entry.size}))
+        log.info("checkpoint %s: fetched %s (%d of its %d bytes) from rank(s) %s", cid, rel,
+                 fetched.nbytes, entry.size, sorted(set(srcs)))
     return out
+
+
+def _bad_blocks(keyring, entry: FileEntry, data: memoryview,
+                runs: list[tuple[int, int]] | None) -> str:
+    """What does not match ``entry`` in ``data``: the whole file (``runs`` None) or the
+    blocks of ``runs``; "" when all of it matches."""
+    if runs is None:
+        if len(data) != entry.size or keyring.digest(data, like=entry.checksum) != entry.checksum:
+            return "the file's checksum differs"
+        return ""
+    size = entry.block_bytes
+    for start, end in runs:
+        for b in range(start // size, -(-end // size)):
+            block = data[b * size:min((b + 1) * size, entry.size)]
+            if keyring.digest(block, like=entry.blocks[b]) != entry.blocks[b]:
+                return f"block {b} (bytes {b * size}-{b * size + len(block)}) differs"
+    return ""

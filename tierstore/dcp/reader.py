@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierstore.dcp.peer_fetch import fetch_from_peers, held_here, local_sources
+from tierstore.dcp.peer_fetch import FetchedFile, fetch_from_peers, held_here, local_sources
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
@@ -33,7 +33,8 @@ from tierstore.events import FROM_PEERS, Event, EventKind, Phase
 from tierstore.format.checksum import ALGORITHM, Hasher
 from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
-from tierstore.format.item_io import BufferReader, FileReadError, LoadUndo, check_file, read_items
+from tierstore.format.item_io import (BufferReader, FileReadError, LoadUndo, check_file,
+                                      needed_ranges, read_items)
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
@@ -70,8 +71,8 @@ class TierstoreReader(StorageReader):
         self._metadata: Metadata | None = None
         self._rank = 0
         self._fresh = False
-        #: files a peer sent for this load: relative path -> (manifest entry, bytes)
-        self._fetched: dict[str, tuple[FileEntry, bytes]] = {}
+        #: files (or blocks of them) peers sent for this load, by relative path
+        self._fetched: dict[str, FetchedFile] = {}
         # Releases the id kept from eviction while this loads: at the end of read_data, at
         # the next reset, or when DCP fails in between and drops the reader.
         self._protection: weakref.finalize | None = None
@@ -286,7 +287,7 @@ class TierstoreReader(StorageReader):
             here = len(local_sources(ctx, self._sources)) if from_peers else len(self._sources)
             firsts = dict(zip(files, each(lambda r: self._first_good_copy(r, 0, here), files)))
             if from_peers:
-                self._fetch_missing(firsts, here, each)
+                self._fetch_missing(firsts, here, each, per_file, planner)
             for relative, (start, problems, _) in firsts.items():
                 if start >= len(self._sources) and relative not in self._fetched:
                     self._no_good_copy(relative, problems)
@@ -319,7 +320,7 @@ class TierstoreReader(StorageReader):
         return fut
 
     def _fetch_missing(self, firsts: dict[str, tuple[int, list[str], str]], here: int,
-                       each) -> None:
+                       each, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
         """Collective: fetch from peers the files of this load with no good copy on this
         node's tiers (the first ``here`` sources); those no peer sent are looked for on the
         slower tiers after them (their entries in ``firsts`` are updated)."""
@@ -329,7 +330,10 @@ class TierstoreReader(StorageReader):
         else:  # unchecked: a copy of the right size counts
             local = self._sources[:here]
             missing = {r for r in firsts if held_here(cid, r, local) is None}
-        self._fetched = fetch_from_peers(ctx, cid, self._sources, missing)
+        self._fetched = fetch_from_peers(ctx, cid, self._sources, missing,
+                                         lambda rel, entry: needed_ranges(
+                                             entry, per_file[rel], self._metadata.storage_data,
+                                             self._metadata, planner))
         rest = sorted(r for r in missing if r not in self._fetched and firsts[r][0] >= here)
         for relative, (start, problems, checked) in zip(
                 rest, each(lambda r: self._first_good_copy(r, here), rest)):
@@ -341,7 +345,7 @@ class TierstoreReader(StorageReader):
         out: dict[str, int] = {}
         for relative in per_file:
             if relative in self._fetched:
-                name, size = FROM_PEERS, len(self._fetched[relative][1])
+                name, size = FROM_PEERS, self._fetched[relative].nbytes
             else:
                 tier, manifest = self._sources[firsts[relative][0]]
                 name, size = tier.name, manifest.files[relative].size
@@ -407,11 +411,11 @@ class TierstoreReader(StorageReader):
         problems = list(problems or [])
         damaged = ""
         fetched = self._fetched.get(relative)
-        if fetched is not None:  # not on this node: a peer sent it (verified)
-            entry, data = fetched
-            return read_items(BufferReader(data), entry, reqs, self._metadata.storage_data,
-                              self._metadata, planner, None,
-                              trusted=ctx.config.trusted_pickles, undo=undo, keep_old=False)
+        if fetched is not None:  # not on this node: peers sent it, or the blocks read (checked)
+            read_items(BufferReader(fetched.data, fetched.held), fetched.entry, reqs,
+                       self._metadata.storage_data, self._metadata, planner, None,
+                       trusted=ctx.config.trusted_pickles, undo=undo, keep_old=False)
+            return fetched.nbytes
         for n, (tier, manifest) in enumerate(self._sources):
             if n < start:
                 continue

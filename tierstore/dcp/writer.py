@@ -38,8 +38,8 @@ from tierstore.engine.watchdog import Watchdog
 from tierstore.errors import CommitError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
-from tierstore.format.item_io import (HashingWriter, ItemLocation, item_size, split_items,
-                                      write_items)
+from tierstore.format.item_io import (HashingWriter, ItemLocation, block_bytes_for, item_size,
+                                      split_items, write_items)
 from tierstore.format.manifest import METADATA_NAME, FileEntry
 from tierstore.plugin.bases import Stager
 from tierstore.plugin.staging import StagingJob
@@ -395,13 +395,15 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             started = time.perf_counter()
             needed = sum(item_size(i) for i in buckets[n])
             with tier.open_write(f"{save.staging}/{relative}", needed) as raw:
-                out = HashingWriter(raw, tier.keyring.new_hasher())
+                out = HashingWriter(raw, tier.keyring.new_hasher(), block_bytes_for(needed),
+                                    tier.keyring.new_hasher)
                 results = write_items(out, buckets[n], planner, relative,
                                       [c.extension() for c in tier.codecs],
                                       written_before=spilled)
             spans = [[r.storage_data.info.offset, *r.storage_data.raw_span] for r in results
                      if r.storage_data.raw_span is not None]
-            entry = FileEntry(out.offset, out.hasher.hexdigest(), self._rank, spans or None)
+            entry = FileEntry(out.offset, out.hasher.hexdigest(), self._rank, spans or None,
+                              out.block_bytes, out.blocks())
             first = results[0]
             results[0] = dataclasses.replace(
                 first, storage_data=ItemLocation(first.storage_data.info, (relative, entry)))

@@ -34,7 +34,7 @@ from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, sa
                                              storage_alignment, template_for, tensor_bytes)
 from tierstore.format.values import check_value
 
-__all__ = ["NoCloseWriter", "BufferReader",
+__all__ = ["NoCloseWriter", "BufferReader", "needed_ranges", "block_bytes_for", "BLOCK_MIN_BYTES",
            "ItemLocation", "HashingWriter", "write_items", "write_tensor_record", "split_items", "read_items",
            "LoadUndo", "check_file", "FileReadError", "DIRECT_READ_MIN"]
 
@@ -46,6 +46,21 @@ COALESCE_BYTES = 1 << 20
 _JOIN_BELOW = 64 << 10
 #: small items get another file (and writing thread) per this many bytes of them
 SMALL_ITEMS_PER_FILE_BYTES = 256 << 20
+#: a file's blocks (each with its digest in the manifest) are at least this large...
+BLOCK_MIN_BYTES = 1 << 20
+#: ...and a file has about this many at most: its manifest entry stays a few KiB however
+#: large the file, and a load that needs part of a chunk moves at most two blocks too many
+BLOCKS_PER_FILE = 64
+
+
+def block_bytes_for(size: int) -> int:
+    """The block size of a file of about ``size`` bytes: a power of two of at least
+    ``BLOCK_MIN_BYTES`` (so blocks start on page boundaries), about ``BLOCKS_PER_FILE``
+    blocks."""
+    block = BLOCK_MIN_BYTES
+    while block * BLOCKS_PER_FILE < size:
+        block *= 2
+    return block
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,8 @@ class HashingWriter(io.RawIOBase):
     instead of one per record). Larger ones (a tensor's storage) go straight through. Call :meth:`flush` before closing
     the backend file."""
 
-    def __init__(self, raw: IO[bytes], hasher: Hasher | None = None):
+    def __init__(self, raw: IO[bytes], hasher: Hasher | None = None, block_bytes: int = 0,
+                 new_hasher: Callable[[], Hasher] | None = None):
         super().__init__()
         self.raw = raw
         #: the store's hasher for files it writes (keyed when it signs: Keyring.new_hasher)
@@ -77,14 +93,40 @@ class HashingWriter(io.RawIOBase):
         #: (offset, length) of every write of at least DIRECT_READ_MIN bytes
         self.large_writes: list[tuple[int, int]] = []
         self._pending = bytearray()
+        #: with ``block_bytes``: the digest of every finished block (``new_hasher()`` each)
+        self.block_bytes = block_bytes
+        self._blocks: list[str] = []
+        self._new_hasher = new_hasher or Hasher
+        self._block = self._new_hasher() if block_bytes else None
 
     def writable(self) -> bool:
         return True
+
+    def blocks(self) -> list[str] | None:
+        """The digests of the file's blocks as written so far (the last one may be short);
+        None without ``block_bytes``."""
+        if self._block is None:
+            return None
+        tail = [self._block.hexdigest()] if self.offset % self.block_bytes else []
+        return self._blocks + tail
+
+    def _hash_blocks(self, view: memoryview) -> None:
+        pos = self.offset
+        while view:
+            take = view[:self.block_bytes - pos % self.block_bytes]
+            self._block.update(take)
+            pos += len(take)
+            view = view[len(take):]
+            if pos % self.block_bytes == 0:
+                self._blocks.append(self._block.hexdigest())
+                self._block = self._new_hasher()
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
         self.hasher.update(view)
+        if self._block is not None:
+            self._hash_blocks(view)
         if n < DIRECT_READ_MIN:  # larger ones may be read in place later (raw spans)
             self._pending += view
             if len(self._pending) >= COALESCE_BYTES:
@@ -395,36 +437,27 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     reading = _FileReading(f, entry, verify)
     pending: list[tuple[_Decoder, memoryview]] = []
     filled: list[_Part] = []
-    i = 0
-    while i < len(parts):
-        part = parts[i]
-        if part.in_place:
+    for start, end, group in _reads(parts, verify is not None):
+        if group is None:  # one large tensor's bytes, straight into its destination
+            part = parts[start]
             reading.skip_to(part.data_start)
             if undo is not None and keep_old:
                 undo.save([part.target])
             reading.read_into(tensor_bytes(part.target))
             filled.append(part)
-            i += 1
             continue
-        # A window from this item over the next small ones (up to _WINDOW bytes in all).
-        j, end = i + 1, part.end
-        while (j < len(parts) and not parts[j].in_place and parts[j].end - part.start <= _WINDOW
-               and (verify or parts[j].start - end <= _SEEK_GAP)):
-            end = max(end, parts[j].end)
-            j += 1
-        keeps_bytes = any(p.sink is not None for p in parts[i:j])
-        reading.skip_to(part.start)
-        window, address = reading.read_window(end - part.start, fresh=keeps_bytes)
-        base = address - part.start
+        keeps_bytes = any(p.sink is not None for p in group)
+        reading.skip_to(start)
+        window, address = reading.read_window(end - start, fresh=keeps_bytes)
+        base = address - start
         if undo is not None and keep_old:
-            undo.save([p.target for p in parts[i:j] if p.sink is None])
-        for p in parts[i:j]:
+            undo.save([p.target for p in group if p.sink is None])
+        for p in group:
             if p.sink is not None:
-                pending.append((p.sink, window[p.start - part.start:p.end - part.start]))
+                pending.append((p.sink, window[p.start - start:p.end - start]))
             else:
                 ctypes.memmove(p.target.data_ptr(), base + p.data_start, p.target.nbytes)
                 filled.append(p)
-        i = j
     reading.finish()
     # Hand data to the planner only once the whole file is known good, and its non-tensor
     # values too: the planner unpickles them with weights_only=False.
@@ -437,6 +470,44 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     for p in filled:
         planner.commit_tensor(p.req, p.target)
     return reading.pos
+
+
+def _reads(parts: list[_Part], verify: bool):
+    """The reads that bring ``parts`` (in file order) in: ``(index, None, None)`` for a
+    large tensor read straight into its destination, ``(start, end, group)`` for a window of
+    bytes ``[start, end)`` holding the items of ``group`` (small ones, up to ``_WINDOW`` bytes
+    in all; without verification, items more than ``_SEEK_GAP`` apart are not joined)."""
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part.in_place:
+            yield i, None, None
+            i += 1
+            continue
+        j, end = i + 1, part.end
+        while (j < len(parts) and not parts[j].in_place and parts[j].end - part.start <= _WINDOW
+               and (verify or parts[j].start - end <= _SEEK_GAP)):
+            end = max(end, parts[j].end)
+            j += 1
+        yield part.start, end, parts[i:j]
+        i = j
+
+
+def needed_ranges(entry: FileEntry, reqs: list[ReadItem], storage_data: dict,
+                  metadata: Metadata, planner: LoadPlanner) -> list[tuple[int, int]]:
+    """The byte ranges ``[start, end)`` of the file that :func:`read_items` reads for
+    ``reqs`` without verification (a file fetched in part from a peer is read so: every range
+    it needs was checked on arrival). Raises FileReadError when the metadata does not
+    describe the file."""
+    parts = _plan_parts(entry, reqs, storage_data, metadata, planner)
+    ranges = []
+    for start, end, group in _reads(parts, False):
+        if group is None:
+            part = parts[start]
+            ranges.append((part.data_start, part.data_start + part.target.nbytes))
+        else:
+            ranges.append((start, end))
+    return ranges
 
 
 def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, metadata: Metadata,
@@ -509,12 +580,15 @@ def check_file(f: IO[bytes], entry: FileEntry, hasher: Hasher,
 
 class BufferReader(io.RawIOBase):
     """A read-only file over bytes already in memory (a file a peer sent), without the copy
-    ``io.BytesIO`` makes of a ``bytearray``."""
+    ``io.BytesIO`` makes of a ``bytearray``. With ``held`` (the ranges ``[start, end)`` that
+    arrived, of a file fetched in part), a read of other bytes raises FileReadError: it would
+    return bytes that no check has seen."""
 
-    def __init__(self, data) -> None:
+    def __init__(self, data, held: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
         self._view = memoryview(data).cast("B")
         self._pos = 0
+        self._held = held
 
     def readable(self) -> bool:
         """Always readable."""
@@ -528,6 +602,10 @@ class BufferReader(io.RawIOBase):
         """Copy the next bytes into ``b``; 0 at the end."""
         out = memoryview(b).cast("B")
         n = max(0, min(len(out), len(self._view) - self._pos))
+        if n and self._held is not None and not any(
+                start <= self._pos and self._pos + n <= end for start, end in self._held):
+            raise FileReadError(f"bytes {self._pos}-{self._pos + n} of the file were not "
+                                f"fetched (only {self._held})")
         out[:n] = self._view[self._pos:self._pos + n]
         self._pos += n
         return n

@@ -41,6 +41,28 @@ class FileEntry:
     #: ``[item offset, raw bytes offset, raw bytes length]`` of tensors stored uncompressed in
     #: one piece: a load reads those bytes straight into the destination tensor
     spans: list[list[int]] | None = None
+    #: the file's bytes in blocks of ``block_bytes`` (the last one shorter), each with its own
+    #: digest (of the file checksum's kind, keyed when it is): a load that needs part of the
+    #: file, from a peer or a slower tier, moves and checks only the blocks it needs
+    block_bytes: int = 0
+    blocks: list[str] | None = None
+
+    def block_runs(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The byte ranges ``[start, end)`` of whole blocks covering ``ranges``, adjacent
+        blocks joined; ``[(0, size)]`` when this entry has no blocks."""
+        if not self.blocks or not self.block_bytes:
+            return [(0, self.size)] if self.size else []
+        wanted = sorted({b for start, end in ranges if end > start
+                         for b in range(start // self.block_bytes,
+                                        (end - 1) // self.block_bytes + 1)})
+        runs: list[tuple[int, int]] = []
+        for b in wanted:
+            start, end = b * self.block_bytes, min((b + 1) * self.block_bytes, self.size)
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], end)
+            else:
+                runs.append((start, end))
+        return runs
 
 
 @dataclass

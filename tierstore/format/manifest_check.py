@@ -85,6 +85,7 @@ def _check_entry(name: str, entry: Any) -> None:
     rank = entry.get("rank")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
         raise _fail(f"{where}.rank", "must be a rank (integer >= 0) or null", rank)
+    _check_blocks(where, entry, size, checksum)
     spans = entry.get("spans")
     if spans is None:
         return
@@ -98,6 +99,30 @@ def _check_entry(name: str, entry: Any) -> None:
                         "integers >= 0", span)
         if span[1] + span[2] > entry["size"] or span[0] > entry["size"]:
             raise _fail(f"{where}.spans", f"reach past the file's {entry['size']} bytes", span)
+
+
+def _check_blocks(where: str, entry: dict, size: int, checksum: str) -> None:
+    """``block_bytes`` and ``blocks``: absent, or one digest of the file checksum's kind per
+    block of the file."""
+    block_bytes, blocks = entry.get("block_bytes", 0), entry.get("blocks")
+    if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes < 0:
+        raise _fail(f"{where}.block_bytes", "must be an integer >= 0", block_bytes)
+    if blocks is None:
+        return
+    if not block_bytes:
+        raise _fail(f"{where}.block_bytes", "must be above 0 where blocks are listed",
+                    block_bytes)
+    count = -(-size // block_bytes)
+    if not isinstance(blocks, list) or len(blocks) != count:
+        raise _fail(f"{where}.blocks", f"must list {count} digests (one per {block_bytes} "
+                    f"bytes of the file's {size})", blocks if not isinstance(blocks, list)
+                    else f"{len(blocks)} entries")
+    kind = checksum.split(":", 1)[0]
+    for digest in blocks:
+        if (not isinstance(digest, str) or not _CHECKSUM.match(digest)
+                or digest.split(":", 1)[0] != kind):
+            raise _fail(f"{where}.blocks", f"must hold digests of the file checksum's kind "
+                        f"('{kind}:...')", digest)
 
 
 def check_fields(data: dict[str, Any]) -> None:

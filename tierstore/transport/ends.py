@@ -152,12 +152,14 @@ class FileSource(TransferEnd):
 
 
 class BufferTarget(TransferEnd):
-    """A receiving end in memory: pieces are views of one ``bytearray`` of the file's size."""
+    """A receiving end in memory: pieces are views of one buffer of the file's size. Its pages
+    are not touched before bytes arrive in them: a transfer of some ranges of a large file
+    costs memory for those ranges only."""
 
     def __init__(self, size: int):
-        self.data = bytearray(size)
-        self._tensor = (torch.frombuffer(self.data, dtype=torch.uint8) if size
-                        else torch.empty(0, dtype=torch.uint8))
+        self._tensor = torch.empty(size, dtype=torch.uint8)
+        #: the file's bytes (those received; others are undefined)
+        self.data = memoryview(self._tensor.numpy()) if size else memoryview(b"")
 
     def piece(self, offset: int, length: int) -> torch.Tensor:
         """A writable view of bytes ``[offset, offset + length)``."""

@@ -46,12 +46,15 @@ _RECV_POOLS = ROUNDS_IN_FLIGHT + 2
 
 @dataclass(frozen=True)
 class Transfer:
-    """One file to move: from rank ``src`` to rank ``dst``, ``size`` bytes, named ``key``."""
+    """Bytes of one file to move: from rank ``src`` to rank ``dst``, ``size`` bytes from byte
+    ``offset`` of the file named ``key`` (the whole file with the default offset 0 and its
+    size). Several transfers may move ranges of one file."""
 
     src: int
     dst: int
     key: str
     size: int
+    offset: int = 0
 
 
 def open_to_send(backend: Any, path: str, size: int) -> TransferEnd:
@@ -73,12 +76,14 @@ class _Piece:
 
 
 def _rounds(transfers: list[Transfer], piece_bytes: int) -> list[list[_Piece]]:
-    """Round ``k`` holds the ``k``-th piece of every (src, dst) pair's sequence of pieces."""
+    """Round ``k`` holds the ``k``-th piece of every (src, dst) pair's sequence of pieces.
+    A piece's offset is in the file (a transfer of a range starts at its offset)."""
     per_pair: dict[tuple[int, int], list[_Piece]] = {}
     for t in transfers:
         pieces = per_pair.setdefault((t.src, t.dst), [])
-        for offset in range(0, t.size, piece_bytes):
-            pieces.append(_Piece(t, offset, min(piece_bytes, t.size - offset)))
+        end = t.offset + t.size
+        for offset in range(t.offset, end, piece_bytes):
+            pieces.append(_Piece(t, offset, min(piece_bytes, end - offset)))
     depth = max((len(p) for p in per_pair.values()), default=0)
     return [[p[k] for p in per_pair.values() if k < len(p)] for k in range(depth)]
 
