@@ -110,10 +110,16 @@ class HashingWriter(io.RawIOBase):
         tail = [self._block.hexdigest()] if self.offset % self.block_bytes else []
         return self._blocks + tail
 
-    def _hash_blocks(self, view: memoryview) -> None:
+    def _hash(self, view: memoryview) -> None:
+        """Hash ``view`` into the file's digest and, with blocks, its blocks' digests: block
+        by block, so the second pass over each block reads it from the cache, not memory."""
+        if self._block is None:
+            self.hasher.update(view)
+            return
         pos = self.offset
         while view:
             take = view[:self.block_bytes - pos % self.block_bytes]
+            self.hasher.update(take)
             self._block.update(take)
             pos += len(take)
             view = view[len(take):]
@@ -124,9 +130,7 @@ class HashingWriter(io.RawIOBase):
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
-        self.hasher.update(view)
-        if self._block is not None:
-            self._hash_blocks(view)
+        self._hash(view)
         if n < DIRECT_READ_MIN:  # larger ones may be read in place later (raw spans)
             self._pending += view
             if len(self._pending) >= COALESCE_BYTES:
