@@ -21,6 +21,8 @@ from tierstore.cli import main as tierstore_cli
 
 #: the store's collective timeout in the worker's "load-then-kill" phase
 KILL_TIMEOUT_S = 6
+#: the sources of a load that are fast tiers: a node's RAM, replicas it holds, other ranks
+FAST = re.compile(r"ram|peer:rank-\d+|\(peers\)")
 
 
 def _sources(out: str) -> dict[int, dict[str, int]]:
@@ -52,6 +54,13 @@ def _load(root, nnodes: int, nproc: int, *extra: str) -> dict[int, dict[str, int
                        timeout=240)
     sources = _sources(out)
     assert sorted(sources) == list(range(nnodes * nproc)), out[-6000:]
+    # Each rank's restore_planned event said, before reading, what it then read from.
+    planned = {int(r): (said, int(slow)) for r, said, slow in
+               re.findall(r"^RANK (\d+) PLANNED (.*) SLOW (\d+)$", out, re.M)}
+    for rank, got in sources.items():
+        said = " ".join(f"{k}={v}" for k, v in sorted(got.items()))
+        slow = sum(v for k, v in got.items() if not FAST.fullmatch(k))
+        assert planned.get(rank) == (said, slow), (rank, planned, got)
     return sources
 
 
@@ -62,7 +71,6 @@ def test_a_2x2_checkpoint_restores_bitwise_at_other_shapes_from_ram_and_replicas
     # Saved with the object-store tier too; the loads below leave it out of their config until
     # the last one, so they show that the fast tiers alone restore.
     run_torchrun("reshard_worker.py", root, "save", "shared", nproc=2, nnodes=2, timeout=240)
-    fast = re.compile(r"ram|peer:rank-\d+|\(peers\)")
     # Before any restart, the plan of each shape: every byte from the nodes' RAM.
     for world, per_node in ((4, 2), (2, 1), (6, 3), (6, 2)):
         code, plan = _plan(tmp_path, capsys, world, per_node)
@@ -75,7 +83,7 @@ def test_a_2x2_checkpoint_restores_bitwise_at_other_shapes_from_ram_and_replicas
         # Every node holds its own ranks' files and replicas of the other node's: nothing
         # moves between nodes.
         for rank, got in sources.items():
-            assert got and all(fast.fullmatch(k) for k in got), (nnodes, nproc, rank, got)
+            assert got and all(FAST.fullmatch(k) for k in got), (nnodes, nproc, rank, got)
             assert "(peers)" not in got, (nnodes, nproc, rank, got)
 
     # Node 2 is a new machine: its ranks 4 and 5 hold nothing. Then the same job loads again,
@@ -118,7 +126,7 @@ def test_a_2x2_checkpoint_restores_bitwise_at_other_shapes_from_ram_and_replicas
     sources = _load(root, 1, 2)
     for rank, got in sources.items():
         assert {"peer:rank-2", "peer:rank-3"} <= set(got), (rank, got)
-        assert all(fast.fullmatch(k) for k in got) and "(peers)" not in got, (rank, got)
+        assert all(FAST.fullmatch(k) for k in got) and "(peers)" not in got, (rank, got)
     # What the load read from is what the plan said.
     assert set().union(*sources.values()) == planned, (sources, plan)
 

@@ -38,6 +38,10 @@ class EventKind:
     #: the first sender, senders, ranges: the byte ranges [start, end) that came, size: the
     #: file's; the event's nbytes: those that came)
     PEER_FETCHED = "peer_fetched"
+    #: a load knows where each file it reads comes from, before it reads them (detail: the
+    #: files [{name, bytes, tier, fast}] of this rank, sources [{tier, bytes}],
+    #: from_slow_tiers_bytes: what ``tierstore plan`` says for the whole job, per rank)
+    RESTORE_PLANNED = "restore_planned"
     UNREACHABLE = "unreachable"  # a tier did not answer; what could do without it went on
                                  # (detail: during, error); skipped for a while after
     REJECTED = "rejected"        # a copy read from a tier failed its checks and was skipped
@@ -56,7 +60,7 @@ class EventKind:
                                  # interval_s, cost_s, mtbf_s, step_s and their sources)
     ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
            DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED, REPLICATED, PEER_FETCHED,
-           UNREACHABLE, REJECTED, STALLED, REPAIRED, OPENED, STEP, INTERVAL)
+           RESTORE_PLANNED, UNREACHABLE, REJECTED, STALLED, REPAIRED, OPENED, STEP, INTERVAL)
 
 
 class Phase:

@@ -12,8 +12,10 @@ replicated; rank 0 writes every tensor's full value to ROOT/reference.pt. "load"
 ``latest()`` must be "step-2"; a fresh model and optimizer (another seed, a step of their own)
 and zeroed values load it, and every tensor's full value must equal the reference bit for bit.
 Each rank prints ``RANK <r> BYTES <tier>=<n> ...`` (where its bytes came from, as the
-``loaded`` event says) and ``RANK <r> FETCHED <file> FROM RANK <s> BYTES <n> OF <size>`` per
-file peers sent it (or the blocks of it it reads).
+``loaded`` event says), ``RANK <r> FETCHED <file> FROM RANK <s> BYTES <n> OF <size>`` per
+file peers sent it (or the blocks of it it reads), and ``RANK <r> PLANNED <tier>=<n> ... SLOW
+<n>`` (its ``restore_planned`` event: where the load said, before reading, its bytes would come
+from, and how many from slower tiers).
 "load-then-kill": the same load (each rank then prints its problems, or OK), then a second one
 in which rank KILLED dies as the peers begin sending (see load_and_die).
 """
@@ -51,7 +53,7 @@ class Observer:
     ends at once when its peer fetch begins (a node lost in the middle of a restore)."""
 
     def __init__(self, die=False):
-        self.bytes_from, self.fetched, self.die = {}, [], die
+        self.bytes_from, self.fetched, self.die, self.planned = {}, [], die, None
 
     @tierstore.hookimpl
     def tierstore_phase(self, phase, tier, detail):
@@ -62,6 +64,8 @@ class Observer:
     def tierstore_event(self, event):
         if event.kind == EventKind.LOADED:
             self.bytes_from = dict(event.detail["bytes_from"])
+        elif event.kind == EventKind.RESTORE_PLANNED:
+            self.planned = event.detail
         elif event.kind == EventKind.PEER_FETCHED:
             self.fetched.append((event.detail["file"], event.detail["from"], event.nbytes,
                                  event.detail["size"]))
@@ -243,6 +247,10 @@ def load_and_check(store, mesh, rank, root, phase, seen) -> int:
     lines = ["BYTES " + " ".join(f"{k}={v}" for k, v in sorted(seen.bytes_from.items()))]
     lines += [f"FETCHED {rel} FROM RANK {src} BYTES {n} OF {size}"
               for rel, src, n, size in seen.fetched]
+    if seen.planned is not None:
+        lines.append("PLANNED " + " ".join(f"{s['tier']}={s['bytes']}" for s in sorted(
+            seen.planned["sources"], key=lambda s: s["tier"]))
+            + f" SLOW {seen.planned['from_slow_tiers_bytes']}")
     # One write per line: print() writes the newline apart, and the ranks of a node share
     # torchrun's unbuffered stdout.
     if phase == "load-then-kill":  # this process ends in the next load: say it now

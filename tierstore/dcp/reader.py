@@ -291,6 +291,7 @@ class TierstoreReader(StorageReader):
             for relative, (start, problems, _) in firsts.items():
                 if start >= len(self._sources) and relative not in self._fetched:
                     self._no_good_copy(relative, problems)
+            self._say_plan(firsts)
 
             def read_file(relative: str) -> int:
                 return self._read_one_file(relative, per_file[relative], planner, undo,
@@ -338,6 +339,31 @@ class TierstoreReader(StorageReader):
         for relative, (start, problems, checked) in zip(
                 rest, each(lambda r: self._first_good_copy(r, here), rest)):
             firsts[relative] = (start, firsts[relative][1] + problems, checked)
+
+    def _say_plan(self, firsts: dict[str, tuple[int, list[str], str]]) -> None:
+        """The ``restore_planned`` event: where each file of this rank's load comes from,
+        before it is read. Fast, as ``tierstore plan`` counts them: peers, a node-local tier
+        (a replica included), or the store's first tier."""
+        ctx = self._services.context
+        tiers = ctx.tiers
+        first = tiers.read_order()[0]
+        files, sources = [], {}
+        for relative, (start, _, _) in firsts.items():
+            fetched = self._fetched.get(relative)
+            if fetched is not None:
+                tier, nbytes, quick = FROM_PEERS, fetched.nbytes, True
+            else:
+                source, manifest = self._sources[start]
+                tier, nbytes = source.name, manifest.files[relative].size
+                quick = source is first or not source.layout.shared or tiers.is_replica(source)
+            files.append({"name": relative, "bytes": nbytes, "tier": tier, "fast": quick})
+            sources[tier] = sources.get(tier, 0) + nbytes
+        ctx.host.event(Event(EventKind.RESTORE_PLANNED, self._checkpoint_id, None, self._rank,
+                             nbytes=sum(sources.values()), detail={
+                                 "files": files,
+                                 "sources": [{"tier": t, "bytes": b} for t, b in sources.items()],
+                                 "from_slow_tiers_bytes": sum(f["bytes"] for f in files
+                                                              if not f["fast"])}))
 
     def _bytes_by_source(self, per_file: dict, firsts: dict) -> dict[str, int]:
         """Bytes of this load's files per tier they were read from, peer-fetched files under
