@@ -429,6 +429,11 @@ class ObjectReader(io.RawIOBase):
             return b""
         return self._b.read_ranges(self._full, [offset], [end])[0]
 
+    def read_ranges(self, starts: list[int], ends: list[int]) -> list[bytes]:
+        """Bytes ``[starts[i], ends[i])`` of the object for each i, fetched concurrently, and
+        nothing else (a load that needs some blocks of a file reads those)."""
+        return self._b.read_ranges(self._full, starts, ends)
+
     def _fill(self) -> None:
         chunk = _WINDOW_CHUNK
         window = chunk * max(1, min(self._b.concurrency, _WINDOW_BYTES // chunk))

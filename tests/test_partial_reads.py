@@ -69,7 +69,7 @@ def _entry_of(data: bytes, block: int):
 
 
 def test_a_block_from_a_peer_that_differs_from_its_digest_is_named_and_refused():
-    from tierstore.dcp.peer_fetch import _bad_blocks
+    from tierstore.format.item_io import check_blocks
     from tierstore.format.signing import UNSIGNED
 
     block = 1 << 12
@@ -83,11 +83,11 @@ def test_a_block_from_a_peer_that_differs_from_its_digest_is_named_and_refused()
     received = bytearray(len(data))  # what arrived: those runs only
     for start, end in runs:
         received[start:end] = data[start:end]
-    assert _bad_blocks(UNSIGNED, entry, memoryview(received), runs) == ""
+    assert check_blocks(UNSIGNED, entry, memoryview(received), runs) == ""
     received[10000] ^= 1
-    assert "block 2 (bytes 8192-12288) differs" in _bad_blocks(UNSIGNED, entry,
+    assert "block 2 (bytes 8192-12288) differs" in check_blocks(UNSIGNED, entry,
                                                                 memoryview(received), runs)
-    assert _bad_blocks(UNSIGNED, entry, memoryview(received), None) == "the file's checksum differs"
+    assert check_blocks(UNSIGNED, entry, memoryview(received), None) == "the file's checksum differs"
     assert entry.block_runs([(0, 1)]) == [(0, 4096)]
     without = dataclasses.replace(entry, block_bytes=0, blocks=None)
     assert without.block_runs([(5000, 5001)]) == [(0, len(data))]  # no blocks: the whole file

@@ -141,5 +141,8 @@ def test_a_2x2_checkpoint_restores_bitwise_at_other_shapes_from_ram_and_replicas
     assert {"tier": "objects", "bytes": lost_file} in plan["sources"], plan
     sources = _load(root, 1, 2, "shared")
     for rank, got in sources.items():
-        assert got.get("objects") == lost_file, (rank, got, lost_file)
+        assert 0 < got.get("objects", 0) <= lost_file, (rank, got, lost_file)
         assert got.get("peer:rank-3"), (rank, got)
+    # Rank 0 needs none of the wide tensor's rows in that file (rank 1 needs them all): it
+    # reads only the blocks holding the items it loads.
+    assert sources[0]["objects"] < sources[1]["objects"], sources

@@ -22,7 +22,7 @@ from typing import Callable
 from tierstore.engine.context import StoreContext
 from tierstore.errors import IntegrityError, RanksLostError
 from tierstore.events import Event, EventKind, Phase
-from tierstore.format.item_io import FileReadError
+from tierstore.format.item_io import FileReadError, check_blocks
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object
@@ -156,7 +156,7 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
         data = buffers[rel].data if rel in buffers else memoryview(b"")
         whole = runs == [(0, entry.size)]
         try:
-            bad = _bad_blocks(ctx.config.keyring, entry, data, None if whole else runs)
+            bad = check_blocks(ctx.config.keyring, entry, data, None if whole else runs)
         except IntegrityError as exc:  # keyed with a key this store lacks
             bad = str(exc)
         if bad:
@@ -170,20 +170,3 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
         log.info("checkpoint %s: fetched %s (%d of its %d bytes) from rank(s) %s", cid, rel,
                  fetched.nbytes, entry.size, sorted(set(srcs)))
     return out
-
-
-def _bad_blocks(keyring, entry: FileEntry, data: memoryview,
-                runs: list[tuple[int, int]] | None) -> str:
-    """What does not match ``entry`` in ``data``: the whole file (``runs`` None) or the
-    blocks of ``runs``; "" when all of it matches."""
-    if runs is None:
-        if len(data) != entry.size or keyring.digest(data, like=entry.checksum) != entry.checksum:
-            return "the file's checksum differs"
-        return ""
-    size = entry.block_bytes
-    for start, end in runs:
-        for b in range(start // size, -(-end // size)):
-            block = data[b * size:min((b + 1) * size, entry.size)]
-            if keyring.digest(block, like=entry.blocks[b]) != entry.blocks[b]:
-                return f"block {b} (bytes {b * size}-{b * size + len(block)}) differs"
-    return ""

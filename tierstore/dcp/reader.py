@@ -33,8 +33,8 @@ from tierstore.events import FROM_PEERS, Event, EventKind, Phase
 from tierstore.format.checksum import ALGORITHM, Hasher
 from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
-from tierstore.format.item_io import (BufferReader, FileReadError, LoadUndo, check_file,
-                                      needed_ranges, read_items)
+from tierstore.format.item_io import (BufferReader, FileReadError, LoadUndo, check_blocks,
+                                      check_file, needed_ranges, read_items, read_runs)
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
@@ -73,6 +73,8 @@ class TierstoreReader(StorageReader):
         self._fresh = False
         #: files (or blocks of them) peers sent for this load, by relative path
         self._fetched: dict[str, FetchedFile] = {}
+        #: files this load reads in part, from a copy checked block by block: their runs
+        self._runs: dict[str, list[tuple[int, int]]] = {}
         # Releases the id kept from eviction while this loads: at the end of read_data, at
         # the next reset, or when DCP fails in between and drops the reader.
         self._protection: weakref.finalize | None = None
@@ -291,6 +293,7 @@ class TierstoreReader(StorageReader):
             for relative, (start, problems, _) in firsts.items():
                 if start >= len(self._sources) and relative not in self._fetched:
                     self._no_good_copy(relative, problems)
+            self._runs = self._blocks_to_read(firsts, per_file, planner)
             self._say_plan(firsts)
 
             def read_file(relative: str) -> int:
@@ -340,6 +343,32 @@ class TierstoreReader(StorageReader):
                 rest, each(lambda r: self._first_good_copy(r, here), rest)):
             firsts[relative] = (start, firsts[relative][1] + problems, checked)
 
+    def _blocks_to_read(self, firsts: dict[str, tuple[int, list[str], str]],
+                        per_file: dict[str, list[ReadItem]], planner: LoadPlanner
+                        ) -> dict[str, list[tuple[int, int]]]:
+        """The files to read in part: those read from a copy that was not checked beforehand
+        (an object store's: read once, checked on the way) whose manifest entry lists
+        blocks, where this rank's plan needs fewer than all of them; for each, the runs of
+        blocks to read (each checked against its digest before any of it lands)."""
+        if not self._services.context.config.verify_on_load:
+            return {}
+        out = {}
+        for relative, (start, _, checked) in firsts.items():
+            if relative in self._fetched or checked or start >= len(self._sources):
+                continue
+            entry = self._sources[start][1].files.get(relative)
+            if entry is None or not entry.blocks:
+                continue
+            try:
+                runs = entry.block_runs(needed_ranges(entry, per_file[relative],
+                                                      self._metadata.storage_data,
+                                                      self._metadata, planner))
+            except FileReadError:
+                continue  # the read says what is wrong
+            if sum(end - begin for begin, end in runs) < entry.size:
+                out[relative] = runs
+        return out
+
     def _say_plan(self, firsts: dict[str, tuple[int, list[str], str]]) -> None:
         """The ``restore_planned`` event: where each file of this rank's load comes from,
         before it is read. Fast, as ``tierstore plan`` counts them: peers, a node-local tier
@@ -355,6 +384,8 @@ class TierstoreReader(StorageReader):
             else:
                 source, manifest = self._sources[start]
                 tier, nbytes = source.name, manifest.files[relative].size
+                if relative in self._runs:
+                    nbytes = sum(end - begin for begin, end in self._runs[relative])
                 quick = source is first or not source.layout.shared or tiers.is_replica(source)
             files.append({"name": relative, "bytes": nbytes, "tier": tier, "fast": quick})
             sources[tier] = sources.get(tier, 0) + nbytes
@@ -375,6 +406,8 @@ class TierstoreReader(StorageReader):
             else:
                 tier, manifest = self._sources[firsts[relative][0]]
                 name, size = tier.name, manifest.files[relative].size
+                if relative in self._runs:
+                    size = sum(end - begin for begin, end in self._runs[relative])
             out[name] = out.get(name, 0) + size
         return out
 
@@ -456,17 +489,22 @@ class TierstoreReader(StorageReader):
                 ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative,
                                size=entry.size)
                 with tier.backend.open_read(f"{cid}/{relative}") as f:
-                    verify = (tier.keyring.hasher_for(entry.checksum)
-                              if ctx.config.verify_on_load else None)
-                    read_entry = entry
-                    if checked and verify is not None:
-                        verify = Hasher()
-                        read_entry = dataclasses.replace(entry, checksum=checked)
-                    landing = True
-                    nbytes = read_items(f, read_entry, reqs, self._metadata.storage_data,
-                                        self._metadata, planner, verify,
-                                        trusted=ctx.config.trusted_pickles, undo=undo,
-                                        keep_old=keep_old)
+                    runs = self._runs.get(relative) if n == start else None
+                    if runs is not None:  # the blocks this rank reads, each checked first
+                        data = read_runs(f, runs, entry.size)
+                        bad = check_blocks(tier.keyring, entry, data, runs)
+                        if bad:
+                            raise FileReadError(bad)
+                        landing = True
+                        read_items(BufferReader(data, runs), entry, reqs,
+                                   self._metadata.storage_data, self._metadata, planner, None,
+                                   trusted=ctx.config.trusted_pickles, undo=undo,
+                                   keep_old=False)
+                        nbytes = sum(end - begin for begin, end in runs)
+                    else:
+                        landing = True
+                        nbytes = self._read_whole(f, tier, entry, reqs, planner, undo, checked,
+                                                  keep_old)
             except (FileReadError, OSError, IntegrityError) as exc:
                 problems.append(f"tier '{tier.name}': {exc}")
                 if landing and not keep_old and not damaged:
@@ -489,6 +527,19 @@ class TierstoreReader(StorageReader):
                             tier.name, "; ".join(problems))
             return nbytes
         self._no_good_copy(relative, problems, damaged)
+
+    def _read_whole(self, f, tier: Tier, entry: FileEntry, reqs: list[ReadItem],
+                    planner: LoadPlanner, undo: LoadUndo, checked: str, keep_old: bool) -> int:
+        """Read ``reqs`` from the open copy ``f`` front to back, checking all of it against
+        ``entry`` (or, when ``checked``, against the digest its check gave)."""
+        ctx = self._services.context
+        verify = tier.keyring.hasher_for(entry.checksum) if ctx.config.verify_on_load else None
+        if checked and verify is not None:
+            verify = Hasher()
+            entry = dataclasses.replace(entry, checksum=checked)
+        return read_items(f, entry, reqs, self._metadata.storage_data, self._metadata, planner,
+                          verify, trusted=ctx.config.trusted_pickles, undo=undo,
+                          keep_old=keep_old)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

@@ -34,7 +34,7 @@ from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, sa
                                              storage_alignment, template_for, tensor_bytes)
 from tierstore.format.values import check_value
 
-__all__ = ["NoCloseWriter", "BufferReader", "needed_ranges", "block_bytes_for", "BLOCK_MIN_BYTES",
+__all__ = ["NoCloseWriter", "BufferReader", "needed_ranges", "read_runs", "check_blocks", "block_bytes_for", "BLOCK_MIN_BYTES",
            "ItemLocation", "HashingWriter", "write_items", "write_tensor_record", "split_items", "read_items",
            "LoadUndo", "check_file", "FileReadError", "DIRECT_READ_MIN"]
 
@@ -579,6 +579,57 @@ def check_file(f: IO[bytes], entry: FileEntry, hasher: Hasher,
     actual = hasher.hexdigest()
     if actual != entry.checksum:
         return f"checksum mismatch: manifest says {entry.checksum}, the bytes give {actual}"
+    return ""
+
+
+#: a run of blocks read from a reader that fetches ranges concurrently is asked for in pieces
+#: of at most this many bytes
+_RANGE_PIECE = 8 << 20
+
+
+def read_runs(f: IO[bytes], runs: list[tuple[int, int]], size: int) -> memoryview:
+    """Bytes ``[start, end)`` of each of ``runs`` of a file of ``size`` bytes, at their
+    offsets in a buffer of the file's size whose other pages are never touched. A reader
+    with ``read_ranges(starts, ends)`` (an object store's) gets every piece at once, in
+    concurrent requests; others are read with ``seek`` and ``readinto``. FileReadError when
+    the file is shorter than its manifest says."""
+    buf = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(buf.numpy()) if size else memoryview(bytearray())
+    fetch = getattr(f, "read_ranges", None)
+    if fetch is not None:
+        starts = [s for start, end in runs for s in range(start, end, _RANGE_PIECE)]
+        ends = [min(s + _RANGE_PIECE, end) for start, end in runs
+                for s in range(start, end, _RANGE_PIECE)]
+        for start, end, data in zip(starts, ends, fetch(starts, ends)):
+            if len(data) != end - start:
+                raise FileReadError(f"file is shorter than its manifest says ({size} bytes)")
+            view[start:end] = data
+        return view
+    for start, end in runs:
+        f.seek(start)
+        got = start
+        while got < end:
+            n = f.readinto(view[got:end])
+            if not n:
+                raise FileReadError(f"file is shorter than its manifest says ({size} bytes)")
+            got += n
+    return view
+
+
+def check_blocks(keyring, entry: FileEntry, data, runs: list[tuple[int, int]] | None) -> str:
+    """What does not match ``entry`` in ``data`` (a file's bytes at their offsets): the whole
+    file (``runs`` None) or the blocks of ``runs``, each against its own digest; "" when all
+    of it matches. ``keyring`` (a store's ``Keyring``) checks keyed digests."""
+    if runs is None:
+        if len(data) != entry.size or keyring.digest(data, like=entry.checksum) != entry.checksum:
+            return "the file's checksum differs"
+        return ""
+    size = entry.block_bytes
+    for start, end in runs:
+        for b in range(start // size, -(-end // size)):
+            block = data[b * size:min((b + 1) * size, entry.size)]
+            if keyring.digest(block, like=entry.blocks[b]) != entry.blocks[b]:
+                return f"block {b} (bytes {b * size}-{b * size + len(block)}) differs"
     return ""
 
 
