@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import re
 
 import pytest
 import torch
@@ -105,3 +106,66 @@ def test_a_file_fetched_in_part_reads_only_the_bytes_that_arrived():
         reader.readinto(bytearray(2))
     whole = BufferReader(b"abc")
     assert whole.readinto(bytearray(5)) == 3 and whole.readinto(bytearray(1)) == 0
+
+
+def _three(fill=None) -> dict:
+    """Three 3 MiB tensors (one data file with io_threads = 1), or zeroed destinations."""
+    gen = torch.Generator().manual_seed(5)
+    return {k: (torch.rand(3 << 18, generator=gen) if fill is None else torch.zeros(3 << 18))
+            for k in "abc"}
+
+
+def test_an_object_store_copy_serves_part_of_a_file_by_its_checked_blocks(tmp_path):
+    import json
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import tierstore
+    from recording import Recorder
+    from tierstore import EventKind, IntegrityError
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    config = {"store": {"io_threads": 1},
+              "tier": [{"name": "objects", "backend": "fsspec", "url": f"file://{tmp_path}/o"}]}
+    saved = _three()
+    with tierstore.open(config) as store:
+        dcp.save(saved, storage_writer=store.writer(), checkpoint_id="step-1")
+    manifest = json.loads((tmp_path / "o/step-1/tierstore.json").read_text())
+    (name, entry), = [(n, e) for n, e in manifest["files"].items() if n.endswith(".distcp")]
+    assert entry["block_bytes"] == 1 << 20 and len(entry["blocks"]) == -(-entry["size"] >> 20)
+    raw_at = {s[2]: s[1] for s in entry["spans"]}  # all three are 3 MiB: in file order
+    starts = sorted(s[1] for s in entry["spans"])
+
+    def load_b():
+        recorder, out = Recorder(), {"b": torch.zeros(3 << 18)}
+        with tierstore.open(config, plugins=[recorder]) as store:
+            dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
+        loaded, = [e for e in recorder.events if e.kind == EventKind.LOADED]
+        return out["b"], loaded.detail["bytes_from"]["objects"]
+
+    b, read = load_b()
+    assert torch.equal(b, saved["b"])
+    # Only the blocks holding b's bytes: 3 MiB of them, give or take a block at each end.
+    assert 3 << 20 <= read <= 5 << 20 < entry["size"], (read, entry["size"])
+    assert len(raw_at) == 1 and len(starts) == 3
+
+    def flip(offset):
+        path = tmp_path / "o/step-1" / name
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0xFF
+        path.write_bytes(data)
+
+    b_start = starts[1]  # "b" is the second item written
+    flip(starts[0] + 10)  # in a's bytes, a block b's read never touches
+    b, _ = load_b()
+    assert torch.equal(b, saved["b"])
+    flip(b_start + (1 << 20) + 5)  # in b's bytes: its block fails its digest
+    out = {"b": torch.full((3 << 18,), 7.0)}
+    with tierstore.open(config) as store:
+        with pytest.raises((IntegrityError, CheckpointException)) as info:
+            dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
+    assert "no tier has a good copy of " + name in str(info.value), info.value
+    assert re.search(r"block \d+ \(bytes \d+-\d+\) differs", str(info.value)), info.value
+    assert torch.equal(out["b"], torch.full((3 << 18,), 7.0))  # nothing of it landed
