@@ -5,6 +5,7 @@ comparison (from the conformance kit, ``tierstore_conformance``), checks that re
 instead of raising, and the state dicts that both a script and a test build.
 """
 
+import atexit
 import io
 import os
 import sys
@@ -49,7 +50,16 @@ def run_worker(main: Callable[[], int], problems: list[str], label: str) -> None
             dist.destroy_process_group()
     except Exception:
         pass
-    sys.exit(code or (1 if problems else 0))
+    # Exit without the interpreter's finalization, once the exit handlers have run: a rank
+    # whose report is out must not fail the test at teardown. Tearing the interpreter down
+    # beside torch's C++ threads (gloo's, pybind11's GIL release in a daemon thread) now and
+    # then aborts a process with "terminate called without an active exception" (a known
+    # torch.distributed exit problem), and its node's agent then holds the other nodes until
+    # the test's timeout.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or (1 if problems else 0))
 
 
 # --------------------------------------------------------------------------- checks
