@@ -73,7 +73,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def open_read(self, path: str) -> IO[bytes]:
-        """Open ``path`` for reading: seekable, with ``readinto``. Missing -> FileNotFoundError."""
+        """Open ``path`` for reading: seekable, with ``readinto``. Missing -> FileNotFoundError.
+
+        Optional: a reader with ``read_ranges(starts, ends) -> list[bytes]`` (bytes ``[starts[i],
+        ends[i])`` each, fetched at once: an object store's concurrent ranged requests) is used
+        when a load needs some blocks of the file only; others are read by seek and readinto."""
 
     @abc.abstractmethod
     def size(self, path: str) -> int | None:
