@@ -50,6 +50,9 @@ from tierstore.transport.collectives import all_gather_object, make_store_group,
 
 __all__ = ["Store", "open"]
 
+#: seconds ``close`` waits for the background threads of finished drains to end
+_THREADS_END_S = 5.0
+
 
 class Store:
     """Multi-tier checkpoint storage behind DCP. Build one with :func:`tierstore.open`."""
@@ -363,7 +366,8 @@ class Store:
             if self._background_scrub is not None:
                 self._background_scrub.close()
             self._health.close()
-            self._drainer.close()
+            # Every drain is done when waited for: their threads end now, not at exit.
+            self._drainer.close(timeout=_THREADS_END_S if wait else 0)
             if self._replicator is not None:
                 self._replicator.close(timeout=None if wait else 0)
             staging = self._ledger.staging

@@ -105,9 +105,14 @@ class _CopyPool:
             except BaseException as exc:  # reported through the future
                 fut.set_exception(exc)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 0) -> None:
+        """Stop the threads once the copies queued before are done, waiting up to ``timeout``
+        seconds for them to end."""
         for _ in self._threads:
             self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()) if timeout else 0)
 
 
 class Drainer(BackgroundJobs[DrainJob]):
@@ -132,11 +137,14 @@ class Drainer(BackgroundJobs[DrainJob]):
     def describe_pending(self) -> list[str]:
         return [str(c) for c in self.pending()]
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the threads (after ``wait``) without waiting for them: a copy still running
-        (``store.close(wait=False)``) ends with the process."""
+    def close(self, timeout: float = 0) -> None:
+        """Stop the threads (after ``wait``), waiting up to ``timeout`` seconds for them to
+        end: a copy still running (``store.close(wait=False)``, timeout 0) ends with the
+        process, but after a store's drains are done no thread of theirs outlives its close."""
         self._jobs.put(None)
-        self._pool.close()
+        self._pool.close(timeout)
+        if timeout:
+            self._thread.join(timeout)
 
     def copy_now(self, job: DrainJob) -> float:
         """Run ``job`` in this thread, now, whatever the targets' ``every`` (``promote``,
