@@ -235,3 +235,21 @@ def test_a_delete_cut_short_leaves_a_hidden_entry_that_gc_removes(store, local_c
     assert [c.id for c in store.list()] == ["step-2"]
     assert store.gc() == ["nvme:.tierstore-trash.step-1.0a1b"]
     assert entries(root) == ["step-2"]
+
+
+def test_no_thread_of_a_store_outlives_its_close(tmp_path):
+    """Background work (drains, their copy threads, the watchdog) ends with ``close()``: a
+    thread left running into the interpreter's exit can take the process down with it."""
+    import threading
+
+    config = {"store": {"watchdog": 30},
+              "tier": [{"name": "fast", "backend": "local", "path": str(tmp_path / "fast")},
+                       {"name": "slow", "backend": "fsspec", "url": f"file://{tmp_path}/slow"}]}
+    before = {t.ident for t in threading.enumerate()}
+    store = tierstore.open(config)
+    save(store, "step-1")
+    save(store, "step-2")
+    store.close()
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == [], left
+    assert (tmp_path / "slow/step-2/tierstore.json").exists()  # the drains were done
