@@ -95,8 +95,8 @@ def job(spec: dict) -> int:
     rows = spec["size_mib"] * (1 << 20) // 4 // 1024 // spec["tensors"]
     full = {f"t{i}": full_tensor(i, rows) for i in range(spec["tensors"])}
     config = {"tier": tiers(spec["base"], spec["source"], spec["s3"])}
-    if os.environ.get("RS_IO_THREADS"):
-        config["store"] = {"io_threads": int(os.environ["RS_IO_THREADS"])}
+    if spec.get("io_threads"):
+        config["store"] = {"io_threads": spec["io_threads"]}
     with tierstore.open(config) as store:
         if spec["phase"] == "save":
             state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated shapes to run (all: " + ",".join(SHAPES) + "); 2x2 "
                         "from fast is always run, as the reference")
     p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated sources")
+    p.add_argument("--io-threads", type=int, default=0,
+                   help="[store] io_threads of every job (default: the store's default)")
     p.add_argument("--profile", metavar="DIR",
                    help="write each rank's cProfile of its load to DIR/<shape>-<source>-rank<r>"
                         ".prof (the timed load then runs under the profiler)")
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.make_bucket(BUCKET)
         spec = {"base": base, "size_mib": args.size_mib, "tensors": args.tensors,
-                "s3": server.storage_options()}
+                "s3": server.storage_options(), "io_threads": args.io_threads}
         run_job({**spec, "phase": "save", "source": "all"}, 2, 2, args.timeout)
         for name in ("ram", "peer"):
             shutil.copytree(os.path.join(base, name), os.path.join(pristine, name),
