@@ -22,7 +22,7 @@ from typing import Callable
 from tierstore.engine.context import StoreContext
 from tierstore.errors import IntegrityError, RanksLostError
 from tierstore.events import Event, EventKind, Phase
-from tierstore.format.item_io import FileReadError, check_blocks
+from tierstore.format.item_io import FileReadError, check_blocks, runs_bytes
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object
@@ -69,7 +69,7 @@ class FetchedFile:
     @property
     def nbytes(self) -> int:
         """Bytes that arrived."""
-        return len(self.data) if self.held is None else sum(e - s for s, e in self.held)
+        return len(self.data) if self.held is None else runs_bytes(self.held)
 
 
 def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]],

@@ -34,7 +34,8 @@ from tierstore.format.checksum import ALGORITHM, Hasher
 from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
 from tierstore.format.item_io import (BufferReader, FileReadError, LoadUndo, check_blocks,
-                                      check_file, needed_ranges, read_items, read_runs)
+                                      check_file, needed_ranges, read_items, read_runs,
+                                      runs_bytes)
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
@@ -365,9 +366,21 @@ class TierstoreReader(StorageReader):
                                                       self._metadata, planner))
             except FileReadError:
                 continue  # the read says what is wrong
-            if sum(end - begin for begin, end in runs) < entry.size:
+            if runs_bytes(runs) < entry.size:
                 out[relative] = runs
         return out
+
+    def _source_of(self, relative: str, firsts: dict[str, tuple[int, list[str], str]]
+                   ) -> tuple[str, int, Tier | None]:
+        """Where this load reads ``relative`` from: the tier's name (:data:`FROM_PEERS` for
+        what peers sent), the bytes it reads there, and the tier (None for peers)."""
+        fetched = self._fetched.get(relative)
+        if fetched is not None:
+            return FROM_PEERS, fetched.nbytes, None
+        tier, manifest = self._sources[firsts[relative][0]]
+        runs = self._runs.get(relative)
+        return (tier.name, manifest.files[relative].size if runs is None else runs_bytes(runs),
+                tier)
 
     def _say_plan(self, firsts: dict[str, tuple[int, list[str], str]]) -> None:
         """The ``restore_planned`` event: where each file of this rank's load comes from,
@@ -377,18 +390,12 @@ class TierstoreReader(StorageReader):
         tiers = ctx.tiers
         first = tiers.read_order()[0]
         files, sources = [], {}
-        for relative, (start, _, _) in firsts.items():
-            fetched = self._fetched.get(relative)
-            if fetched is not None:
-                tier, nbytes, quick = FROM_PEERS, fetched.nbytes, True
-            else:
-                source, manifest = self._sources[start]
-                tier, nbytes = source.name, manifest.files[relative].size
-                if relative in self._runs:
-                    nbytes = sum(end - begin for begin, end in self._runs[relative])
-                quick = source is first or not source.layout.shared or tiers.is_replica(source)
-            files.append({"name": relative, "bytes": nbytes, "tier": tier, "fast": quick})
-            sources[tier] = sources.get(tier, 0) + nbytes
+        for relative in firsts:
+            name, nbytes, source = self._source_of(relative, firsts)
+            quick = (source is None or source is first or not source.layout.shared
+                     or tiers.is_replica(source))
+            files.append({"name": relative, "bytes": nbytes, "tier": name, "fast": quick})
+            sources[name] = sources.get(name, 0) + nbytes
         ctx.host.event(Event(EventKind.RESTORE_PLANNED, self._checkpoint_id, None, self._rank,
                              nbytes=sum(sources.values()), detail={
                                  "files": files,
@@ -401,13 +408,7 @@ class TierstoreReader(StorageReader):
         :data:`FROM_PEERS` (the ``loaded`` event's ``bytes_from``)."""
         out: dict[str, int] = {}
         for relative in per_file:
-            if relative in self._fetched:
-                name, size = FROM_PEERS, self._fetched[relative].nbytes
-            else:
-                tier, manifest = self._sources[firsts[relative][0]]
-                name, size = tier.name, manifest.files[relative].size
-                if relative in self._runs:
-                    size = sum(end - begin for begin, end in self._runs[relative])
+            name, size, _ = self._source_of(relative, firsts)
             out[name] = out.get(name, 0) + size
         return out
 
@@ -471,9 +472,7 @@ class TierstoreReader(StorageReader):
         damaged = ""
         fetched = self._fetched.get(relative)
         if fetched is not None:  # not on this node: peers sent it, or the blocks read (checked)
-            read_items(BufferReader(fetched.data, fetched.held), fetched.entry, reqs,
-                       self._metadata.storage_data, self._metadata, planner, None,
-                       trusted=ctx.config.trusted_pickles, undo=undo, keep_old=False)
+            self._read_checked(fetched.data, fetched.held, fetched.entry, reqs, planner, undo)
             return fetched.nbytes
         for n, (tier, manifest) in enumerate(self._sources):
             if n < start:
@@ -496,11 +495,8 @@ class TierstoreReader(StorageReader):
                         if bad:
                             raise FileReadError(bad)
                         landing = True
-                        read_items(BufferReader(data, runs), entry, reqs,
-                                   self._metadata.storage_data, self._metadata, planner, None,
-                                   trusted=ctx.config.trusted_pickles, undo=undo,
-                                   keep_old=False)
-                        nbytes = sum(end - begin for begin, end in runs)
+                        self._read_checked(data, runs, entry, reqs, planner, undo)
+                        nbytes = runs_bytes(runs)
                     else:
                         landing = True
                         nbytes = self._read_whole(f, tier, entry, reqs, planner, undo, checked,
@@ -528,6 +524,15 @@ class TierstoreReader(StorageReader):
             return nbytes
         self._no_good_copy(relative, problems, damaged)
 
+    def _read_checked(self, data, held: list[tuple[int, int]] | None, entry: FileEntry,
+                      reqs: list[ReadItem], planner: LoadPlanner, undo: LoadUndo) -> None:
+        """Read ``reqs`` from bytes in memory already checked against ``entry`` (all of the
+        file, or the ranges ``held``): their destinations' old bytes are not kept."""
+        read_items(BufferReader(data, held), entry, reqs, self._metadata.storage_data,
+                   self._metadata, planner, None,
+                   trusted=self._services.context.config.trusted_pickles, undo=undo,
+                   keep_old=False)
+
     def _read_whole(self, f, tier: Tier, entry: FileEntry, reqs: list[ReadItem],
                     planner: LoadPlanner, undo: LoadUndo, checked: str, keep_old: bool) -> int:
         """Read ``reqs`` from the open copy ``f`` front to back, checking all of it against
@@ -548,4 +553,4 @@ class TierstoreReader(StorageReader):
 
 def _matches(keyring: Keyring, raw: bytes, entry: FileEntry) -> bool:
     """Whether ``raw`` has the size and digest (keyed or not) ``entry`` records."""
-    return len(raw) == entry.size and keyring.digest(raw, like=entry.checksum) == entry.checksum
+    return check_blocks(keyring, entry, raw, None) == ""

@@ -34,9 +34,10 @@ from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, sa
                                              storage_alignment, template_for, tensor_bytes)
 from tierstore.format.values import check_value
 
-__all__ = ["NoCloseWriter", "BufferReader", "needed_ranges", "read_runs", "check_blocks", "block_bytes_for", "BLOCK_MIN_BYTES",
-           "ItemLocation", "HashingWriter", "write_items", "write_tensor_record", "split_items", "read_items",
-           "LoadUndo", "check_file", "FileReadError", "DIRECT_READ_MIN"]
+__all__ = ["NoCloseWriter", "BufferReader", "needed_ranges", "read_runs", "runs_bytes",
+           "check_blocks", "block_bytes_for", "BLOCK_MIN_BYTES", "ItemLocation", "HashingWriter",
+           "write_items", "write_tensor_record", "split_items", "read_items", "LoadUndo",
+           "check_file", "FileReadError", "DIRECT_READ_MIN"]
 
 # Tensors smaller than this are decoded with torch.load; reading them in place gains nothing.
 DIRECT_READ_MIN = 256 << 10
@@ -585,6 +586,11 @@ def check_file(f: IO[bytes], entry: FileEntry, hasher: Hasher,
 #: a run of blocks read from a reader that fetches ranges concurrently is asked for in pieces
 #: of at most this many bytes
 _RANGE_PIECE = 8 << 20
+
+
+def runs_bytes(runs: list[tuple[int, int]]) -> int:
+    """Bytes the byte ranges ``runs`` (``[start, end)`` each, not overlapping) hold."""
+    return sum(end - start for start, end in runs)
 
 
 def read_runs(f: IO[bytes], runs: list[tuple[int, int]], size: int) -> memoryview:
