@@ -35,21 +35,25 @@ __all__ = ["MARKER", "run"]
 MARKER = ".tierstore-simulate"
 
 
-def _work_dirs(scenario: Scenario, out_dir: Path) -> list[Path]:
-    """Each contender's work directory, emptied: one a previous simulation left (it holds
+def _work_dirs(scenario: Scenario, out_dir: Path) -> list[list[Path]]:
+    """Each contender's work directory per round (``OUT/<slug>/``, or ``OUT/<slug>/round-<k>/``
+    when the scenario repeats), emptied: one a previous simulation left (it holds
     :data:`MARKER`) is replaced; anything else already there is refused before anything runs."""
-    dirs = [out_dir / c.slug for c in scenario.contenders]
-    for d in dirs:
+    tops = [out_dir / c.slug for c in scenario.contenders]
+    for d in tops:
         if d.exists() and not (d / MARKER).exists() and any(d.iterdir()):
             raise ScenarioError(f"{d} exists and was not made by tierstore simulate; choose "
                                 f"another --out, or remove it")
-    for d in dirs:
+    for d in tops:
         if d.exists():
             shutil.rmtree(d)  # a previous run's checkpoints would be resumed from
         d.mkdir(parents=True)
         (d / MARKER).write_text("a work directory of `tierstore simulate`; replaced by the "
                                 "next simulation into the same --out\n")
-    return dirs
+    rounds = scenario.supervisor.repeat
+    if rounds == 1:
+        return [[d] for d in tops]
+    return [[d / f"round-{k}" for k in range(1, rounds + 1)] for d in tops]
 
 
 def _shm_root() -> Path:
@@ -100,42 +104,71 @@ def _draw(reports: list[ContenderReport], out_dir: Path, say: Callable[[str], No
     return draw_all(reports, out_dir)
 
 
+def _median_round(reports: list[ContenderReport]) -> ContenderReport:
+    """The round whose goodput is the median (the lower of the middle two for an even count):
+    a real run, so its failures, restores and timeline belong together."""
+    return sorted(reports, key=lambda r: r.goodput)[(len(reports) - 1) // 2]
+
+
+def _entry(outcomes: list[ContenderOutcome]) -> tuple[dict[str, Any], ContenderReport | None]:
+    """One contender's entry of ``report.json`` from its rounds, and the report it gives (its
+    median round's; None where no round logged anything)."""
+    reports = [(n, r) for n, r in enumerate(map(_account, outcomes), 1) if r is not None]
+    median = _median_round([r for _, r in reports]) if reports else None
+    entry = median.to_json() if median is not None else {"name": outcomes[0].name}
+    bad = [o for o in outcomes if not o.final_ok]
+    entry["final_state"] = "bad" if bad else "ok"
+    errors = [o.error for o in outcomes if o.error]
+    if errors:
+        entry["error"] = "; ".join(errors)
+    chosen = next((n for n, r in reports if r is median), 1)
+    entry["work_dir"] = str(outcomes[chosen - 1].work_dir)
+    if len(outcomes) > 1:
+        entry["median_round"] = chosen
+        entry["rounds"] = [{"round": n, "goodput": r.goodput, "wall_s": r.wall_s,
+                            "restart_s": r.badput.restart_s,
+                            "final_state": "ok" if outcomes[n - 1].final_ok else "bad"}
+                           for n, r in reports]
+    return entry, median
+
+
 def run(scenario: Scenario, out_dir: str | Path, progress: Callable[[str], None] = print
         ) -> dict[str, Any]:
-    """Run every contender of ``scenario`` in turn in ``out_dir/<slug>/``, then write
-    ``out_dir/report.json`` and the charts; return the report. Each contender's entry has, on
-    top of its goodput figures (:meth:`ContenderReport.to_json`), ``final_state``: ``"ok"``
-    when every rank of its last run ended with the right state, else ``"bad"`` (with
-    ``error`` where its job could not go on). ``progress`` gets a line per thing that
-    happens, then the summary table."""
+    """Run every contender of ``scenario`` in ``out_dir/<slug>/``, in turn, ``[supervisor]
+    repeat`` rounds (interleaved, so that a slower spell of the machine falls on every contender
+    alike), then write ``out_dir/report.json`` and the charts; return the report. Each
+    contender's entry is that of its median round (by goodput; with several rounds,
+    ``median_round`` says which, and ``rounds`` lists each round's goodput): its goodput figures
+    (:meth:`ContenderReport.to_json`) and ``final_state``: ``"ok"`` when every rank of the last
+    run of every round ended with the right state, else ``"bad"`` (with ``error`` where its job
+    could not go on). ``progress`` gets a line per thing that happens, then the summary
+    table."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work_dirs = _work_dirs(scenario, out)
     shm_root = _shm_root()
-    outcomes: list[ContenderOutcome] = []
+    rounds = scenario.supervisor.repeat
+    outcomes: list[list[ContenderOutcome]] = [[] for _ in scenario.contenders]
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, shm_root, ignore_errors=True)
         object_store = _object_store(scenario, progress)
         if object_store is not None:
             cleanup.callback(object_store.stop)
-        for contender, work_dir in zip(scenario.contenders, work_dirs):
-            shm_dir = shm_root / contender.slug
-            try:
-                outcomes.append(Supervisor(scenario, contender, work_dir, shm_dir, progress,
-                                           object_store).run())
-            finally:
-                shutil.rmtree(shm_dir, ignore_errors=True)
+        for round_no in range(1, rounds + 1):
+            for n, contender in enumerate(scenario.contenders):
+                shm_dir = shm_root / contender.slug
+                try:
+                    outcomes[n].append(Supervisor(
+                        scenario, contender, work_dirs[n][round_no - 1], shm_dir, progress,
+                        object_store, round_no).run())
+                finally:
+                    shutil.rmtree(shm_dir, ignore_errors=True)
     reports, entries = [], []
-    for outcome in outcomes:
-        report = _account(outcome)
+    for rounds_of_one in outcomes:
+        entry, report = _entry(rounds_of_one)
+        entries.append(entry)
         if report is not None:
             reports.append(report)
-        entry = report.to_json() if report is not None else {"name": outcome.name}
-        entry["final_state"] = "ok" if outcome.final_ok else "bad"
-        if outcome.error:
-            entry["error"] = outcome.error
-        entry["work_dir"] = str(outcome.work_dir)
-        entries.append(entry)
     # report_json's document, each contender's entry with its final state and work directory
     # added (and a contender whose job logged nothing still listed).
     document = {**report_json([], scenario.to_dict()), "contenders": entries}
@@ -144,10 +177,16 @@ def run(scenario: Scenario, out_dir: str | Path, progress: Callable[[str], None]
     charts = _draw(reports, out, progress) if reports else []
     if reports:
         progress(summary_table(reports))
-    for outcome in outcomes:
-        for outage in outcome.outages:
-            progress(f"  {outcome.name}: object-store-outage at step {outage['at_step']} for "
-                     f"{outage['duration_s']:g} s: the job went on (no restart)")
+    if rounds > 1:
+        progress(f"each line is the contender's median round of {rounds}; goodput per round:")
+        for entry in entries:
+            progress(f"  {entry['name']}: " + ", ".join(
+                f"{r['goodput']:.1%}" for r in entry.get("rounds", [])))
+    for rounds_of_one in outcomes:
+        for outage in rounds_of_one[-1].outages:
+            progress(f"  {rounds_of_one[-1].name}: object-store-outage at step "
+                     f"{outage['at_step']} for {outage['duration_s']:g} s: the job went on "
+                     f"(no restart)")
     for entry in entries:
         if entry["final_state"] != "ok":
             progress(f"{entry['name']}: final state BAD"

@@ -16,6 +16,7 @@ the file, the table and the key, and says how to fix it. The built-in scenario i
     [supervisor]
     restart_delay_s = 2   # the scheduler's delay between a failure and the restart
     timeout_s = 600       # the most one contender's job (all its runs) may take
+    repeat = 1            # rounds, interleaved; the report gives each contender's median one
 
     [[failure]]           # struck when rank 0 reports at_step; the same for every contender
     kind = "kill-rank"    # kill-rank | hang-rank (rank = ...) | lose-node (node = ...) |
@@ -96,6 +97,9 @@ class Supervisor:
 
     restart_delay_s: float = 2.0
     timeout_s: float = 600.0
+    #: rounds of the whole schedule: every contender runs once per round, interleaved (round 1
+    #: runs each in turn, then round 2...), and the report gives each contender's median round
+    repeat: int = 1
 
 
 @dataclass(frozen=True)
@@ -428,7 +432,8 @@ def _supervisor(source: str, data: Any) -> Supervisor:
     t = _Table(source, "[supervisor]", data, tuple(f.name for f in fields(Supervisor)))
     d = Supervisor()
     return Supervisor(restart_delay_s=t.number("restart_delay_s", d.restart_delay_s),
-                      timeout_s=t.number("timeout_s", d.timeout_s, positive=True))
+                      timeout_s=t.number("timeout_s", d.timeout_s, positive=True),
+                      repeat=t.integer("repeat", d.repeat, least=1))
 
 
 def _failure(source: str, index: int, data: Any, job: Job) -> Failure:

@@ -63,13 +63,15 @@ FINAL_OK = "FINAL OK"
 
 # --------------------------------------------------------------------------- the job's spec
 
-def bucket_name(contender: Contender) -> str:
-    """The object-store bucket of ``contender``'s ``s3`` tiers (a valid S3 bucket name)."""
-    return f"sim-{slug(contender.name)}"[:63].rstrip("-")
+def bucket_name(contender: Contender, round_no: int = 1) -> str:
+    """The object-store bucket of ``contender``'s ``s3`` tiers in round ``round_no`` of the
+    simulation (a valid S3 bucket name: a round never resumes from another's checkpoints)."""
+    base = f"sim-{slug(contender.name)}"[:56].rstrip("-")
+    return base if round_no == 1 else f"{base}-r{round_no}"
 
 
 def _tier_config(tier: Any, contender: Contender, job: Job, work_dir: Path, shm_dir: Path,
-                 object_store: Any = None) -> dict:
+                 object_store: Any = None, round_no: int = 1) -> dict:
     """One ``[[tier]]`` of the store: the scenario's tier at the simulator's own path."""
     node = "/{node}" if tier.node_local else ""
     where = shm_dir if tier.backend in ("memory", "peer") else work_dir
@@ -81,7 +83,7 @@ def _tier_config(tier: Any, contender: Contender, job: Job, work_dir: Path, shm_
     elif tier.backend == "s3":
         if object_store is None:
             raise ValueError(f"tier '{tier.name}' is on the object store, and none was started")
-        out["url"] = f"s3://{bucket_name(contender)}/{tier.name}"
+        out["url"] = f"s3://{bucket_name(contender, round_no)}/{tier.name}"
         out["options"] = object_store.storage_options()
     else:
         out["path"] = location
@@ -98,9 +100,10 @@ def _tier_config(tier: Any, contender: Contender, job: Job, work_dir: Path, shm_
 
 
 def job_spec(contender: Contender, job: Job, work_dir: Path, shm_dir: Path,
-             object_store: Any = None) -> JobSpec:
+             object_store: Any = None, round_no: int = 1) -> JobSpec:
     """The spec of ``contender``'s job running in ``work_dir`` (RAM tiers under ``shm_dir``;
-    ``s3`` tiers on ``object_store``, a started :class:`~tierstore_simulate.servers.SeaweedS3`)."""
+    ``s3`` tiers on ``object_store``, a started :class:`~tierstore_simulate.servers.SeaweedS3`)
+    in round ``round_no`` of the simulation."""
     events_log = str(work_dir / "events.jsonl")
     store = None
     stock_on_s3 = contender.kind != "tierstore" and contender.storage == "s3"
@@ -117,14 +120,14 @@ def job_spec(contender: Contender, job: Job, work_dir: Path, shm_dir: Path,
         if contender.mtbf_hours is not None:
             options["mtbf_hours"] = contender.mtbf_hours
         store = {"store": options,
-                 "tier": [_tier_config(t, contender, job, work_dir, shm_dir, object_store)
-                          for t in contender.tiers]}
+                 "tier": [_tier_config(t, contender, job, work_dir, shm_dir, object_store,
+                                       round_no) for t in contender.tiers]}
     return JobSpec(kind=contender.kind, steps=job.steps, step_s=job.step_s,
                    state_bytes=int(job.state_mib * 2**20), every=contender.every,
                    work_dir=str(work_dir), events_log=events_log,
                    emergency=contender.emergency, store=store,
                    shared_dir=str(work_dir / "shared") if store is None else None,
-                   shared_url=(f"s3://{bucket_name(contender)}/checkpoints"
+                   shared_url=(f"s3://{bucket_name(contender, round_no)}/checkpoints"
                                if stock_on_s3 else None),
                    storage_options=object_store.storage_options() if stock_on_s3 else None,
                    collective_timeout_s=job.collective_timeout_s, lazy=contender.lazy,
@@ -234,8 +237,9 @@ class Supervisor:
     """Runs one contender's job through the scenario's failures (see the module docstring)."""
 
     def __init__(self, scenario: Scenario, contender: Contender, work_dir: Path, shm_dir: Path,
-                 progress: Callable[[str], None] = print, object_store: Any = None):
-        self.scenario, self.contender = scenario, contender
+                 progress: Callable[[str], None] = print, object_store: Any = None,
+                 round_no: int = 1):
+        self.scenario, self.contender, self.round_no = scenario, contender, round_no
         self.job = scenario.job
         self.work_dir, self.shm_dir = work_dir.resolve(), shm_dir
         self.progress = progress
@@ -244,7 +248,8 @@ class Supervisor:
         #: when the object store, stopped by an outage, is to start again (monotonic)
         self.outage_ends: float | None = None
         self.outage_began = 0.0
-        self.spec = job_spec(contender, self.job, self.work_dir, shm_dir, object_store)
+        self.spec = job_spec(contender, self.job, self.work_dir, shm_dir, object_store,
+                             round_no)
         self.spec_path = self.work_dir / "job.json"
         # What a process of this job (a rank, or its torchrun) has among its arguments, and
         # nothing else on the machine has (a user's `tail -f` of a log has neither): the proof
@@ -255,8 +260,10 @@ class Supervisor:
         self.procs: list[subprocess.Popen] = []
 
     def say(self, message: str) -> None:
-        """One progress line, naming the contender."""
-        self.progress(f"[{self.contender.name}] {message}")
+        """One progress line, naming the contender (and the round, where there are several)."""
+        rounds = self.scenario.supervisor.repeat
+        where = f", round {self.round_no}/{rounds}" if rounds > 1 else ""
+        self.progress(f"[{self.contender.name}{where}] {message}")
 
     # -- the whole schedule ------------------------------------------------------------------
     def run(self) -> ContenderOutcome:
@@ -265,7 +272,7 @@ class Supervisor:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.spec.write(self.spec_path)
         if self.contender.uses_object_store:
-            self.object_store.make_bucket(bucket_name(self.contender))
+            self.object_store.make_bucket(bucket_name(self.contender, self.round_no))
         tail = EventsTail(self.outcome.events_log)
         pending = list(self.scenario.failures)
         deadline = time.monotonic() + self.scenario.supervisor.timeout_s

@@ -155,3 +155,31 @@ def test_a_load_that_fails_after_a_fallback_puts_back_what_the_fallback_wrote(sa
         with pytest.raises((tierstore.IntegrityError, CheckpointException), match=files[-1]):
             dcp.load(dest, storage_reader=store.reader(), checkpoint_id=CID)
     assert_bitwise_equal(dest, before)
+
+
+@pytest.mark.parametrize("ranks_on_node", [1, 64])
+def test_a_load_reads_in_no_more_threads_than_its_share_of_the_cpus(saved, monkeypatch,
+                                                                    ranks_on_node):
+    """Reading from RAM and checking digests is CPU work: a rank whose node runs more ranks
+    than it has CPUs reads in one thread, not in ``io_threads`` that take turns with the other
+    ranks' (the load is still whole and bitwise right)."""
+    import os
+
+    from tierstore.dcp import reader as reader_module
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks_on_node))
+    pools: list[int] = []
+
+    class RecordingPool(reader_module.ThreadPoolExecutor):
+        def __init__(self, workers, *args, **kwargs):
+            pools.append(workers)
+            super().__init__(workers, *args, **kwargs)
+
+    monkeypatch.setattr(reader_module, "ThreadPoolExecutor", RecordingPool)
+    got = state(2)
+    with tierstore.open(saved.config(4)) as store:
+        dcp.load(got, storage_reader=store.reader(), checkpoint_id=CID)
+    assert_bitwise_equal(got, state(1))
+    share = max(1, len(os.sched_getaffinity(0)) // ranks_on_node)
+    workers = min(4, share, len(saved.files("fast")))
+    assert pools == ([workers] if workers > 1 else []), (pools, share)

@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", nargs="?", help="scenario TOML (default: the built-in one)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="where report.json, the charts and each contender's files go")
+    p.add_argument("--repeat", type=int, metavar="N",
+                   help="rounds of every contender, interleaved; the report gives each one's "
+                        "median round (default: the scenario's [supervisor] repeat, else 1)")
     p.set_defaults(fn=_simulate)
     return parser
 

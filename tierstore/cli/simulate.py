@@ -1,12 +1,14 @@
 """``tierstore simulate [SCENARIO.toml] --out DIR``: a real training job under real failures
 (a killed or hung rank, a lost node, a preemption, an object-store outage), restarted after
-each, once per contender (stock DCP, tierstore), and its goodput: DIR gets ``report.json``,
+each, once per contender (stock DCP, tierstore; ``--repeat N`` rounds, interleaved, reporting
+each contender's median round), and its goodput: DIR gets ``report.json``,
 ``timeline.png``, ``goodput.png`` and a work directory per contender; stdout a line per event
 and a summary (with --json: progress on stderr, the report on stdout)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -24,6 +26,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     as_json = getattr(args, "json", False)
     try:
         scenario = load_scenario(args.scenario)
+        repeat = getattr(args, "repeat", None)
+        if repeat is not None:
+            if repeat < 1:
+                raise ScenarioError(f"--repeat is {repeat}; it must be at least 1")
+            scenario = dataclasses.replace(
+                scenario, supervisor=dataclasses.replace(scenario.supervisor, repeat=repeat))
         report = run(scenario, args.out, progress=_printer(as_json))
     except ScenarioError as exc:
         print(f"tierstore: error: {exc}", file=sys.stderr)

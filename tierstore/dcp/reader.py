@@ -276,7 +276,9 @@ class TierstoreReader(StorageReader):
         # cheaply (streams) are read once, with the old bytes of their destinations kept: any
         # failure puts back every tensor the load was read into (LoadUndo).
         undo = LoadUndo()
-        workers = min(ctx.config.io_threads, max(1, len(per_file)))
+        # Reading from RAM and checking digests is CPU work: more threads than this rank's
+        # share of the node's CPUs only take turns with the other ranks' (and slow them).
+        workers = min(ctx.config.io_threads, ctx.job.cpu_share(), max(1, len(per_file)))
         pool = (ThreadPoolExecutor(workers, thread_name_prefix="tierstore-read")
                 if workers > 1 else None)
 

@@ -158,7 +158,8 @@ def _nodes(world_size: int, ranks_per_node: int) -> int:
 
 def _contexts(world: int, per_node: int) -> list[RankContext]:
     """Every rank of a job of ``world`` ranks, ``per_node`` per node."""
-    return [RankContext(rank=r, local_rank=r % per_node, node=r // per_node, world_size=world)
+    return [RankContext(rank=r, local_rank=r % per_node, node=r // per_node, world_size=world,
+                        local_world_size=per_node)
             for r in range(world)]
 
 

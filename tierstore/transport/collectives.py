@@ -31,12 +31,24 @@ _ROLL_CALL_S = 30.0
 
 @dataclass(frozen=True)
 class RankContext:
-    """Rank, local rank, node index (torchrun's GROUP_RANK) and world size of this process."""
+    """Rank, local rank, node index (torchrun's GROUP_RANK), world size of this process, and how
+    many ranks share its node (torchrun's LOCAL_WORLD_SIZE)."""
 
     rank: int = 0
     local_rank: int = 0
     node: int = 0
     world_size: int = 1
+    local_world_size: int = 1
+
+    def cpu_share(self) -> int:
+        """The CPUs this process may use, divided among the ranks of its node (at least 1): how
+        many threads of CPU-bound work (checking and copying bytes) it can run without taking
+        time from the other ranks."""
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cpus = os.cpu_count() or 1
+        return max(1, cpus // max(1, self.local_world_size))
 
     def placeholders(self) -> dict[str, int]:
         """Values for ``{rank}``, ``{local_rank}`` and ``{node}`` in tier paths."""
@@ -60,7 +72,8 @@ def rank_context(process_group: Any = None) -> RankContext:
         rank = _env_int("RANK", 0)
         world = _env_int("WORLD_SIZE", 1)
     return RankContext(rank=rank, local_rank=_env_int("LOCAL_RANK", 0),
-                       node=_env_int("GROUP_RANK", 0), world_size=world)
+                       node=_env_int("GROUP_RANK", 0), world_size=world,
+                       local_world_size=_env_int("LOCAL_WORLD_SIZE", 1))
 
 
 def make_store_group(process_group: Any = None, timeout: float | None = None) -> Any:
