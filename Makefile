@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test gpu-test faults bench clean
+.PHONY: demo test gpu-test faults bench docs clean
 
 # torch first, pinned: a bare `torch` requirement would pull several GB of CUDA wheels.
 $(VENV)/.torch:
@@ -24,8 +24,18 @@ $(VENV)/.installed-test: $(VENV)/.installed examples/tierstore-example-plugin/py
 	$(PY) -m pip install --quiet -e examples/tierstore-example-plugin
 	touch $@
 
+$(VENV)/.installed-docs: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $@
+
 demo: $(VENV)/.installed
 	$(PY) -m tierstore.demo
+
+# The documentation site, into site/. --strict: a broken link, anchor or API reference fails it
+# (tests/test_docs.py builds it the same way in `make test`). NO_MKDOCS_2_WARNING silences the
+# Material theme's banner about its own end of life, which says nothing about these pages.
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # Two workers (one per core of the CI machine), each with its own servers (tests/conftest.py);
 # worksteal evens out the long multi-rank tests. The slowest tests are listed at the end.
@@ -51,4 +61,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/replication.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -64,8 +64,8 @@ def test_every_ranks_wait_covers_the_drains_of_the_last_save(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["lazy", "lazy-budget"])
 def test_the_recipe_with_lazy_staging_and_the_optimizer_hook_restores_bitwise(tmp_path, mode):
-    """The recipe as the README's lazy training loop writes it: ``lazy = true`` and
-    ``store.hook_optimizer(optimizer)``, no other wait for the staging (the next step's forward
+    """The recipe as the lazy training loop of docs/async-saves.md writes it: ``lazy = true``
+    and ``store.hook_optimizer(optimizer)``, no other wait for the staging (the next step's forward
     and backward run while the state is copied), and with a budget of a quarter of a rank's
     state (waves spilled to "ram"). Every checkpoint holds the state of its own step."""
     root = tmp_path / "tiers"

@@ -5,8 +5,9 @@ argv: ROOT [MODE]. ROOT holds the tier roots. MODE "recipe" (the default) or "sl
 same job with the drain of the last checkpoint to "disk" slowed down (1 s before its commit, as a
 slow disk or object store would), which makes every rank check ``store.list()`` right after its
 own ``store.wait()`` (see the test module). "lazy": lazy staging, with the optimizer hooked to
-the store (``store.hook_optimizer``) and no other wait for the staging, as the README's training
-loop; "lazy-budget": the same with ``max_staging_bytes`` a quarter of a rank's state (waves).
+the store (``store.hook_optimizer``) and no other wait for the staging, as the training loop of
+docs/async-saves.md; "lazy-budget": the same with ``max_staging_bytes`` a quarter of a rank's
+state (waves).
 
 The recipe (recipes_source/distributed_async_checkpoint_recipe.rst) with FSDP2
 (``fully_shard``) instead of FSDP1: its ToyModel and Adam, 10 training steps, ``dcp.async_save``

@@ -235,7 +235,7 @@ def load_source(config: Any) -> tuple[dict[str, Any], ConfigSource]:
         if not str(config).strip() or "\0" in str(config):
             raise ConfigError(
                 f"config file name {str(config)!r} is empty or holds a NUL character; pass the "
-                f"path of a TOML file (see README 'Configuration') or a dict of the same shape"
+                f"path of a TOML file (see docs/configuration.md) or a dict of the same shape"
             )
         path = Path(config)
         try:
@@ -243,7 +243,7 @@ def load_source(config: Any) -> tuple[dict[str, Any], ConfigSource]:
         except FileNotFoundError:
             raise ConfigError(
                 f"config file {str(path)!r} does not exist; pass the path of a TOML file "
-                f"(see README 'Configuration') or a dict of the same shape"
+                f"(see docs/configuration.md) or a dict of the same shape"
             ) from None
         except OSError as exc:
             raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None

@@ -293,7 +293,7 @@ def validate_table(
         if isinstance(value, float) and math.isnan(value):
             raise ConfigError(
                 f"{where}: {owner}: key '{opt.name}' is nan, which is no number; write a "
-                f"{opt.type_name()} ({opt.description or 'see README Configuration'})."
+                f"{opt.type_name()} ({opt.description or 'see docs/configuration.md'})."
             )
         if opt.choices is not None and value not in opt.choices:
             raise ConfigError(
