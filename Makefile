@@ -3,6 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
+# torchtitan for tests/test_torchtitan.py, without its dependencies, which are its trainer's
+# (datasets, wandb, tensorboard, tokenizers, ...): heavy, and datasets would downgrade the fsspec
+# (and with it s3fs and gcsfs) that the object-store tests use. What its checkpoint manager and
+# optimizer containers import comes instead. A job running torchtitan's trainer has all of them
+# already and installs tierstore[torchtitan].
+TORCHTITAN_VERSION := 0.3.0
+TORCHTITAN_TEST_DEPS := 'tyro>=1,<2' spmd-types==0.2.3
 
 .PHONY: demo test gpu-test faults bench docs clean
 
@@ -22,6 +29,8 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 $(VENV)/.installed-test: $(VENV)/.installed examples/tierstore-example-plugin/pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet -e examples/tierstore-example-plugin
+	$(PY) -m pip install --quiet $(TORCHTITAN_TEST_DEPS)
+	$(PY) -m pip install --quiet --no-deps torchtitan==$(TORCHTITAN_VERSION)
 	touch $@
 
 $(VENV)/.installed-docs: $(VENV)/.installed pyproject.toml
