@@ -1,0 +1,353 @@
+"""Lightning training runs for tests/test_lightning.py, under torchrun (2 ranks, CPU, gloo).
+
+    torchrun ... lightning_worker.py ROOT RUN [RUN ...]
+
+Each RUN is one training job of a tiny MLP (Adam, a synthetic dataset of 16 rows, 2 batches of 4
+per rank and epoch, 8 steps), run one after the other in this process, each from the same seed:
+
+- ``tierstore``: the Trainer with tierstore's ModelParallelStrategy (FSDP2 ``fully_shard`` in
+  ``configure_model``), a RAM tier and a disk tier, ``ModelCheckpoint(every_n_train_steps=2,
+  save_last="link")`` and a second one keeping the best 2 by ``train_loss``; writes its
+  ``best_k_models`` to ROOT/tierstore/best.json.
+- ``killed``: the same job into ROOT/killed, with ``save_last=True`` (a second save of every
+  checkpoint as ``last.ckpt``) and lazy staging; rank 1 kills itself with
+  SIGKILL while writing its file of ``last.ckpt`` at step 6 (a tierstore phase hook of this
+  module, below), after ``epoch=2-step=6.ckpt`` committed. The job does not finish.
+- ``resumed``: the same job again into ROOT/killed, with ``ckpt_path="last"``.
+- ``default``: Lightning's own ModelParallelStrategy (DCP to a directory), same callbacks.
+- ``fsdp1-half``, ``fsdp1-resumed``, ``fsdp1-default``: FSDPStrategy (FSDP1, wrapped in
+  ``configure_model`` with ``device_id=cpu``, since Lightning's own wrapping needs an accelerator)
+  to step 4 with tierstore, then resumed from "last" to step 8; and Lightning's own.
+- ``fabric``: Fabric's ModelParallelStrategy and FSDPStrategy from tierstore: save at steps 2 and
+  4, load the newest into freshly made objects, compare.
+- ``refusals``: the strategies refuse the modes that gather the whole state on rank 0.
+
+Every finished Trainer run writes its rank's final parameters and Adam state (local shards) to
+ROOT/<run>-rank<r>.pt, which the test compares byte for byte, and the step it started from to
+ROOT/<run>-start.json. A line with MISMATCH says what a run found wrong.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tierstore
+from tierstore import Phase
+
+STEPS = 8
+EVERY = 2
+
+
+# --------------------------------------------------------------------------- faults
+# This module is also a tierstore plugin ([store] plugins = ["lightning_worker"], or
+# "scripts.lightning_worker" from a test's own process). KILL_ENV = "<id>:<n>": rank 1 kills
+# itself with SIGKILL while writing its file of the n-th save of checkpoint <id>. FAIL_ENV =
+# "<id>": writing a file of <id> fails, on every rank.
+KILL_ENV = "LIGHTNING_WORKER_KILL_AT"
+FAIL_ENV = "LIGHTNING_WORKER_FAIL_AT"
+_saves_begun: dict[str, int] = {}
+
+
+@tierstore.hookimpl
+def tierstore_phase(phase, checkpoint_id, tier, rank, detail):
+    if phase == Phase.SAVE_BEGIN:
+        _saves_begun[checkpoint_id] = _saves_begun.get(checkpoint_id, 0) + 1
+    if phase != Phase.WRITE_FILE:
+        return
+    if checkpoint_id == os.environ.get(FAIL_ENV):
+        raise OSError(f"{FAIL_ENV}: writing {checkpoint_id} fails")
+    kill_id, _, nth = os.environ.get(KILL_ENV, "").partition(":")
+    if rank == 1 and checkpoint_id == kill_id and _saves_begun.get(kill_id) == int(nth or 1):
+        print(f"RANK 1 KILLED writing save {nth} of {checkpoint_id}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- the job
+
+def tiers(root: str, *, kill: bool = False, lazy: bool = False) -> dict:
+    """A RAM tier and a disk tier under ``root``; ``last.ckpt`` is saved again at every save,
+    hence overwrite. ``lazy``: lazy staging (``async_save`` returns before the copy; the
+    strategy's optimizer hook makes the step wait for it)."""
+    store: dict = {"overwrite": True}
+    if kill:
+        store["plugins"] = ["lightning_worker"]
+    if lazy:
+        store["staging"] = {"name": "cpu", "lazy": True}
+    return {"store": store, "tier": [
+        {"name": "ram", "backend": "memory", "path": f"{root}/ram", "keep": 2},
+        {"name": "disk", "backend": "local", "path": f"{root}/disk", "keep": 3},
+    ]}
+
+
+def data():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(1234)
+    x, y = torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+
+
+def lightning_module(sharding: str):
+    import pytorch_lightning as pl
+
+    class Net(pl.LightningModule):
+        def __init__(self, width: int = 32):
+            super().__init__()
+            self.save_hyperparameters()
+            self.layers = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width),
+                                        nn.ReLU(), nn.Linear(width, 4))
+
+        def configure_model(self):
+            if sharding == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.layers:
+                    if isinstance(layer, nn.Linear):
+                        fully_shard(layer, mesh=mesh)
+                fully_shard(self.layers, mesh=mesh)
+            elif not isinstance(self.layers, FSDP1):
+                self.layers = FSDP1(self.layers, device_id=torch.device("cpu"),
+                                    use_orig_params=True)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.layers(x), y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    return Net()
+
+
+def final_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's parameters and Adam state, local shards, by parameter name."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    names = {p: n for n, p in module.named_parameters()}
+    out = {f"param.{n}": local(p) for n, p in module.named_parameters()}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            out[f"optim.{names[p]}.{key}"] = local(value)
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and every byte (NaNs and -0.0 included)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def record(root: str, run: str):
+    """A callback writing what the test checks: the step training starts from (rank 0) and,
+    at the end, this rank's final state."""
+    import pytorch_lightning as pl
+
+    rank = int(os.environ["RANK"])  # set by torchrun; the process group comes with fit
+
+    class Record(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            if rank == 0:
+                with open(f"{root}/{run}-start.json", "w") as f:
+                    json.dump({"global_step": trainer.global_step}, f)
+
+        def on_train_end(self, trainer, pl_module):
+            torch.save(final_state(pl_module, trainer.optimizers[0]),
+                       f"{root}/{run}-rank{rank}.pt")
+
+    return Record()
+
+
+def train(root: str, run: str, strategy, dirpath: str, *, ckpt_path=None, max_steps=STEPS,
+          monitor: bool = False, save_last: bool | str = True) -> object:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    pl.seed_everything(7, verbose=False)
+    callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=EVERY, save_top_k=-1,
+                                 save_last=save_last)]
+    if monitor:
+        callbacks.append(ModelCheckpoint(dirpath=dirpath, every_n_train_steps=EVERY,
+                                         save_top_k=2, monitor="train_loss",
+                                         filename="best-{step}"))
+    callbacks.append(record(root, run))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
+                         callbacks=callbacks, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, default_root_dir=root)
+    sharding = "fsdp1" if run.startswith("fsdp1") else "fsdp2"
+    trainer.fit(lightning_module(sharding), train_dataloaders=data(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def model_parallel(tiered: dict | None):
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    from tierstore.integrations.lightning import ModelParallelStrategy as Tiered
+
+    if tiered is None:
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    return Tiered(tiers=tiered, data_parallel_size=2, tensor_parallel_size=1)
+
+
+def fsdp1(tiered: dict | None):
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    from tierstore.integrations.lightning import FSDPStrategy as Tiered
+
+    if tiered is None:
+        # Lightning refuses its FSDPStrategy without an accelerator, by its exact type: a
+        # subclass with nothing else changed runs it on the CPU.
+        class CpuFSDPStrategy(FSDPStrategy):
+            pass
+
+        return CpuFSDPStrategy(state_dict_type="sharded")
+    return Tiered(tiers=tiered)
+
+
+def run_one(root: str, run: str) -> None:
+    if run == "tierstore":
+        trainer = train(root, run, model_parallel(tiers(f"{root}/tierstore")),
+                        f"{root}/tierstore/checkpoints", monitor=True, save_last="link")
+        if int(os.environ["RANK"]) == 0:
+            best = trainer.checkpoint_callbacks[1].best_k_models
+            with open(f"{root}/tierstore/best.json", "w") as f:
+                json.dump(sorted(best), f)
+    elif run == "killed":
+        os.environ[KILL_ENV] = "last:3"  # last.ckpt's save at step 6
+        train(root, run, model_parallel(tiers(f"{root}/killed", kill=True, lazy=True)),
+              f"{root}/killed/checkpoints")
+    elif run == "resumed":
+        train(root, run, model_parallel(tiers(f"{root}/killed", lazy=True)),
+              f"{root}/killed/checkpoints",
+              ckpt_path="last")
+    elif run == "default":
+        train(root, run, model_parallel(None), f"{root}/default/checkpoints")
+    elif run == "fsdp1-half":
+        train(root, run, fsdp1(tiers(f"{root}/fsdp1")), f"{root}/fsdp1/checkpoints",
+              max_steps=STEPS // 2)
+    elif run == "fsdp1-resumed":
+        train(root, run, fsdp1(tiers(f"{root}/fsdp1")), f"{root}/fsdp1/checkpoints",
+              ckpt_path="last")
+    elif run == "fsdp1-default":
+        train(root, run, fsdp1(None), f"{root}/fsdp1-default/checkpoints")
+    elif run == "fabric":
+        fabric_runs(root)
+    elif run == "refusals":
+        refusals()
+    else:
+        raise SystemExit(f"unknown run {run!r}")
+
+
+# --------------------------------------------------------------------------- Fabric
+
+def fabric_runs(root: str) -> None:
+    """Fabric's two strategies: save at steps 2 and 4, load the newest into fresh objects."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.distributed.fsdp import fully_shard
+
+    from tierstore.integrations.lightning.fabric import FSDPStrategy, ModelParallelStrategy
+
+    def parallelize(model, mesh):
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh["data_parallel"])
+        return fully_shard(model, mesh=mesh["data_parallel"])
+
+    def mlp():
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    kinds = {
+        "fabric-fsdp2": (lambda t: ModelParallelStrategy(parallelize, tiers=t,
+                                                         data_parallel_size=2,
+                                                         tensor_parallel_size=1), mlp),
+        "fabric-fsdp1": (lambda t: FSDPStrategy(tiers=t),
+                         lambda: FSDP1(mlp(), device_id=torch.device("cpu"),
+                                       use_orig_params=True)),
+    }
+    from lightning_fabric import Fabric
+
+    for name, (strategy, make) in kinds.items():
+        torch.manual_seed(0)
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy(tiers(f"{root}/{name}")))
+        fabric.launch()
+        model = fabric.setup_module(make())
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+        dirpath = f"{root}/{name}/checkpoints"
+        for step in range(1, 5):
+            x = torch.randn(4, 16)
+            loss = model(x).square().mean()
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 2 == 0:
+                fabric.save(f"{dirpath}/step={step}.ckpt",
+                            {"model": model, "optimizer": optimizer, "step": step,
+                             "notes": {"empty": {}, 3: "int key"}})
+        want = final_state(model, optimizer)
+        newest_path = fabric.strategy.latest_checkpoint(dirpath)
+        torch.manual_seed(1)  # other initial values, which the load must replace
+        model2 = fabric.setup_module(make())
+        optimizer2 = fabric.setup_optimizers(torch.optim.Adam(model2.parameters(), lr=1e-2))
+        state = {"model": model2, "optimizer": optimizer2, "step": 0}
+        rest = fabric.load(newest_path, state)
+        got = final_state(model2, optimizer2)
+        problems = [k for k in want if k in got and not same_bytes(want[k], got[k])]
+        if newest_path != f"{dirpath}/step=4.ckpt" or state["step"] != 4 or problems or set(want) != set(got) \
+                or rest != {"notes": {"empty": {}, 3: "int key"}}:
+            print(f"MISMATCH {name}: newest={newest_path} step={state['step']} rest={rest} "
+                  f"differ={problems} keys={sorted(set(want) ^ set(got))}", flush=True)
+        fabric.strategy.teardown()
+
+
+def refusals() -> None:
+    """Each strategy refuses the mode that gathers the whole state into one file on rank 0."""
+    from tierstore.integrations.lightning import fabric, trainer
+
+    modes = [(trainer.ModelParallelStrategy, {"save_distributed_checkpoint": False}),
+             (trainer.FSDPStrategy, {"state_dict_type": "full"}),
+             (fabric.ModelParallelStrategy, {"parallelize_fn": lambda m, d: m,
+                                             "save_distributed_checkpoint": False}),
+             (fabric.FSDPStrategy, {"state_dict_type": "full"})]
+    for cls, kwargs in modes:
+        try:
+            cls(tiers={"tier": []}, **kwargs)
+        except ValueError as exc:
+            if "saves each rank's shard through DCP" not in str(exc):
+                print(f"MISMATCH {cls.__module__}.{cls.__name__}: {exc}", flush=True)
+        else:
+            print(f"MISMATCH {cls.__module__}.{cls.__name__}({kwargs}) was accepted", flush=True)
+
+
+def main() -> int:
+    warnings.filterwarnings("ignore")
+    # A rank stuck in a collective prints every thread's stack and ends, before the test's own
+    # timeout would end it with nothing to show.
+    faulthandler.dump_traceback_later(150, exit=True)
+    root, runs = sys.argv[1], sys.argv[2:]
+    for run in runs:
+        run_one(root, run)
+    return 0
+
+
+if __name__ == "__main__":
+    from worker_common import run_worker
+
+    problems: list[str] = []
+    run_worker(main, problems, "PROBLEM")

@@ -1,0 +1,141 @@
+"""The Trainer's strategies (``pytorch_lightning``) checkpointing through tierstore.
+
+What changes against Lightning's own ``ModelParallelStrategy`` and ``FSDPStrategy`` with
+sharded checkpoints is where the bytes go and what waits for them:
+
+- ``save_checkpoint`` gives ``dcp.async_save`` the same module and optimizer states as Lightning
+  (``"state_dict"``, resp. ``"model"``, and ``"optimizer_<i>"``), plus the rest of Lightning's
+  checkpoint dictionary, which Lightning pickles into ``meta.pt`` on rank 0
+  (:mod:`~tierstore.integrations.lightning.record`), through the store's writer; it returns once
+  the state is staged. At Lightning's path, a pointer file appears once the checkpoint has
+  committed (:mod:`~tierstore.integrations.lightning.pointers`).
+- ``load_checkpoint`` reads through the store's reader. A path Lightning resolved for
+  ``ckpt_path="last"`` (``last.ckpt``, ``last-v1.ckpt``: ``ModelCheckpoint``'s last name) loads
+  the store's newest complete checkpoint, ``store.latest()``; any other path loads the
+  checkpoint its name maps to (:mod:`~tierstore.integrations.lightning.paths`).
+- ``ModelCheckpoint``: a checkpoint in the top-k of a checkpoint callback with a ``monitor`` is
+  pinned, so that no tier's ``keep`` evicts it; when Lightning removes a checkpoint
+  (``remove_checkpoint``), it is unpinned and its pointer file removed, and ``keep`` evicts it in
+  its turn. Checkpoints kept for recency only are ``keep``'s alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies import FSDPStrategy as _FSDPStrategy
+from pytorch_lightning.strategies import ModelParallelStrategy as _ModelParallelStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+
+from tierstore.integrations.lightning.paths import checkpoint_id
+from tierstore.integrations.lightning.record import KEY, pack
+from tierstore.integrations.lightning.strategy import StoreStrategy, argument, optimizer_key
+
+__all__ = ["ModelParallelStrategy", "FSDPStrategy"]
+
+
+class _TrainerStrategy(StoreStrategy):
+    """The Trainer's checkpoint hooks, shared by both strategies (which differ in the key of the
+    module's state, as Lightning's own do)."""
+
+    #: where Lightning's own strategy puts the module's state in the DCP state
+    _module_key: str
+    lightning_module: Any
+    model: Any
+    optimizers: list
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        """Start saving Lightning's ``checkpoint`` for ``filepath`` into the store; returns once
+        it is staged (every rank calls it)."""
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` "
+                            f"is not supported: checkpoints go to the tierstore store, whose "
+                            f"tiers are configured in its TOML")
+        path = self._agree_on_path(filepath)
+        state: dict[str, Any] = {self._module_key: checkpoint.pop("state_dict")}
+        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[optimizer_key(index)] = optimizer_state
+        if self.global_rank == 0:
+            state[KEY] = pack(checkpoint)
+        self._save(state, path, pin=self._kept_for_a_metric(path), optimizers=self.optimizers)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
+                        ) -> dict[str, Any]:
+        """Restore the module (and, when fitting, the optimizers) from the checkpoint
+        ``checkpoint_path`` stands for; return the rest of Lightning's checkpoint.
+        ``weights_only`` is not used: non-tensor values are always read with the store's rules
+        (torch's ``weights_only`` allow-list and ``[store] trusted_pickles``)."""
+        path = os.fspath(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
+        cid = self._latest(path) if self._is_last(path) else checkpoint_id(path)
+        module = self.lightning_module
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = ({optimizer_key(i): o for i, o in enumerate(self.optimizers)}
+                      if fitting else {})
+        return self._load(cid, self.model, optimizers, self._module_key, module.strict_loading)
+
+    def _checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        trainer = self.lightning_module.trainer
+        return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+
+    def _is_last(self, path: str) -> bool:
+        """Whether ``path`` is a name Lightning resolves ``ckpt_path="last"`` to: a checkpoint
+        callback's last name (the same pattern as ``ModelCheckpoint._find_last_checkpoints``)."""
+        stem, extension = os.path.splitext(os.path.basename(path))
+        if extension != ModelCheckpoint.FILE_EXTENSION:
+            return False
+        names = {cb.CHECKPOINT_NAME_LAST for cb in self._checkpoint_callbacks()}
+        names = names or {ModelCheckpoint.CHECKPOINT_NAME_LAST}
+        return any(re.match(rf"^{re.escape(name)}(-(\d+))?", stem) for name in names if name)
+
+    def _pins(self) -> bool:
+        return any(cb.monitor is not None for cb in self._checkpoint_callbacks())
+
+    def _kept_for_a_metric(self, path: str) -> bool:
+        """Whether ``path`` is in the top-k of a checkpoint callback ranking by a ``monitor``
+        (Lightning keeps it for its score, whatever its age: it is pinned)."""
+        return any(cb.monitor is not None and path in cb.best_k_models
+                   for cb in self._checkpoint_callbacks())
+
+
+class ModelParallelStrategy(_TrainerStrategy, _ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism, set up in
+    ``LightningModule.configure_model``) with its checkpoints in a tierstore store.
+
+    ``tiers``: the path of a tierstore TOML file, or a dict of the same shape; every other
+    argument is the parent's. ``save_distributed_checkpoint=False`` (one file gathered on rank
+    0) is refused: each rank's shard goes to the store.
+    """
+
+    _module_key = "state_dict"
+
+    def __init__(self, *args: Any, tiers: str | os.PathLike | dict, **kwargs: Any) -> None:
+        if argument(_ModelParallelStrategy, args, kwargs, "save_distributed_checkpoint",
+                    True) is not True:
+            raise ValueError(
+                "tierstore's ModelParallelStrategy saves each rank's shard through DCP: "
+                "save_distributed_checkpoint=False (the whole state gathered into one file on "
+                "rank 0) is what it replaces; leave it out")
+        super().__init__(*args, tiers=tiers, **kwargs)
+
+
+class FSDPStrategy(_TrainerStrategy, _FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1) with its checkpoints in a tierstore store.
+
+    ``tiers``: the path of a tierstore TOML file, or a dict of the same shape; every other
+    argument is the parent's, but ``state_dict_type``, which is ``"sharded"`` (each rank saves
+    its shard): ``"full"``, the whole state gathered into one file on rank 0, is refused.
+    """
+
+    _module_key = "model"
+
+    def __init__(self, *args: Any, tiers: str | os.PathLike | dict,
+                 state_dict_type: str = "sharded", **kwargs: Any) -> None:
+        if state_dict_type != "sharded":
+            raise ValueError(
+                f"tierstore's FSDPStrategy saves each rank's shard through DCP: "
+                f"state_dict_type={state_dict_type!r} is not supported, only 'sharded'")
+        super().__init__(*args, tiers=tiers, state_dict_type=state_dict_type, **kwargs)
