@@ -34,6 +34,9 @@ LONGEST_FIRST = (
     "tests/test_peer.py::test_a_lost_node_comes_back_from_its_peers[ring]",
     "tests/test_hangs.py::test_a_lost_rank_is_named_instead_of_waited_for[latest-hung]",
     "tests/test_multirank.py::test_two_ranks_save_and_load_bitwise",
+    "tests/test_torchtitan.py::test_a_rank_killed_mid_run_resumes_bitwise_and_trains_as",
+    "tests/test_lightning.py::test_a_trainer_killed_mid_run_resumes_from_the_newest_checkpoint",
+    "tests/test_lightning.py::test_fsdp1_and_fabric_strategies_checkpoint_through_the_store",
 )
 
 
