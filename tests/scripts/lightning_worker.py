@@ -10,9 +10,9 @@ per rank and epoch, 8 steps), run one after the other in this process, each from
   save_last="link")`` and a second one keeping the best 2 by ``train_loss``; writes its
   ``best_k_models`` to ROOT/tierstore/best.json.
 - ``killed``: the same job into ROOT/killed, with ``save_last=True`` (a second save of every
-  checkpoint as ``last.ckpt``) and lazy staging; rank 1 kills itself with
-  SIGKILL while writing its file of ``last.ckpt`` at step 6 (a tierstore phase hook of this
-  module, below), after ``epoch=2-step=6.ckpt`` committed. The job does not finish.
+  checkpoint as ``last.ckpt``) and lazy staging; rank 1 kills itself with SIGKILL while writing
+  its file of ``last.ckpt`` at step 6 (a tierstore phase hook of this module, below), after
+  ``epoch=2-step=6.ckpt`` committed. The job does not finish.
 - ``resumed``: the same job again into ROOT/killed, with ``ckpt_path="last"``.
 - ``default``: Lightning's own ModelParallelStrategy (DCP to a directory), same callbacks.
 - ``fsdp1-half``, ``fsdp1-resumed``, ``fsdp1-default``: FSDPStrategy (FSDP1, wrapped in
@@ -338,8 +338,8 @@ def refusals() -> None:
 def main() -> int:
     warnings.filterwarnings("ignore")
     # A rank stuck in a collective prints every thread's stack and ends, before the test's own
-    # timeout would end it with nothing to show.
-    faulthandler.dump_traceback_later(150, exit=True)
+    # timeout (200 s a launch) would end it with nothing to show.
+    faulthandler.dump_traceback_later(190, exit=True)
     root, runs = sys.argv[1], sys.argv[2:]
     for run in runs:
         run_one(root, run)
