@@ -58,3 +58,10 @@ def test_layouts_a_job_cannot_use_are_refused_before_anything_is_written(tmp_pat
     assert "tier 'slow' has a directory per group of ranks [[0], [1]], but the faster tier " \
            "'fast' is shared by every rank" in out and "list node-local tiers first" in out
     assert not (tmp_path / "t").exists(), "opening a store must not write anything"
+
+
+def test_latest_during_an_async_save_waits_for_it_instead_of_deadlocking(tmp_path):
+    """``store.latest()`` right after ``dcp.async_save(process_group=store.process_group)``:
+    both use the store's group (the save in DCP's thread); latest waits for the save and names
+    it, on every rank, every time."""
+    run_torchrun("latest_during_save_worker.py", tmp_path / "t", timeout=90)

@@ -182,8 +182,11 @@ class Store:
     def latest(self) -> str | None:
         """Newest checkpoint this job can load (every rank's files and DCP's ``.metadata`` on
         some tier). Under torch.distributed a collective: every rank calls it, all get the
-        same answer."""
+        same answer. Waits first for a save of this store in flight: an ``async_save``'s
+        collectives run on the same group in DCP's thread, and interleaved with this one they
+        would wait for each other until the collective timeout."""
         self._check_open()
+        self._ledger.slot.wait_idle()
         return self._catalog.latest()
 
     def list(self) -> list[CheckpointInfo]:
