@@ -25,8 +25,8 @@ from torch.optim import Optimizer
 
 from tierstore.integrations.lightning.paths import checkpoint_id
 from tierstore.integrations.lightning.record import KEY, pack
-from tierstore.integrations.lightning.strategy import (StoreStrategy, argument,
-                                                       module_state, optimizer_state)
+from tierstore.integrations.lightning.strategy import (StoreStrategy, argument, module_state,
+                                                       optimizer_state, refuse_gathered_saves)
 
 __all__ = ["ModelParallelStrategy", "FSDPStrategy"]
 
@@ -127,12 +127,7 @@ class ModelParallelStrategy(_FabricStrategy, _ModelParallelStrategy):
     """
 
     def __init__(self, *args: Any, tiers: str | os.PathLike | dict, **kwargs: Any) -> None:
-        if argument(_ModelParallelStrategy, args, kwargs, "save_distributed_checkpoint",
-                    True) is not True:
-            raise ValueError(
-                "tierstore's ModelParallelStrategy saves each rank's shard through DCP: "
-                "save_distributed_checkpoint=False (the whole state gathered into one file on "
-                "rank 0) is what it replaces; leave it out")
+        refuse_gathered_saves(_ModelParallelStrategy, args, kwargs)
         super().__init__(*args, tiers=tiers, **kwargs)
 
 

@@ -28,13 +28,25 @@ from tierstore.store import Store
 from tierstore.integrations.lightning.checkpointing import Checkpoints
 from tierstore.integrations.lightning.paths import checkpoint_id, checkpoint_path
 
-__all__ = ["StoreStrategy", "argument", "optimizer_key", "module_state", "optimizer_state"]
+__all__ = ["StoreStrategy", "argument", "refuse_gathered_saves", "optimizer_key",
+           "module_state", "optimizer_state"]
 
 
 def argument(strategy: type, args: tuple, kwargs: dict, name: str, default: Any) -> Any:
     """The value of ``strategy.__init__``'s parameter ``name`` in a call with ``args`` and
     ``kwargs`` (``default`` when it is not given), to refuse a mode before anything is set up."""
     return inspect.signature(strategy).bind(*args, **kwargs).arguments.get(name, default)
+
+
+def refuse_gathered_saves(strategy: type, args: tuple, kwargs: dict) -> None:
+    """Refuse ``save_distributed_checkpoint=False`` in a call of a ``ModelParallelStrategy``'s
+    (``strategy``) ``__init__`` with ``args`` and ``kwargs``: the whole state gathered into one
+    file on rank 0 is what saving each rank's shard through the store replaces."""
+    if argument(strategy, args, kwargs, "save_distributed_checkpoint", True) is not True:
+        raise ValueError(
+            "tierstore's ModelParallelStrategy saves each rank's shard through DCP: "
+            "save_distributed_checkpoint=False (the whole state gathered into one file on "
+            "rank 0) is what it replaces; leave it out")
 
 
 def optimizer_key(index: int) -> str:

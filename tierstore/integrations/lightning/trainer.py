@@ -32,7 +32,8 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from tierstore.integrations.lightning.paths import checkpoint_id
 from tierstore.integrations.lightning.record import KEY, pack
-from tierstore.integrations.lightning.strategy import StoreStrategy, argument, optimizer_key
+from tierstore.integrations.lightning.strategy import (StoreStrategy, optimizer_key,
+                                                      refuse_gathered_saves)
 
 __all__ = ["ModelParallelStrategy", "FSDPStrategy"]
 
@@ -113,12 +114,7 @@ class ModelParallelStrategy(_TrainerStrategy, _ModelParallelStrategy):
     _module_key = "state_dict"
 
     def __init__(self, *args: Any, tiers: str | os.PathLike | dict, **kwargs: Any) -> None:
-        if argument(_ModelParallelStrategy, args, kwargs, "save_distributed_checkpoint",
-                    True) is not True:
-            raise ValueError(
-                "tierstore's ModelParallelStrategy saves each rank's shard through DCP: "
-                "save_distributed_checkpoint=False (the whole state gathered into one file on "
-                "rank 0) is what it replaces; leave it out")
+        refuse_gathered_saves(_ModelParallelStrategy, args, kwargs)
         super().__init__(*args, tiers=tiers, **kwargs)
 
 
