@@ -69,8 +69,8 @@ class StoreStrategy:
         """The tierstore store the checkpoints go to: open from ``setup_environment`` (once the
         process group exists; opening is collective) until ``teardown``. Use it for what
         Lightning does not ask for (``store.list()``, ``store.pin(...)``, ``store.wait()``);
-        for the newest checkpoint, :meth:`latest_checkpoint`, which first waits for the save
-        in flight (its collectives run on the store's group, as ``store.latest()``'s do)."""
+        for the newest checkpoint, :meth:`latest_checkpoint`, which first settles the save in
+        flight (its pointer and pin, or its failure, raised)."""
         return self._checkpoints.store
 
     def setup_environment(self) -> None:
