@@ -28,12 +28,19 @@ directories deleted: its ranks get their files from node 0's replicas), ``2x1`` 
 ``fast`` (ram + peer), ``files``, ``s3``; the lost node only from ``fast`` (the others do not
 depend on nodes).
 
+Each new shape also gets an intact reference, ``own`` (with ``--own``, the default): a checkpoint
+of the same tensors that this shape saved itself, restored by it from its own RAM. Every "node"
+here shares the same 2 CPUs, so a job of 8 ranks loads slower than one of 4 whatever it reads
+(and one of 2 faster): ``fast / own`` is what the change of shape itself costs, apart from the
+job's size, where ``fast / 2x2`` mixes the two.
+
     .venv/bin/python benchmarks/restore_shapes.py                 # 128 MiB, 1 round (~4 min)
     .venv/bin/python benchmarks/restore_shapes.py --size-mib 32 --rounds 2 --json /tmp/r.json
 
 Reading guide: ``2x2-lost / 2x2`` is what the lost node costs (target 1.1x); each resharded
 shape from ``fast`` against ``2x2`` from ``fast`` is the price of the new shape (target 1.3x),
-and against the same shape from ``files`` and ``s3``, the point of the fast tiers. On this
+against ``own`` the price of resharding alone, and against the same shape from ``files`` and
+``s3``, the point of the fast tiers. On this
 2-core machine every "node" shares the same CPUs and the "network" is loopback.
 """
 
@@ -51,6 +58,8 @@ import time
 
 SHAPES = {"2x2": (2, 2), "2x2-lost": (2, 2), "2x1": (2, 1), "4x2": (4, 2), "2x3": (2, 3)}
 SOURCES = ("fast", "files", "s3")
+#: shapes that save a checkpoint of their own for the ``own`` reference (the others are 2x2)
+RESHARDED = ("2x1", "4x2", "2x3")
 CID = "step-1"
 BUCKET = "restore-shapes"
 
@@ -120,8 +129,9 @@ def job(spec: dict) -> int:
         seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         if profiler is not None:
             profiler.disable()
+            label = spec.get("label", spec["source"])
             profiler.dump_stats(os.path.join(
-                spec["profile"], f"{spec['shape']}-{spec['source']}-rank{rank}.prof"))
+                spec["profile"], f"{spec['shape']}-{label}-rank{rank}.prof"))
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     bad = sum(not torch.equal(state[k].to_local(), distribute_tensor(v, mesh, [Shard(0)])
                               .to_local()) for k, v in full.items())
@@ -194,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated sources")
     p.add_argument("--io-threads", type=int, default=0,
                    help="[store] io_threads of every job (default: the store's default)")
+    p.add_argument("--no-own", dest="own", action="store_false",
+                   help="skip the intact reference of each new shape (a checkpoint it saved "
+                        "itself, restored from its own RAM)")
     p.add_argument("--profile", metavar="DIR",
                    help="write each rank's cProfile of its load to DIR/<shape>-<source>-rank<r>"
                         ".prof (the timed load then runs under the profiler)")
@@ -224,6 +237,15 @@ def main(argv: list[str] | None = None) -> int:
                       if (shape == "2x2" and source == "fast") or (
                           shape in shapes and source in sources
                           and (shape != "2x2-lost" or source == "fast"))]
+        own_base = {}
+        for shape in (s for s in RESHARDED if args.own and s in shapes):
+            # The same tensors saved by this shape into fast tiers of their own: never
+            # changed by a load at that shape, so saved once.
+            own_base[shape] = os.path.join(base, f"own-{shape}")
+            os.makedirs(own_base[shape])
+            run_job({**spec, "base": own_base[shape], "phase": "save", "source": "fast"},
+                    *SHAPES[shape], args.timeout)
+            contenders.append((shape, "own"))
         if args.profile:
             os.makedirs(args.profile, exist_ok=True)
             spec["profile"] = os.path.abspath(args.profile)
@@ -231,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for shape, source in contenders[rnd % len(contenders):] + \
                     contenders[:rnd % len(contenders)]:
-                put_back(base, pristine, lost=shape == "2x2-lost")
                 nnodes, nproc = SHAPES[shape]
-                result = run_job({**spec, "phase": "load", "source": source, "shape": shape},
-                                 nnodes, nproc,
-                                 args.timeout)
+                if source == "own":
+                    job_spec = {**spec, "base": own_base[shape], "source": "fast"}
+                else:
+                    put_back(base, pristine, lost=shape == "2x2-lost")
+                    job_spec = {**spec, "source": source}
+                result = run_job({**job_spec, "phase": "load", "shape": shape,
+                                  "label": source}, nnodes, nproc, args.timeout)
                 if result is None or result["mismatched"]:
                     print(f"MISMATCH: {shape} from {source}: {result}", file=sys.stderr)
                     return 1
@@ -251,15 +276,18 @@ def main(argv: list[str] | None = None) -> int:
     intact = median["2x2 fast"]
     print(f"restore of {args.size_mib} MiB saved at 2x2, {args.rounds} round(s), median of the "
           f"slowest rank ({time.time() - began:.0f} s in all)")
-    print(f"{'shape':10} {'fast s':>8} {'files s':>8} {'s3 s':>8} {'fast/intact':>12} "
-          f"{'fast/files':>11} {'fast/s3':>8}")
+    print(f"{'shape':10} {'fast s':>8} {'own s':>8} {'files s':>8} {'s3 s':>8} "
+          f"{'fast/intact':>12} {'fast/own':>9} {'fast/files':>11} {'fast/s3':>8}")
     for shape in SHAPES:
         if f"{shape} fast" not in median:
             continue
         fast = median[f"{shape} fast"]
         files, s3 = median.get(f"{shape} files"), median.get(f"{shape} s3")
-        row = [f"{shape:10}", f"{fast:8.3f}", f"{files:8.3f}" if files else f"{'':>8}",
+        own = median.get(f"{shape} own")
+        row = [f"{shape:10}", f"{fast:8.3f}", f"{own:8.3f}" if own else f"{'':>8}",
+               f"{files:8.3f}" if files else f"{'':>8}",
                f"{s3:8.3f}" if s3 else f"{'':>8}", f"{fast / intact:11.2f}x",
+               f"{fast / own:8.2f}x" if own else f"{'':>9}",
                f"{fast / files:10.2f}x" if files else f"{'':>11}",
                f"{fast / s3:7.2f}x" if s3 else f"{'':>8}"]
         print(" ".join(row))
