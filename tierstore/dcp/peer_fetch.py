@@ -132,7 +132,7 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
 
     def open_target(t: Transfer) -> BufferTarget:
         if t.key not in buffers:
-            buffers[t.key] = BufferTarget(chosen[t.key].size, wants[t.key])
+            buffers[t.key] = BufferTarget(chosen[t.key].size)
         return buffers[t.key]
 
     started = time.perf_counter()

@@ -151,42 +151,15 @@ class FileSource(TransferEnd):
         self._file.close()
 
 
-_POPULATE_WRITE = 23  # madvise(MADV_POPULATE_WRITE), Linux 5.14+; Python does not name it
-
-
-def _prefault(region: mmap.mmap, ranges: list[tuple[int, int]]) -> None:
-    """Fault in the pages of ``ranges`` (``(start, end)`` byte offsets) of an anonymous mapping
-    now, in one system call each: a page first touched inside gloo's receive costs about ten
-    times more (measured: see the module's docstring). Best effort: an older kernel leaves them
-    to fault as bytes arrive."""
-    for start, end in ranges:
-        first = start - start % mmap.PAGESIZE
-        if end > first:
-            try:
-                region.madvise(_POPULATE_WRITE, first, end - first)
-            except OSError:
-                return
-
-
 class BufferTarget(TransferEnd):
-    """A receiving end in memory: pieces are views of one buffer of the file's size. Only the
-    pages of ``ranges`` (the byte ranges that will arrive; all of it by default) are faulted
-    in, before the transfer and in huge pages where the kernel has them: a transfer of some
-    ranges of a large file costs memory for those ranges only."""
+    """A receiving end in memory: pieces are views of one buffer of the file's size. Its pages
+    are not touched before bytes arrive in them: a transfer of some ranges of a large file
+    costs memory for those ranges only."""
 
-    def __init__(self, size: int, ranges: list[tuple[int, int]] | None = None):
-        if not size:
-            self._tensor = torch.empty(0, dtype=torch.uint8)
-            self.data = memoryview(b"")
-            return
-        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            region.madvise(mmap.MADV_HUGEPAGE)  # 2 MiB pages: 512 times fewer faults
-        _prefault(region, [(0, size)] if ranges is None else ranges)
-        # The tensor keeps the mapping alive; it is unmapped when the last view goes.
-        self._tensor = torch.frombuffer(region, dtype=torch.uint8)
+    def __init__(self, size: int):
+        self._tensor = torch.empty(size, dtype=torch.uint8)
         #: the file's bytes (those received; others are undefined)
-        self.data = memoryview(self._tensor.numpy())
+        self.data = memoryview(self._tensor.numpy()) if size else memoryview(b"")
 
     def piece(self, offset: int, length: int) -> torch.Tensor:
         """A writable view of bytes ``[offset, offset + length)``."""
