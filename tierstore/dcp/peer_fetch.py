@@ -2,10 +2,11 @@
 
 With node-local tiers (and peer replicas) a rank may need files that only other nodes hold: its
 own shards after its node was replaced, or another rank's file that DCP's plan sends its way.
-Every rank lists the files its plan needs that it has no good copy of here, and the files it can
-serve; then the byte ranges of those files its plan reads (a rank of a job at another world size
-reads part of a file), as whole blocks of the file (each block's digest is in the manifest).
-All ranks derive the same schedule from that, spreading the blocks over every rank that holds
+When the load starts (the reader's ``reset``, in the gather it makes anyway) every rank tells the
+others the files it can serve (:func:`servable_here`); once its plan is known, each rank lists
+the files it needs and has no good copy of here, with the byte ranges of them its plan reads (a
+rank of a job at another world size reads part of a file), as whole blocks of the file (each
+block's digest is in the manifest): one more gather. All ranks derive the same schedule from that, spreading the blocks over every rank that holds
 the file, and they move over torch.distributed (tierstore.transport.transfer) into buffers whose
 other pages are never touched. Every received block (or a whole file without blocks) is checked
 against its digest before the load reads it; what no peer has, or sent bad, is left to the
@@ -23,13 +24,14 @@ from tierstore.engine.context import StoreContext
 from tierstore.errors import IntegrityError, RanksLostError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.item_io import FileReadError, check_blocks, runs_bytes
-from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object
 from tierstore.transport.ends import BufferTarget
 from tierstore.transport.transfer import Transfer, open_to_send, run_transfers
 
-__all__ = ["fetch_from_peers", "FetchedFile", "local_sources", "held_here"]
+__all__ = ["fetch_from_peers", "FetchedFile", "Servable", "servable_here", "local_sources",
+           "held_here"]
 
 log = logging.getLogger("tierstore.dcp.peer_fetch")
 
@@ -72,35 +74,55 @@ class FetchedFile:
         return len(self.data) if self.held is None else runs_bytes(self.held)
 
 
+@dataclass(frozen=True)
+class Servable:
+    """What one source of a rank could serve to peers, as gathered when a load starts: the
+    save it belongs to (its token, codecs and ``.metadata`` entry, so that every rank keeps
+    only the copies its load may mix, as the reader filters its own sources) and its files
+    held at their manifest's size, with their entries."""
+
+    save_token: str | None
+    codecs: tuple[str, ...]
+    metadata: FileEntry | None
+    files: dict[str, FileEntry]
+
+
+def servable_here(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]]
+                  ) -> list[Servable]:
+    """What this rank can serve of ``cid`` from its node-local sources (with the entry of its
+    own manifest: the receiver may have none, as DCP writes a replicated item once, in one
+    rank's file, listed only in that part)."""
+    out = []
+    for tier, manifest in local_sources(ctx, sources):
+        files = {rel: entry for rel, entry in manifest.files.items()
+                 if tier.stored_size(f"{cid}/{rel}") == entry.size}
+        if files:
+            out.append(Servable(manifest.save_token, tuple(manifest.codecs),
+                                manifest.files.get(METADATA_NAME), files))
+    return out
+
+
 def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]],
-                     missing: set[str],
+                     missing: set[str], holders: list[dict[str, FileEntry]],
                      ranges_for: Callable[[str, FileEntry], list[tuple[int, int]] | None]
                      = lambda rel, entry: None) -> dict[str, FetchedFile]:
-    """Collective on the store's io group: fetch the files of ``missing`` (those this rank
-    needs and has no good copy of here: the reader has checked its local copies) from ranks
-    that hold them. ``ranges_for(rel, entry)`` gives the byte ranges of a file this rank's load
-    reads (None: all of it): of a file whose manifest entry lists blocks, only the blocks
-    holding them move, each from one of the ranks holding the file, spread over them. Returns
-    relative path -> FetchedFile, every block (or whole file) checked against its digest."""
+    """Collective on the store's io group (one gather, then the transfers): fetch the files of
+    ``missing`` (those this rank needs and has no good copy of here: the reader has checked its
+    local copies) from ranks that hold them. ``holders[r]``: what rank ``r`` serves (gathered
+    when the load started, of the copies this load may read). ``ranges_for(rel, entry)`` gives
+    the byte ranges of a file this rank's load reads (None: all of it): of a file whose
+    manifest entry lists blocks, only the blocks holding them move, each from one of the ranks
+    holding the file, spread over them. Returns relative path -> FetchedFile, every block (or
+    whole file) checked against its digest."""
     rank, group = ctx.rank, ctx.groups.io
     local = local_sources(ctx, sources)
-    # What this rank can serve, with the entry of its own manifest: the receiver may have none
-    # (DCP writes a replicated item once, in one rank's file, listed only in that part).
-    servable: dict[str, FileEntry] = {}
-    for tier, manifest in local:
-        for rel, entry in manifest.files.items():
-            if rel not in servable and tier.stored_size(f"{cid}/{rel}") == entry.size:
-                servable[rel] = entry
-    views = all_gather_object((sorted(missing), servable), group)
-    if not any(m for m, _ in views):
-        return {}
     # The entry this rank goes by for each file it lacks (its own manifest's, else a
     # holder's: the sources all belong to one save), and the blocks it asks for.
     own = {rel: m.files[rel] for _, m in sources for rel in m.files}
     chosen: dict[str, FileEntry] = {}
     wants: dict[str, list[tuple[int, int]]] = {}
     for rel in sorted(missing):
-        entry = own.get(rel) or next((has[rel] for _, has in views if rel in has), None)
+        entry = own.get(rel) or next((has[rel] for has in holders if rel in has), None)
         if entry is None:
             continue  # no rank holds it: the slower tiers, or a clear error, later
         chosen[rel] = entry
@@ -111,14 +133,16 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
         runs = entry.block_runs(ranges) if ranges is not None and entry.blocks else []
         wants[rel] = runs or [(0, entry.size)]
     asked = all_gather_object(wants, group)
+    if not any(asked):
+        return {}
     ctx.host.phase(Phase.PEER_FETCH, cid, None, rank)
     schedule: list[Transfer] = []
     for dst, runs_of in enumerate(asked):
         for rel, runs in sorted(runs_of.items()):
-            holders = [h for h, (_, has) in enumerate(views) if h != dst and rel in has]
-            for start, end in runs if holders else ():
+            have = [h for h, has in enumerate(holders) if h != dst and rel in has]
+            for start, end in runs if have else ():
                 # Spread the blocks over the holders, the same way on every rank.
-                src = holders[(dst + len(schedule)) % len(holders)]
+                src = have[(dst + len(schedule)) % len(have)]
                 schedule.append(Transfer(src, dst, rel, end - start, start))
     mine = [t for t in schedule if rank in (t.src, t.dst)]
     buffers: dict[str, BufferTarget] = {}

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierstore.dcp.peer_fetch import FetchedFile, fetch_from_peers, held_here, local_sources
+from tierstore.dcp.peer_fetch import (FetchedFile, Servable, fetch_from_peers, held_here,
+                                      local_sources, servable_here)
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
@@ -76,6 +77,8 @@ class TierstoreReader(StorageReader):
         self._fetched: dict[str, FetchedFile] = {}
         #: files this load reads in part, from a copy checked block by block: their runs
         self._runs: dict[str, list[tuple[int, int]]] = {}
+        #: what each rank can serve to peers of this load's copies (node-local tiers only)
+        self._holders: list[dict[str, FileEntry]] = []
         # Releases the id kept from eviction while this loads: at the end of read_data, at
         # the next reset, or when DCP fails in between and drops the reader.
         self._protection: weakref.finalize | None = None
@@ -125,11 +128,13 @@ class TierstoreReader(StorageReader):
                 rejected.append(f"tier '{tier.name}': {why}")
         raw, codecs, problems, token = self._local_metadata(cid, sources)
         self._fetched = {}
+        servable: list[list[Servable]] = []
         if ctx.tiers.node_local and ctx.groups.main is not None:
             # With a directory per node, only the coordinator's node has .metadata, and one
             # rank may find nothing while others do: decide together, so that no rank goes on
             # into DCP's collectives while another has raised.
-            raw, codecs, token = self._share_metadata(cid, raw, codecs, token, sources)
+            raw, codecs, token, servable = self._share_metadata(cid, raw, codecs, token,
+                                                                sources)
         elif not sources and rejected:
             raise IntegrityError(
                 f"checkpoint '{cid}' has no copy to trust: " + "; ".join(rejected)
@@ -153,9 +158,19 @@ class TierstoreReader(StorageReader):
         # codecs holds the same checkpoint at other offsets, and a part written by another
         # save of the same id (overwrite, a node whose part is stale) holds other bytes.
         keyring = self._services.context.config.keyring
-        sources = [(t, m) for t, m in sources if m.save_token == token
-                   and (_matches(keyring, raw, m.files[METADATA_NAME]) if m.has_metadata
-                        else m.codecs == codecs)]
+
+        def mixable(save_token, its_codecs, metadata_entry) -> bool:
+            return save_token == token and (
+                _matches(keyring, raw, metadata_entry) if metadata_entry is not None
+                else list(its_codecs) == list(codecs))
+
+        sources = [(t, m) for t, m in sources
+                   if mixable(m.save_token, m.codecs, m.files.get(METADATA_NAME))]
+        # What each rank may serve to the others, of the copies every rank's load may read.
+        self._holders = [
+            {rel: e for s in theirs if mixable(s.save_token, s.codecs, s.metadata)
+             for rel, e in s.files.items()}
+            for theirs in servable]
         self._checkpoint_id = cid
         self._sources = sources
         # Every copy left in sources has these very bytes: name them all.
@@ -194,11 +209,13 @@ class TierstoreReader(StorageReader):
 
     def _share_metadata(self, cid: str, raw: bytes | None, codecs: list[str],
                         token: str | None, sources: list[tuple[Tier, Manifest]]
-                        ) -> tuple[bytes, list[str], str]:
+                        ) -> tuple[bytes, list[str], str, list[list[Servable]]]:
         """Collective: check that every rank's files are held by some rank (on any tier, a
         replica included) and take the metadata (its codecs and save token) from the lowest
         rank that has it; only files of that save count. Raises the same
-        ``CheckpointNotFound`` on every rank otherwise."""
+        ``CheckpointNotFound`` on every rank otherwise. Also returns what each rank can serve
+        to the others (gathered here, so that a load fetching from peers later gathers once,
+        not twice)."""
         ctx = self._services.context
         tiers, group = ctx.tiers, ctx.groups.main
         by_token: dict[str, set[int]] = {}
@@ -207,11 +224,11 @@ class TierstoreReader(StorageReader):
             if len(tier.present_files(cid, manifest)) == len(manifest.files):
                 by_token.setdefault(manifest.save_token, set()).update(manifest.ranks)
             saved_world = manifest.world_size
-        status = all_gather_object((token if raw is not None else None, by_token, saved_world),
-                                   group)
+        status = all_gather_object((token if raw is not None else None, by_token, saved_world,
+                                    servable_here(ctx, cid, sources)), group)
         token = next((t for t, *_ in status if t is not None), None)
-        covered = set().union(*(b.get(token, set()) for _, b, _ in status))
-        saved_world = next((w for _, _, w in status if w is not None), None)
+        covered = set().union(*(b.get(token, set()) for _, b, *_ in status))
+        saved_world = next((w for _, _, w, _ in status if w is not None), None)
         names = ", ".join(t.name for t in tiers)
         if saved_world is None:
             raise CheckpointNotFound(
@@ -230,7 +247,7 @@ class TierstoreReader(StorageReader):
                 f"store.latest() gives the newest loadable one")
         src = holders[0]
         mine = (raw, codecs) if ctx.rank == src else None
-        return (*broadcast_object(mine, group, src), token)
+        return (*broadcast_object(mine, group, src), token, [s for *_, s in status])
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP calls reset only when a checkpoint id is given; never reuse the previous load's.
@@ -337,7 +354,7 @@ class TierstoreReader(StorageReader):
         else:  # unchecked: a copy of the right size counts
             local = self._sources[:here]
             missing = {r for r in firsts if held_here(cid, r, local) is None}
-        self._fetched = fetch_from_peers(ctx, cid, self._sources, missing,
+        self._fetched = fetch_from_peers(ctx, cid, self._sources, missing, self._holders,
                                          lambda rel, entry: needed_ranges(
                                              entry, per_file[rel], self._metadata.storage_data,
                                              self._metadata, planner))
