@@ -10,14 +10,17 @@ permanent ones fail at once. Credentials given in ``options`` never appear in me
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
 import os
 import re
+import threading
 import time
 from typing import IO, Any
 
 import fsspec
+from fsspec.registry import known_implementations, registry
 
 from tierstore.plugin import (Backend, cannot_connect, confined, DirectoryLock, hookimpl, Option,
                               RetryPolicy, with_retries)
@@ -52,6 +55,24 @@ def _secrets_in(options: Any) -> list[str]:
 
 def _positive(v: Any) -> str | None:
     return None if v > 0 else f"must be positive, got {v}"
+
+
+def _missing_implementation(protocol: str) -> str | None:
+    """Why fsspec cannot serve ``protocol`` here (its package is not installed), found without
+    importing that package; None when it can (or when only using it will tell)."""
+    if protocol in registry:
+        return None
+    known = known_implementations.get(protocol)
+    if known is None:
+        try:
+            fsspec.get_filesystem_class(protocol)  # an unknown protocol: fsspec says so
+        except (ValueError, ImportError) as exc:
+            return str(exc)
+        return None
+    module = known["class"].split(".", 1)[0]
+    if importlib.util.find_spec(module) is None:
+        return known.get("err") or f"the package {module} is not installed"
+    return None
 
 
 def _url_problem(url: str) -> str | None:
@@ -117,29 +138,53 @@ class FsspecBackend(Backend):
             # one, from another thread) wrote since: sizes, existence and commit confirmation
             # must come from the store itself.
             options.setdefault("use_listings_cache", False)
-        try:
-            self._fs, path = fsspec.core.url_to_fs(self.url, **options)
-            self._foreground_fs = (None if foreground_config is None else fsspec.core.url_to_fs(
-                self.url, **dict(options, config_kwargs=foreground_config))[0])
-        except ImportError as exc:
-            raise ImportError(
-                f"{self.describe()}: {exc}; install the extra for it, e.g. pip install "
-                f"'tierstore[s3]' or 'tierstore[gcs]'") from None
-        for fs in (self._fs, self._foreground_fs):
-            if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
-                fs.retries = 1
+        missing = _missing_implementation(protocol)
+        if missing:
+            raise ImportError(f"{self.describe()}: {missing}; install the extra for it, e.g. "
+                              f"pip install 'tierstore[s3]' or 'tierstore[gcs]'")
+        self._protocol, self._options, self._foreground_config = (protocol, options,
+                                                                  foreground_config)
+        # The filesystems are made on first use: importing an object store's client (s3fs
+        # and botocore: about 0.2 s of CPU) and making its session is work a restarting rank
+        # that never touches the tier (only one rank checks it and lists it) is spared.
+        self._made: tuple[fsspec.AbstractFileSystem, fsspec.AbstractFileSystem | None,
+                          str] | None = None
+        self._making = threading.Lock()
         self.root = self.url
-        self.root_path = path.rstrip("/")
-        self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
-                                   else (self.fs.protocol,))
+        self.is_local = protocol in ("file", "local")
+
+    def _filesystems(self) -> tuple[fsspec.AbstractFileSystem,
+                                    fsspec.AbstractFileSystem | None, str]:
+        """The filesystem, the short-connect-timeout one (object stores), and the tier's root
+        path in them, made on first use (once, whichever thread asks first)."""
+        made = self._made
+        if made is not None:
+            return made
+        with self._making:
+            if self._made is None:
+                options, protocol = self._options, self._protocol
+                fs, path = fsspec.core.url_to_fs(self.url, **options)
+                foreground = (None if self._foreground_config is None else fsspec.core.url_to_fs(
+                    self.url, **dict(options, config_kwargs=self._foreground_config))[0])
+                for one in (fs, foreground):
+                    if protocol in ("s3", "s3a") and hasattr(one, "retries"):
+                        one.retries = 1
+                self._made = (fs, foreground, path.rstrip("/"))
+            return self._made
+
+    @property
+    def root_path(self) -> str:
+        """The tier's root in its filesystem's terms (``bucket/prefix`` for an object store)."""
+        return self._filesystems()[2]
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         """The filesystem for a call made now on this thread: the short-connect-timeout client
         inside calls that can do without the tier, else the one every transfer uses."""
-        if self._foreground_fs is not None and RetryPolicy.in_foreground():
-            return self._foreground_fs
-        return self._fs
+        fs, foreground, _ = self._filesystems()
+        if foreground is not None and RetryPolicy.in_foreground():
+            return foreground
+        return fs
 
     # -- helpers ---------------------------------------------------------------------------
     def redact(self, text: str) -> str:

@@ -31,20 +31,27 @@ from tierstore.transport.ends import BufferTarget
 from tierstore.transport.transfer import Transfer, open_to_send, run_transfers
 
 __all__ = ["fetch_from_peers", "FetchedFile", "Servable", "servable_here", "local_sources",
-           "held_here"]
+           "node_tiers", "held_here"]
 
 log = logging.getLogger("tierstore.dcp.peer_fetch")
 
 
-def local_sources(ctx: StoreContext, sources: list[tuple[Tier, Manifest]]
-                  ) -> list[tuple[Tier, Manifest]]:
-    """The sources that count as "here", a prefix of ``sources`` (which are in read order):
-    every tier up to the last node-local one (a shared tier after it is a slower tier, read
-    only when no peer has the file)."""
+def node_tiers(ctx: StoreContext) -> list[Tier]:
+    """The tiers that count as "here", a prefix of the read order: every tier up to the last
+    node-local one (a shared tier after it is a slower tier, read only when no peer has the
+    file)."""
     order = ctx.tiers.read_order()
     last_local = max((i for i, t in enumerate(order)
                       if not t.layout.shared or ctx.tiers.is_replica(t)), default=-1)
-    return [(t, m) for t, m in sources if order.index(t) <= last_local]
+    return order[:last_local + 1]
+
+
+def local_sources(ctx: StoreContext, sources: list[tuple[Tier, Manifest]]
+                  ) -> list[tuple[Tier, Manifest]]:
+    """The sources that count as "here" (on :func:`node_tiers`), a prefix of ``sources``
+    (which are in read order)."""
+    here = node_tiers(ctx)
+    return [(t, m) for t, m in sources if any(t is h for h in here)]
 
 
 def held_here(cid: str, rel: str, local: list[tuple[Tier, Manifest]]

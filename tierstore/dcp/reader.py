@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tierstore.dcp.peer_fetch import (FetchedFile, Servable, fetch_from_peers, held_here,
-                                      local_sources, servable_here)
+                                      local_sources, node_tiers, servable_here)
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
@@ -79,6 +80,11 @@ class TierstoreReader(StorageReader):
         self._runs: dict[str, list[tuple[int, int]]] = {}
         #: what each rank can serve to peers of this load's copies (node-local tiers only)
         self._holders: list[dict[str, FileEntry]] = []
+        #: slower tiers whose manifests this load has not read yet (see _reset), and whether
+        #: a copy there may be mixed with the sources (its save token, codecs, .metadata)
+        self._deferred: list[Tier] = []
+        self._mixable = None
+        self._deferring = threading.Lock()
         # Releases the id kept from eviction while this loads: at the end of read_data, at
         # the next reset, or when DCP fails in between and drops the reader.
         self._protection: weakref.finalize | None = None
@@ -113,28 +119,36 @@ class TierstoreReader(StorageReader):
         services = self._services
         ctx = services.context
         ctx.host.phase(Phase.LOAD_BEGIN, cid, None, ctx.rank)
-        # Every tier with a manifest is a source, even one missing a file: files are read one
-        # by one from the fastest tier that has a good copy.
         services.slot.wait_idle()  # never load beside a save of this store in flight
-        sources, rejected = [], []
-        for tier in ctx.tiers.read_order():
-            manifest, why = services.health.ask(tier, "load",
-                                                lambda t=tier: t.checked_manifest(cid),
-                                                (None, None))
-            if manifest is not None:
-                sources.append((tier, manifest))
-            elif why is not None:
-                self._reject(cid, tier, why)
-                rejected.append(f"tier '{tier.name}': {why}")
+        order = ctx.tiers.read_order()
+        peers = ctx.tiers.node_local and ctx.groups.main is not None
+        # With nodes to fetch from, the slower shared tiers after the node-local ones (an
+        # object store) are read only for what no node holds: their manifests are read when
+        # the nodes' copies do not cover the checkpoint, or when a file has no good copy on
+        # them, and not by every rank at every restart (each with a client to make).
+        eager = node_tiers(ctx) if peers else order
+        deferred = [t for t in order if not any(t is e for e in eager)]
+        sources, rejected = self._manifests(cid, eager)
         raw, codecs, problems, token = self._local_metadata(cid, sources)
         self._fetched = {}
         servable: list[list[Servable]] = []
-        if ctx.tiers.node_local and ctx.groups.main is not None:
+        if peers:
             # With a directory per node, only the coordinator's node has .metadata, and one
             # rank may find nothing while others do: decide together, so that no rank goes on
             # into DCP's collectives while another has raised.
-            raw, codecs, token, servable = self._share_metadata(cid, raw, codecs, token,
-                                                                sources)
+            try:
+                raw, codecs, token, servable = self._share_metadata(cid, raw, codecs, token,
+                                                                    sources)
+            except CheckpointNotFound:
+                if not deferred:
+                    raise
+                # Every rank got here alike (the decision is on gathered views): the slower
+                # tiers hold what the nodes do not; decide again with them.
+                more, more_rejected = self._manifests(cid, deferred)
+                sources, rejected, deferred = sources + more, rejected + more_rejected, []
+                raw, codecs, problems, token = self._local_metadata(cid, sources)
+                raw, codecs, token, servable = self._share_metadata(cid, raw, codecs, token,
+                                                                    sources)
         elif not sources and rejected:
             raise IntegrityError(
                 f"checkpoint '{cid}' has no copy to trust: " + "; ".join(rejected)
@@ -166,6 +180,7 @@ class TierstoreReader(StorageReader):
 
         sources = [(t, m) for t, m in sources
                    if mixable(m.save_token, m.codecs, m.files.get(METADATA_NAME))]
+        self._deferred, self._mixable = deferred, mixable
         # What each rank may serve to the others, of the copies every rank's load may read.
         self._holders = [
             {rel: e for s in theirs if mixable(s.save_token, s.codecs, s.metadata)
@@ -178,6 +193,46 @@ class TierstoreReader(StorageReader):
             ", ".join(f"tier '{t.name}'" for t, m in sources if m.has_metadata)
             or "a peer rank's tier") + f": {cid}/{METADATA_NAME}")
         self._fresh = True
+
+    def _manifests(self, cid: str, tiers: list[Tier]
+                   ) -> tuple[list[tuple[Tier, Manifest]], list[str]]:
+        """The checked manifests of ``cid`` on ``tiers`` (in their order), and why the copies
+        not trusted were not (each also said in a ``rejected`` event). Every tier with a
+        manifest is a source, even one missing a file: files are read one by one from the
+        fastest tier that has a good copy."""
+        sources, rejected = [], []
+        for tier in tiers:
+            manifest, why = self._services.health.ask(
+                tier, "load", lambda t=tier: t.checked_manifest(cid), (None, None))
+            if manifest is not None:
+                sources.append((tier, manifest))
+            elif why is not None:
+                self._reject(cid, tier, why)
+                rejected.append(f"tier '{tier.name}': {why}")
+        return sources, rejected
+
+    def _read_deferred(self) -> bool:
+        """Add the slower tiers this load has not consulted yet to its sources (those whose
+        copy may be mixed with them); whether there were any. Thread-safe: the reading
+        threads call it when a file has no good copy on the sources so far."""
+        with self._deferring:
+            deferred, self._deferred = self._deferred, []
+            if not deferred:
+                return False
+            more, _ = self._manifests(self._checkpoint_id, deferred)
+            self._sources.extend((t, m) for t, m in more
+                                 if self._mixable(m.save_token, m.codecs,
+                                                  m.files.get(METADATA_NAME)))
+            return True
+
+    def _sources_from(self, start: int):
+        """``(index, (tier, manifest))`` of the sources from ``start`` on, then of the slower
+        tiers not consulted yet (read now, once, when a file needs them)."""
+        n = start
+        while n < len(self._sources) or self._read_deferred():
+            if n < len(self._sources):
+                yield n, self._sources[n]
+                n += 1
 
     def _reject(self, cid: str, tier: Tier, why: str, file: str = MANIFEST_NAME) -> None:
         """A copy on ``tier`` failed its checks: say so (warning and ``rejected`` event)."""
@@ -359,6 +414,8 @@ class TierstoreReader(StorageReader):
                                              entry, per_file[rel], self._metadata.storage_data,
                                              self._metadata, planner))
         rest = sorted(r for r in missing if r not in self._fetched and firsts[r][0] >= here)
+        if rest:
+            self._read_deferred()  # what no node holds comes from the slower tiers
         for relative, (start, problems, checked) in zip(
                 rest, each(lambda r: self._first_good_copy(r, here), rest)):
             firsts[relative] = (start, firsts[relative][1] + problems, checked)
@@ -493,9 +550,7 @@ class TierstoreReader(StorageReader):
         if fetched is not None:  # not on this node: peers sent it, or the blocks read (checked)
             self._read_checked(fetched.data, fetched.held, fetched.entry, reqs, planner, undo)
             return fetched.nbytes
-        for n, (tier, manifest) in enumerate(self._sources):
-            if n < start:
-                continue
+        for n, (tier, manifest) in self._sources_from(start):
             entry = manifest.files.get(relative)
             if entry is None:
                 problems.append(f"tier '{tier.name}': not in its manifest")

@@ -60,9 +60,16 @@ class Catalog:
     def coverage(self) -> dict[tuple[str, str], Coverage]:
         """What this process holds of each checkpoint, by (id, save token), over all its
         tiers: the ranks whose files are all present (a file may come from any tier), whether
-        ``.metadata`` is, and when it was committed."""
+        ``.metadata`` is, and when it was committed. A tier with one directory for the whole
+        job (an object store) is listed by its leader alone under torch.distributed: the
+        others would list the same objects, each with a client of its own to make, on a
+        restart's path (``latest()`` gathers every rank's coverage)."""
+        ctx = self._context
         parts: dict[tuple[str, str, tuple[int, ...]], tuple[Manifest, set[str]]] = {}
-        for tier in self._context.tiers.read_order():
+        for tier in ctx.tiers.read_order():
+            if (ctx.groups.main is not None and tier.layout.shared
+                    and not ctx.tiers.is_replica(tier) and tier.layout.leader != ctx.rank):
+                continue
             held = self._health.ask(tier, "latest()", lambda tier=tier: _holdings(tier), [])
             for cid, manifest, files in held:
                 _, present = parts.setdefault((cid, manifest.save_token, tuple(manifest.ranks)),

@@ -18,7 +18,7 @@ from tierstore.tiers.layout import TierLayout, compute_layouts
 from tierstore.tiers.schedule import AutoSchedule
 from tierstore.tiers.tier import Tier
 from tierstore.tiers.tierset import TierSet
-from tierstore.transport.collectives import RankContext
+from tierstore.transport.collectives import RankContext, all_gather_object
 
 __all__ = ["build_tiers", "replica_tier", "standalone_tier"]
 
@@ -28,18 +28,21 @@ log = logging.getLogger("tierstore")
 def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: Any,
                 unreachable: dict[str, str], tolerate_unreachable: bool = False) -> TierSet:
     """Every tier of ``config`` for this process. Collective under torch.distributed (the
-    layouts are agreed on ``group``). Raises ConfigError / PluginError naming the tier.
+    layouts are agreed on ``group``, and so is what the checks of the tiers found). Raises
+    ConfigError / PluginError naming the tier, on every rank alike.
 
+    Each location is checked once, by the lowest rank that sees it (:func:`check_tiers`): an
+    object store shared by the job is asked by one rank, not by every rank at every restart.
     A tier whose storage cannot be connected to right now (a dead server: its backend's
     ``check_reachable`` raised a connection failure) is built anyway and noted in
     ``unreachable`` with why, as if it had died after the open: a job restarting during an
     outage opens its store and restores from the other tiers. ``tolerate_unreachable``
     (operator tools): any other problem of a tier is noted there too, instead of failing."""
     check_tier_locations(config, host, ctx)
-    tiers = [_build_tier(tc, config, host, ctx, unreachable, tolerate_unreachable)
-             for tc in config.tiers]
+    tiers = [_build_tier(tc, config, host, ctx) for tc in config.tiers]
     for tier, layout in zip(tiers, compute_layouts(tiers, ctx, group, config.source)):
         tier.layout = layout
+    check_tiers(tiers, config, host, ctx, group, unreachable, tolerate_unreachable)
     _check_drain_paths(tiers, config)
     peer, strategy, replica_tiers, found = _replication(tiers, config, host, ctx,
                                                         quiet=tolerate_unreachable)
@@ -50,11 +53,81 @@ def standalone_tier(tc: TierConfig, config: StoreConfig, host: PluginHost,
                     ctx: RankContext) -> Tier:
     """Tier ``tc`` as rank ``ctx`` of a job would see it, alone (no layout agreed with other
     ranks, a storage that does not answer tolerated): to look at what it holds."""
-    return _build_tier(tc, config, host, ctx, {}, tolerate_unreachable=True)
+    tier = _build_tier(tc, config, host, ctx)
+    check_tiers([tier], config, host, ctx, None, {}, tolerate_unreachable=True)
+    return tier
 
 
-def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: RankContext,
-                unreachable: dict[str, str], tolerate_unreachable: bool) -> Tier:
+#: what checking a tier found: nothing wrong, its storage does not answer (the tier starts
+#: down), it cannot be used as configured (ConfigError), or its backend failed (PluginError)
+_OK, _DOWN, _UNUSABLE, _FAILED = "ok", "down", "unusable", "failed"
+
+
+def check_tiers(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: RankContext,
+                group: Any, unreachable: dict[str, str], tolerate_unreachable: bool) -> None:
+    """Check that every tier's storage can be used (``Backend.check_reachable``), each
+    location by the lowest rank of the ranks that see it (its layout's leader), and share what
+    the checks found: collective on ``group`` (with ranks laid out as agreed). A tier that
+    does not answer is noted in ``unreachable``; any other problem raises, on every rank, the
+    error of the first tier that has one (or, ``tolerate_unreachable``, is noted too)."""
+    mine = [_check_tier(t, config, host) if group is None or t.layout.leader == ctx.rank
+            else None for t in tiers]
+    if group is None:
+        found = [[result] for result in mine]
+    else:
+        gathered = all_gather_object(mine, group)
+        # What the leader of each part found: a node-local tier is checked on every node.
+        found = [[gathered[part[0]][i] for part in tier.layout.all_parts]
+                 for i, tier in enumerate(tiers)]
+    errors = []
+    for tier, results in zip(tiers, found):
+        own = tier.layout.part if group is not None else 0
+        for part, result in enumerate(results):
+            if result is None:
+                continue
+            kind, why, reason = result
+            if kind == _DOWN or (kind == _UNUSABLE and tolerate_unreachable):
+                # Down only where this rank's own directory is: a tier that fails on one
+                # node never stops the healthy copies of it on the others.
+                if part == own:
+                    unreachable.setdefault(tier.name, reason)
+            elif kind != _OK:
+                # Every rank raises it: none goes on to wait for the others in a collective.
+                errors.append((kind, why))
+    if errors:
+        kind, why = errors[0]
+        raise (ConfigError if kind == _UNUSABLE else PluginError)(why)
+
+
+def _check_tier(tier: Tier, config: StoreConfig, host: PluginHost) -> tuple[str, str, str]:
+    """Check ``tier``'s storage from this rank: ``(kind, message, reason)`` (see :data:`_OK`):
+    the error's message, and the reason to note where the tier is merely marked down."""
+    tc, backend = tier.config, tier.backend
+    origin = f"backend '{tc.backend}' ({host.lookup('backend', tc.backend).origin})"
+    try:
+        # Quick to give up on a storage that does not answer: open is on a restart's path.
+        with foreground():
+            problem = backend.check_reachable()
+    except Exception as exc:
+        if not cannot_connect(exc):
+            why = (f"{origin} failed checking tier '{tc.name}': {type(exc).__name__}: "
+                   f"{config.source.redact(str(exc))}")
+            return _FAILED, why, why
+        why = config.source.redact(f"cannot be connected to ({type(exc).__name__}: {exc})")
+        return _DOWN, why, why
+    if not problem:
+        return _OK, "", ""
+    key = "url" if "url" in tc.backend_options else "path"
+    where = config.source.where("tier", tc.index, key)
+    reason = config.source.redact(problem)
+    return _UNUSABLE, (
+        f"{where}: tier '{tc.name}': {key} {config.source.quote(backend.describe())} cannot "
+        f"be used: {reason}; point '{key}' at a writable location"), reason
+
+
+def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost,
+                ctx: RankContext) -> Tier:
+    """Tier ``tc``'s backend, commit protocol and codecs (its storage not checked yet)."""
     reg = host.lookup("backend", tc.backend)
     options = tc.expanded_options(ctx, reg.options)
     root = str(options.get("path") or options.get("url") or "")
@@ -67,27 +140,6 @@ def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost, ctx: Rank
             f"backend '{tc.backend}' ({reg.origin}) failed to start for tier '{tc.name}': "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    try:
-        # Quick to give up on a storage that does not answer: open is on a restart's path.
-        with foreground():
-            problem = backend.check_reachable()
-    except Exception as exc:
-        if not cannot_connect(exc):
-            raise PluginError(
-                f"backend '{tc.backend}' ({reg.origin}) failed checking tier '{tc.name}': "
-                f"{type(exc).__name__}: {config.source.redact(str(exc))}") from exc
-        unreachable[tc.name] = config.source.redact(
-            f"cannot be connected to ({type(exc).__name__}: {exc})")
-        problem = None
-    if problem and tolerate_unreachable:
-        unreachable[tc.name] = config.source.redact(problem)
-    elif problem:
-        key = "url" if "url" in options else "path"
-        where = config.source.where("tier", tc.index, key)
-        raise ConfigError(
-            f"{where}: tier '{tc.name}': {key} {config.source.quote(backend.describe())} cannot "
-            f"be used: {config.source.redact(problem)}; point '{key}' at a writable location"
-        )
     commit_name = config.commit.name if config.commit else backend.default_commit
     commit_reg = host.lookup("commit", commit_name)
     if commit_reg is None:
