@@ -48,6 +48,17 @@ def test_a_restart_makes_one_s3_client_while_the_nodes_hold_the_checkpoint_and_a
     reads = per_rank(out, "READ")
     assert len(reads) == 4 and all(set(v.split()) <= {"ram", FROM_PEERS} for v in reads.values()), out
 
+    # A damaged copy on node 1 (one flipped byte in rank 2's file, a single copy: no peer
+    # tier): the ranks that need that file (rank 2, and those that read the replicated items
+    # DCP wrote into it) read it from S3 instead, and the load is bitwise.
+    damaged = tmp_path / "ram" / "1" / "step-1" / "__2_0.distcp"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    out = run_nodes(tmp_path, url, options, "restart")
+    reads = per_rank(out, "READ")
+    assert len(reads) == 4 and "s3" in reads[2].split(), out
+
     # Both nodes lost their RAM: latest() still finds step-1 (rank 0 lists S3) and every rank
     # loads it from S3, bitwise.
     shutil.rmtree(tmp_path / "ram")

@@ -213,7 +213,7 @@ class TierstoreReader(StorageReader):
 
     def _read_deferred(self) -> bool:
         """Add the slower tiers this load has not consulted yet to its sources (those whose
-        copy may be mixed with them); whether there were any. Thread-safe: the reading
+        copy may be mixed with them); whether this call read any. Thread-safe: the reading
         threads call it when a file has no good copy on the sources so far."""
         with self._deferring:
             deferred, self._deferred = self._deferred, []
@@ -229,10 +229,13 @@ class TierstoreReader(StorageReader):
         """``(index, (tier, manifest))`` of the sources from ``start`` on, then of the slower
         tiers not consulted yet (read now, once, when a file needs them)."""
         n = start
-        while n < len(self._sources) or self._read_deferred():
-            if n < len(self._sources):
-                yield n, self._sources[n]
-                n += 1
+        while True:
+            if n >= len(self._sources):
+                self._read_deferred()  # (or another reading thread just did)
+                if n >= len(self._sources):
+                    return
+            yield n, self._sources[n]
+            n += 1
 
     def _reject(self, cid: str, tier: Tier, why: str, file: str = MANIFEST_NAME) -> None:
         """A copy on ``tier`` failed its checks: say so (warning and ``rejected`` event)."""
