@@ -13,6 +13,7 @@ by one or two between runs) are most of the wall time and most of its noise.
     .venv/bin/python benchmarks/auto_interval.py                 # ~12 min on 2 cores
     .venv/bin/python benchmarks/auto_interval.py --json /tmp/auto.json --out /tmp/auto
     .venv/bin/python benchmarks/auto_interval.py --repeat 3   # medians of 3 rounds (~36 min)
+    .venv/bin/python benchmarks/auto_interval.py --rates 3 --repeat 3   # one rate only
 
 Needs nothing beyond ``make test``'s set-up (no object store).
 """
@@ -66,12 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="rounds per rate, interleaved; each contender's median round counts "
                         "(the restarts' noise shrinks; the run takes N times as long)")
+    p.add_argument("--rates", default=",".join(str(len(k)) for k in RATES.values()),
+                   help="failure counts to run, comma-separated (default: all, "
+                        + ",".join(str(len(k)) for k in RATES.values()) + ")")
     args = p.parse_args(argv)
+    wanted = {int(n) for n in args.rates.split(",")}
+    unknown = wanted - {len(k) for k in RATES.values()}
+    if unknown:
+        p.error(f"no failure rate with {sorted(unknown)} failures; the rates: "
+                + ", ".join(RATES))
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="auto-interval-"))
     began = time.time()
     results = []
     try:
-        for rate, kills in RATES.items():
+        for rate, kills in ((r, k) for r, k in RATES.items() if len(k) in wanted):
             scenario = parse_scenario(tomllib.loads(scenario_toml(kills, args.repeat)),
                                       f"rate {rate}")
             report = run(scenario, out / rate.replace(" ", "-"),
