@@ -114,6 +114,18 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+
+def timed(fn, seconds: list[float]):
+    """``fn`` that appends each call's duration to ``seconds`` (raised or not)."""
+    def call(*a, **kw):
+        started = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    return call
+
 def fit_once(args, contender: str, root: str, ram: str
              ) -> tuple[list[float], list[float], list[float], float]:
     """One ``Trainer.fit``; the stalls, ``trainer.save_checkpoint`` and
@@ -142,26 +154,8 @@ def fit_once(args, contender: str, root: str, ram: str
                          callbacks=[checkpoint], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, default_root_dir=root)
-    original = trainer.save_checkpoint
-
-    def save_checkpoint(*a, **kw):
-        started = time.perf_counter()
-        try:
-            return original(*a, **kw)
-        finally:
-            saves.append(time.perf_counter() - started)
-
-    trainer.save_checkpoint = save_checkpoint
-    strategy_save = strategy.save_checkpoint
-
-    def strategy_save_checkpoint(*a, **kw):
-        started = time.perf_counter()
-        try:
-            return strategy_save(*a, **kw)
-        finally:
-            in_strategy.append(time.perf_counter() - started)
-
-    strategy.save_checkpoint = strategy_save_checkpoint
+    trainer.save_checkpoint = timed(trainer.save_checkpoint, saves)
+    strategy.save_checkpoint = timed(strategy.save_checkpoint, in_strategy)
     started = time.perf_counter()
     trainer.fit(model(args), train_dataloaders=data(args, steps))
     fit = time.perf_counter() - started

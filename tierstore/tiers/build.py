@@ -103,13 +103,13 @@ def _check_tier(tier: Tier, config: StoreConfig, host: PluginHost) -> tuple[str,
     """Check ``tier``'s storage from this rank: ``(kind, message, reason)`` (see :data:`_OK`):
     the error's message, and the reason to note where the tier is merely marked down."""
     tc, backend = tier.config, tier.backend
-    origin = f"backend '{tc.backend}' ({host.lookup('backend', tc.backend).origin})"
     try:
         # Quick to give up on a storage that does not answer: open is on a restart's path.
         with foreground():
             problem = backend.check_reachable()
     except Exception as exc:
         if not cannot_connect(exc):
+            origin = f"backend '{tc.backend}' ({host.lookup('backend', tc.backend).origin})"
             why = (f"{origin} failed checking tier '{tc.name}': {type(exc).__name__}: "
                    f"{config.source.redact(str(exc))}")
             return _FAILED, why, why
