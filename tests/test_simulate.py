@@ -141,6 +141,24 @@ def test_simulate_runs_both_contenders_through_every_failure(tmp_path):
 
     for chart in ("timeline.png", "goodput.png"):
         assert (out / chart).stat().st_size > 10_000, chart
+
+    # `tierstore goodput` on the tierstore job's own events log (a job killed and resumed four
+    # times) gives the simulator's numbers. The log alone knows neither when each process
+    # started (a run begins at its `opened` there) nor what each failure was, so the wall
+    # time, restarts and kinds are the simulator's to say; everything else is the same.
+    replay = tmp_path / "replay"
+    cli = subprocess.run([sys.executable, "-m", "tierstore.cli", "goodput",
+                          str(out / "tierstore" / "events.jsonl"), "--out", str(replay),
+                          "--name", "tierstore"], env=script_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    (again,) = json.loads((replay / "report.json").read_text())["contenders"]
+    for key in ("productive_s", "saves", "final_step", "time_to_durable_s"):
+        assert again[key] == tier[key], key
+    for key in ("checkpoint_stall_s", "restore_s", "lost_progress_s"):
+        assert again["badput"][key] == tier["badput"][key], key
+    assert [{k: v for k, v in f.items() if k != "kind"} for f in again["failures"]] == \
+        [{k: v for k, v in f.items() if k != "kind"} for f in tier["failures"]]
     assert _simulator_shm_dirs() <= before, "the simulation left directories in /dev/shm"
     assert _job_processes(out) == [], "processes of the simulated job are still running"
 
