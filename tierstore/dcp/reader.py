@@ -8,7 +8,6 @@ the user unwrapped.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -32,12 +31,11 @@ from tierstore.engine.watchdog import Watchdog
 from tierstore.engine.saves import SaveSlot
 from tierstore.errors import CheckpointNotFound, IntegrityError
 from tierstore.events import FROM_PEERS, Event, EventKind, Phase
-from tierstore.format.checksum import ALGORITHM, Hasher
 from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
-from tierstore.format.item_io import (BufferReader, FileReadError, LoadUndo, check_blocks,
-                                      check_file, needed_ranges, read_items, read_runs,
-                                      runs_bytes)
+from tierstore.format.item_io import (BufferReader, FileReadError, LoadUndo, MappedCopy,
+                                      check_blocks, map_checked, needed_ranges, read_items,
+                                      read_runs, runs_bytes)
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
@@ -78,6 +76,10 @@ class TierstoreReader(StorageReader):
         self._fetched: dict[str, FetchedFile] = {}
         #: files this load reads in part, from a copy checked block by block: their runs
         self._runs: dict[str, list[tuple[int, int]]] = {}
+        #: local copies checked from their mapped pages, read from them (by relative path)
+        self._mapped: dict[str, MappedCopy] = {}
+        #: this load's read items per file, and its planner (set by read_data)
+        self._plan: tuple[dict[str, list[ReadItem]], LoadPlanner] | None = None
         #: what each rank can serve to peers of this load's copies (node-local tiers only)
         self._holders: list[dict[str, FileEntry]] = []
         #: slower tiers whose manifests this load has not read yet (see _reset), and whether
@@ -345,9 +347,11 @@ class TierstoreReader(StorageReader):
         started = time.perf_counter()
         from_peers = ctx.tiers.node_local and ctx.groups.main is not None
         self._fetched = {}
+        self._plan = (per_file, planner)
         # A load is all or nothing. Local copies are checked first, every file of the load
-        # before any byte lands (from their mapped pages: no copy); a file no tier has a good
-        # copy of fails the load with nothing changed. Copies that cannot be checked that
+        # before any byte lands (from their mapped pages: no copy; only the blocks this rank
+        # reads, of a file it needs part of), and read from those pages without a second
+        # pass; a file no tier has a good copy of fails the load with nothing changed. Copies that cannot be checked that
         # cheaply (streams) are read once, with the old bytes of their destinations kept: any
         # failure puts back every tensor the load was read into (LoadUndo).
         undo = LoadUndo()
@@ -371,7 +375,7 @@ class TierstoreReader(StorageReader):
             for relative, (start, problems, _) in firsts.items():
                 if start >= len(self._sources) and relative not in self._fetched:
                     self._no_good_copy(relative, problems)
-            self._runs = self._blocks_to_read(firsts, per_file, planner)
+            self._runs = self._blocks_to_read(firsts)
             self._say_plan(firsts)
 
             def read_file(relative: str) -> int:
@@ -385,6 +389,8 @@ class TierstoreReader(StorageReader):
                 pool.shutdown(wait=True, cancel_futures=True)
             undo.restore()
             raise
+        finally:
+            self._unmap()
         if pool is not None:
             pool.shutdown(wait=True)
         undo.apply()
@@ -401,7 +407,28 @@ class TierstoreReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _fetch_missing(self, firsts: dict[str, tuple[int, list[str], str]], here: int,
+    def _unmap(self) -> None:
+        """Close the mapped copies this load has not read (it failed before)."""
+        while self._mapped:
+            self._mapped.popitem()[1].close()
+        self._plan = None
+
+    def _check_runs(self, relative: str, entry: FileEntry) -> list[tuple[int, int]] | None:
+        """The runs of whole blocks of ``relative`` this rank's plan reads, when that is less
+        than the file and its entry lists blocks (a rank of a job at another world size reads
+        part of a file); None for all of it."""
+        if not entry.blocks or self._plan is None:
+            return None
+        per_file, planner = self._plan
+        try:
+            runs = entry.block_runs(needed_ranges(entry, per_file[relative],
+                                                  self._metadata.storage_data, self._metadata,
+                                                  planner))
+        except FileReadError:
+            return None  # the read says what is wrong
+        return runs if runs_bytes(runs) < entry.size else None
+
+    def _fetch_missing(self, firsts: dict[str, tuple[int, list[str], bool]], here: int,
                        each, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
         """Collective: fetch from peers the files of this load with no good copy on this
         node's tiers (the first ``here`` sources); those no peer sent are looked for on the
@@ -423,33 +450,31 @@ class TierstoreReader(StorageReader):
                 rest, each(lambda r: self._first_good_copy(r, here), rest)):
             firsts[relative] = (start, firsts[relative][1] + problems, checked)
 
-    def _blocks_to_read(self, firsts: dict[str, tuple[int, list[str], str]],
-                        per_file: dict[str, list[ReadItem]], planner: LoadPlanner
+    def _blocks_to_read(self, firsts: dict[str, tuple[int, list[str], bool]]
                         ) -> dict[str, list[tuple[int, int]]]:
-        """The files to read in part: those read from a copy that was not checked beforehand
-        (an object store's: read once, checked on the way) whose manifest entry lists
-        blocks, where this rank's plan needs fewer than all of them; for each, the runs of
-        blocks to read (each checked against its digest before any of it lands)."""
+        """The files to read in part, where this rank's plan needs fewer than all of their
+        blocks: a local copy checked in those blocks only (read from its mapped pages), and
+        a copy that was not checked beforehand (an object store's: read once, checked on the
+        way) whose manifest entry lists blocks. For each, the runs of blocks read (each
+        checked against its digest before any of it lands)."""
         if not self._services.context.config.verify_on_load:
             return {}
         out = {}
         for relative, (start, _, checked) in firsts.items():
-            if relative in self._fetched or checked or start >= len(self._sources):
+            if relative in self._fetched or start >= len(self._sources):
+                continue
+            if checked:
+                held = self._mapped[relative].held
+                if held is not None:
+                    out[relative] = held
                 continue
             entry = self._sources[start][1].files.get(relative)
-            if entry is None or not entry.blocks:
-                continue
-            try:
-                runs = entry.block_runs(needed_ranges(entry, per_file[relative],
-                                                      self._metadata.storage_data,
-                                                      self._metadata, planner))
-            except FileReadError:
-                continue  # the read says what is wrong
-            if runs_bytes(runs) < entry.size:
+            runs = self._check_runs(relative, entry) if entry is not None else None
+            if runs is not None:
                 out[relative] = runs
         return out
 
-    def _source_of(self, relative: str, firsts: dict[str, tuple[int, list[str], str]]
+    def _source_of(self, relative: str, firsts: dict[str, tuple[int, list[str], bool]]
                    ) -> tuple[str, int, Tier | None]:
         """Where this load reads ``relative`` from: the tier's name (:data:`FROM_PEERS` for
         what peers sent), the bytes it reads there, and the tier (None for peers)."""
@@ -461,7 +486,7 @@ class TierstoreReader(StorageReader):
         return (tier.name, manifest.files[relative].size if runs is None else runs_bytes(runs),
                 tier)
 
-    def _say_plan(self, firsts: dict[str, tuple[int, list[str], str]]) -> None:
+    def _say_plan(self, firsts: dict[str, tuple[int, list[str], bool]]) -> None:
         """The ``restore_planned`` event: where each file of this rank's load comes from,
         before it is read. Fast, as ``tierstore plan`` counts them: peers, a node-local tier
         (a replica included), or the store's first tier."""
@@ -492,44 +517,45 @@ class TierstoreReader(StorageReader):
         return out
 
     def _first_good_copy(self, relative: str, begin: int = 0, end: int | None = None
-                         ) -> tuple[int, list[str], str]:
+                         ) -> tuple[int, list[str], bool]:
         """Where reading ``relative`` starts, looking at sources ``begin`` to ``end``: the
         index of the first source whose local copy matches its manifest entry (checked now,
-        before anything of the load lands), or of the first whose copy cannot be checked
-        without reading it (a stream), else ``end``; what was wrong with the sources before
-        it; and, when that copy was checked, the unkeyed digest of the bytes checked ("" 
-        otherwise).
-
-        The read then re-checks those bytes against that digest only: a local tier's files
-        can be changed by this user alone (the root's owner is checked), so the read guards
-        against a copy changing under the load, not against forgery, which the (keyed)
-        check has ruled out. A signed load thus hashes with the key once, not twice."""
+        from its mapped pages, before anything of the load lands: all of it, or the blocks
+        this rank reads), or of the first whose copy cannot be checked without reading it (a
+        stream), else ``end``; what was wrong with the sources before it; and whether that
+        copy was checked (it is then in ``self._mapped``, and the read takes its bytes from
+        the pages that were checked, without hashing them again)."""
         ctx, cid = self._services.context, self._checkpoint_id
         problems: list[str] = []
         end = len(self._sources) if end is None else end
         if relative in self._fetched or not ctx.config.verify_on_load:
-            return begin, problems, ""
+            return begin, problems, False
         for n in range(begin, end):
             tier, manifest = self._sources[n]
             entry = manifest.files.get(relative)
             if entry is None:
                 problems.append(f"tier '{tier.name}': not in its manifest")
                 continue
-            hasher = tier.keyring.hasher_for(entry.checksum)
-            plain = None if entry.checksum.startswith(ALGORITHM + ":") else Hasher()
+            copy = None
             try:
-                with tier.backend.open_read(f"{cid}/{relative}") as f:
-                    why = check_file(f, entry, hasher, plain)
+                f = tier.backend.open_read(f"{cid}/{relative}")
+                try:
+                    copy, why = map_checked(f, entry, tier.keyring,
+                                            self._check_runs(relative, entry))
+                finally:
+                    if copy is None:
+                        f.close()
             except (OSError, IntegrityError) as exc:
                 why = str(exc)
             if why is None:
-                return n, problems, ""
+                return n, problems, False
             if not why:
-                return n, problems, entry.checksum if plain is None else plain.hexdigest()
+                self._mapped[relative] = copy
+                return n, problems, True
             problems.append(f"tier '{tier.name}': {why}")
             log.warning("checkpoint %s: %s on tier '%s' is bad (%s)", cid, relative,
                         tier.name, why)
-        return end, problems, ""
+        return end, problems, False
 
     def _no_good_copy(self, relative: str, problems: list[str], damaged: str = "") -> None:
         if not problems:
@@ -542,10 +568,10 @@ class TierstoreReader(StorageReader):
 
     def _read_one_file(self, relative: str, reqs: list[ReadItem], planner: LoadPlanner,
                        undo: LoadUndo, start: int = 0, problems: list[str] | None = None,
-                       checked: str = "") -> int:
+                       checked: bool = False) -> int:
         """Read ``relative`` from the sources from ``start`` on; the copy at ``start`` was
-        checked already when ``checked`` (the unkeyed digest of its bytes then: the read
-        compares with it, and its destinations' old bytes are not kept)."""
+        checked already when ``checked`` (its mapped pages, in ``self._mapped``, are read
+        without a second pass, and its destinations' old bytes are not kept)."""
         ctx, cid = self._services.context, self._checkpoint_id
         problems = list(problems or [])
         damaged = ""
@@ -558,26 +584,32 @@ class TierstoreReader(StorageReader):
             if entry is None:
                 problems.append(f"tier '{tier.name}': not in its manifest")
                 continue
-            keep_old = not checked and not damaged
+            mapped = self._mapped.pop(relative, None) if n == start and checked else None
+            keep_old = mapped is None and not damaged
             landing = False
             try:
                 # Inside the try: a fault announced here falls back like a real read error.
                 ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative,
                                size=entry.size)
-                with tier.backend.open_read(f"{cid}/{relative}") as f:
-                    runs = self._runs.get(relative) if n == start else None
-                    if runs is not None:  # the blocks this rank reads, each checked first
-                        data = read_runs(f, runs, entry.size)
-                        bad = check_blocks(tier.keyring, entry, data, runs)
-                        if bad:
-                            raise FileReadError(bad)
-                        landing = True
-                        self._read_checked(data, runs, entry, reqs, planner, undo)
-                        nbytes = runs_bytes(runs)
-                    else:
-                        landing = True
-                        nbytes = self._read_whole(f, tier, entry, reqs, planner, undo, checked,
-                                                  keep_old)
+                if mapped is not None:  # checked from these very pages
+                    landing = True
+                    self._read_checked(mapped.data, mapped.held, entry, reqs, planner, undo)
+                    nbytes = mapped.nbytes
+                else:
+                    with tier.backend.open_read(f"{cid}/{relative}") as f:
+                        runs = self._runs.get(relative) if n == start else None
+                        if runs is not None:  # the blocks this rank reads, each checked first
+                            data = read_runs(f, runs, entry.size)
+                            bad = check_blocks(tier.keyring, entry, data, runs)
+                            if bad:
+                                raise FileReadError(bad)
+                            landing = True
+                            self._read_checked(data, runs, entry, reqs, planner, undo)
+                            nbytes = runs_bytes(runs)
+                        else:
+                            landing = True
+                            nbytes = self._read_whole(f, tier, entry, reqs, planner, undo,
+                                                      keep_old)
             except (FileReadError, OSError, IntegrityError) as exc:
                 problems.append(f"tier '{tier.name}': {exc}")
                 if landing and not keep_old and not damaged:
@@ -586,13 +618,15 @@ class TierstoreReader(StorageReader):
                     damaged = (f". Its copy on tier '{tier.name}' changed between its check "
                                f"and its read, after some of its bytes had reached the state "
                                f"dict: the tensors it holds are partly overwritten")
-                checked = ""
                 # The message, not the exception: a log handler that keeps records (pytest's,
                 # logging.handlers.MemoryHandler) would keep its traceback's frames alive, and
                 # with them this load's destination tensors.
                 log.warning("checkpoint %s: %s on tier '%s' is bad (%s)", cid, relative,
                             tier.name, str(exc))
                 continue
+            finally:
+                if mapped is not None:
+                    mapped.close()
             if n > 0:
                 ctx.host.event(Event(EventKind.FELL_BACK, cid, tier.name, self._rank,
                                        detail={"file": relative, "problems": list(problems)}))
@@ -611,14 +645,11 @@ class TierstoreReader(StorageReader):
                    keep_old=False)
 
     def _read_whole(self, f, tier: Tier, entry: FileEntry, reqs: list[ReadItem],
-                    planner: LoadPlanner, undo: LoadUndo, checked: str, keep_old: bool) -> int:
-        """Read ``reqs`` from the open copy ``f`` front to back, checking all of it against
-        ``entry`` (or, when ``checked``, against the digest its check gave)."""
+                    planner: LoadPlanner, undo: LoadUndo, keep_old: bool) -> int:
+        """Read ``reqs`` from the open copy ``f`` (a stream, not checked beforehand) front to
+        back, checking all of it against ``entry`` on the way."""
         ctx = self._services.context
         verify = tier.keyring.hasher_for(entry.checksum) if ctx.config.verify_on_load else None
-        if checked and verify is not None:
-            verify = Hasher()
-            entry = dataclasses.replace(entry, checksum=checked)
         return read_items(f, entry, reqs, self._metadata.storage_data, self._metadata, planner,
                           verify, trusted=ctx.config.trusted_pickles, undo=undo,
                           keep_old=keep_old)

@@ -183,7 +183,7 @@ def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: 
                  quiet: bool = False):
     """The peer tier, its strategy (None where it cannot place copies at this world size:
     nothing is replicated then), the replica tiers for the ranks this one holds, and the
-    replica sets found here that no rank keeps now (:func:`_found_replicas`); (None, None, {},
+    replica sets found here that it does not keep (:func:`_found_replicas`); (None, None, {},
     ()) without a peer tier. ``quiet``: no warning that new saves are not replicated (the
     operator tools, which save nothing)."""
     peers = [t for t in tiers if t.backend.replication is not None]
@@ -218,21 +218,21 @@ def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: 
             log.warning("%s: tier '%s': %s. New saves are not replicated until the job has a "
                         "world size the strategy can place copies for; the replicas this "
                         "tier holds are still read and served", where, peer.name, problem)
-        return peer, None, {}, _found_replicas(peer, None, world)
+        return peer, None, {}, _found_replicas(peer, None, world, ctx.rank)
     held = [src for src in range(world) if ctx.rank in strategy.holders(src, world)]
     return (peer, strategy, {src: replica_tier(peer, src, ctx.rank) for src in held},
-            _found_replicas(peer, strategy, world))
+            _found_replicas(peer, strategy, world, ctx.rank))
 
 
-def _found_replicas(peer: Tier, strategy: Any, world: int) -> tuple[Tier, ...]:
-    """Replica sets in this rank's peer directory that no rank sharing it keeps under the
-    strategy now (``strategy`` None: none is kept): left by a job of another size or layout,
-    read (latest, loads, peer fetch) and never written. Each rank sharing the directory reads
-    them, as it reads the directory's own checkpoints."""
-    sharing = peer.layout.part_ranks
+def _found_replicas(peer: Tier, strategy: Any, world: int, rank: int) -> tuple[Tier, ...]:
+    """Replica sets in this rank's peer directory that it does not keep itself under the
+    strategy now (``strategy`` None: it keeps none): those the other ranks sharing the
+    directory keep, and those left by a job of another size or layout. Read (latest, loads,
+    peer fetch) and never written by this rank: the bytes are on its node, and a load that
+    needs them reads them here rather than over the network from the rank that keeps them
+    (a rank of a job at another shape needs its node's other replicas as often as its own)."""
     kept = set() if strategy is None else {
-        (src, holder) for holder in sharing for src in range(world)
-        if holder in strategy.holders(src, world)}
+        (src, rank) for src in range(world) if rank in strategy.holders(src, world)}
     return tuple(replica_tier(peer, src, holder) for src, holder in peer.backend.replica_sets()
                  if (src, holder) not in kept)
 

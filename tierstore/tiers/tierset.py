@@ -22,8 +22,9 @@ class TierSet(Sequence):
     strategy: ReplicationStrategy | None = None
     #: rank -> the tier where this rank keeps that rank's replicas (beside the peer tier)
     replica_tiers: dict[int, Tier] = field(default_factory=dict)
-    #: replica sets in this rank's peer directory that no rank keeps under the strategy now
-    #: (left by a job of another size or layout): read and served, never written
+    #: replica sets in this rank's peer directory that it does not keep (its node's other
+    #: ranks keep them, or a job of another size or layout left them): read and served, never
+    #: written by this rank
     found_replicas: tuple[Tier, ...] = ()
 
     def __getitem__(self, index):  # type: ignore[override]
