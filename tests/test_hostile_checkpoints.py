@@ -126,6 +126,11 @@ def test_a_changed_manifest_falls_back_to_the_next_tier(tmp_path):
      "field 'files.__0_0.distcp.blocks' must list 1 digests"),
     ("a block digest of another kind", lambda d: d["files"][span_file(d)]["blocks"].__setitem__(
         0, "blake3k_0123456789abcdef:" + "0" * 64), "of the file checksum's kind"),
+    ("a block digest with a newline after it", lambda d: d["files"][span_file(d)]["blocks"]
+     .__setitem__(0, d["files"][span_file(d)]["blocks"][0] + "\n"), "of the file checksum's kind"),
+    ("two block digests in one", lambda d: d["files"][span_file(d)]["blocks"].__setitem__(
+        0, d["files"][span_file(d)]["blocks"][0] + "\n" + d["files"][span_file(d)]["checksum"]),
+     "of the file checksum's kind"),
     ("blocks without a block size", lambda d: d["files"][span_file(d)].__setitem__(
         "block_bytes", 0), "field 'files.__0_0.distcp.block_bytes' must be above 0"),
     ("rank out of range", lambda d: d.__setitem__("ranks", [5]), "field 'ranks'"),
