@@ -221,3 +221,46 @@ def test_a_local_copy_is_checked_and_read_in_the_blocks_a_load_needs_only(tmp_pa
     flip(starts[1] + (1 << 20) + 5)  # in b's bytes: the object store's copy is read instead
     b, read = load_b()
     assert torch.equal(b, saved["b"]) and list(read) == ["objects"], read
+
+
+def test_a_local_copy_being_read_is_not_evicted_by_another_process_sharing_its_directory(
+        tmp_path):
+    """The read takes its bytes from the pages it checked, without hashing them again: the
+    directory is held shared from the check to the end of the read, so another process
+    sharing it (a node's other ranks evict and recycle under an exclusive lock) cannot take
+    the pages meanwhile; once the load is done, it can."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import tierstore
+    from tierstore_plugins.local import LocalBackend
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    config = {"tier": [{"name": "nvme", "backend": "local", "path": str(tmp_path / "l")}]}
+    saved = _three()
+    with tierstore.open(config) as store:
+        dcp.save(saved, storage_writer=store.writer(), checkpoint_id="step-1")
+    neighbour = LocalBackend(str(tmp_path / "l"))
+
+    class Neighbour:
+        """Another process sharing the directory tries to evict while each file is read."""
+
+        refused: list[bool] = []
+
+        @tierstore.hookimpl
+        def tierstore_phase(self, phase, checkpoint_id, tier, detail):
+            if phase == tierstore.Phase.READ_FILE:
+                lock = neighbour.lock_directory(checkpoint_id, exclusive=True)
+                self.refused.append(lock is None)
+                if lock is not None:
+                    lock.release()
+
+    out = _three(fill=0)
+    with tierstore.open(config, plugins=[Neighbour()]) as store:
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
+    assert all(torch.equal(out[k], saved[k]) for k in saved)
+    assert Neighbour.refused and all(Neighbour.refused), Neighbour.refused
+    lock = neighbour.lock_directory("step-1", exclusive=True)
+    assert lock is not None  # the load let it go
+    lock.release()

@@ -536,8 +536,12 @@ class TierstoreReader(StorageReader):
             if entry is None:
                 problems.append(f"tier '{tier.name}': not in its manifest")
                 continue
-            copy = None
+            copy = hold = None
             try:
+                # Shared, until the copy is read: the other ranks of the node (the directory's
+                # leader, the rank keeping a replica set) evict it only under an exclusive
+                # lock, and recycling its pages would change bytes already checked.
+                hold = tier.backend.lock_directory(cid, exclusive=False)
                 f = tier.backend.open_read(f"{cid}/{relative}")
                 try:
                     copy, why = map_checked(f, entry, tier.keyring,
@@ -547,6 +551,10 @@ class TierstoreReader(StorageReader):
                         f.close()
             except (OSError, IntegrityError) as exc:
                 why = str(exc)
+            if copy is not None:
+                copy.hold = hold
+            elif hold is not None:
+                hold.release()
             if why is None:
                 return n, problems, False
             if not why:

@@ -569,6 +569,8 @@ class MappedCopy:
         self._f, self._pages = f, pages
         #: the byte ranges checked (None: the whole file)
         self.held = held
+        #: released with the pages (the reader's shared lock on the checkpoint's directory)
+        self.hold = None
 
     @property
     def data(self):
@@ -590,6 +592,9 @@ class MappedCopy:
             pass  # unmapped when the last view goes
         finally:
             self._f.close()
+            if self.hold is not None:
+                self.hold.release()
+                self.hold = None
 
 
 def map_checked(f: IO[bytes], entry: FileEntry, keyring,
