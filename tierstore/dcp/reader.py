@@ -351,9 +351,10 @@ class TierstoreReader(StorageReader):
         # A load is all or nothing. Local copies are checked first, every file of the load
         # before any byte lands (from their mapped pages: no copy; only the blocks this rank
         # reads, of a file it needs part of), and read from those pages without a second
-        # pass; a file no tier has a good copy of fails the load with nothing changed. Copies that cannot be checked that
-        # cheaply (streams) are read once, with the old bytes of their destinations kept: any
-        # failure puts back every tensor the load was read into (LoadUndo).
+        # pass; a file no tier has a good copy of fails the load with nothing changed. Copies
+        # that cannot be checked that cheaply (streams) are read once, with the old bytes of
+        # their destinations kept: any failure puts back every tensor the load was read into
+        # (LoadUndo).
         undo = LoadUndo()
         # Reading from RAM and checking digests is CPU work: more threads than this rank's
         # share of the node's CPUs only take turns with the other ranks' (and slow them).
@@ -371,7 +372,7 @@ class TierstoreReader(StorageReader):
             here = len(local_sources(ctx, self._sources)) if from_peers else len(self._sources)
             firsts = dict(zip(files, each(lambda r: self._first_good_copy(r, 0, here), files)))
             if from_peers:
-                self._fetch_missing(firsts, here, each, per_file, planner)
+                self._fetch_missing(firsts, here, each)
             for relative, (start, problems, _) in firsts.items():
                 if start >= len(self._sources) and relative not in self._fetched:
                     self._no_good_copy(relative, problems)
@@ -419,17 +420,21 @@ class TierstoreReader(StorageReader):
         part of a file); None for all of it."""
         if not entry.blocks or self._plan is None:
             return None
-        per_file, planner = self._plan
         try:
-            runs = entry.block_runs(needed_ranges(entry, per_file[relative],
-                                                  self._metadata.storage_data, self._metadata,
-                                                  planner))
+            runs = entry.block_runs(self._needed_ranges(relative, entry))
         except FileReadError:
             return None  # the read says what is wrong
         return runs if runs_bytes(runs) < entry.size else None
 
+    def _needed_ranges(self, relative: str, entry: FileEntry) -> list[tuple[int, int]]:
+        """The byte ranges of ``relative`` this rank's plan reads (FileReadError when the
+        metadata does not describe the file)."""
+        per_file, planner = self._plan
+        return needed_ranges(entry, per_file[relative], self._metadata.storage_data,
+                             self._metadata, planner)
+
     def _fetch_missing(self, firsts: dict[str, tuple[int, list[str], bool]], here: int,
-                       each, per_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+                       each) -> None:
         """Collective: fetch from peers the files of this load with no good copy on this
         node's tiers (the first ``here`` sources); those no peer sent are looked for on the
         slower tiers after them (their entries in ``firsts`` are updated)."""
@@ -440,9 +445,7 @@ class TierstoreReader(StorageReader):
             local = self._sources[:here]
             missing = {r for r in firsts if held_here(cid, r, local) is None}
         self._fetched = fetch_from_peers(ctx, cid, self._sources, missing, self._holders,
-                                         lambda rel, entry: needed_ranges(
-                                             entry, per_file[rel], self._metadata.storage_data,
-                                             self._metadata, planner))
+                                         self._needed_ranges)
         rest = sorted(r for r in missing if r not in self._fetched and firsts[r][0] >= here)
         if rest:
             self._read_deferred()  # what no node holds comes from the slower tiers
@@ -654,8 +657,9 @@ class TierstoreReader(StorageReader):
 
     def _read_whole(self, f, tier: Tier, entry: FileEntry, reqs: list[ReadItem],
                     planner: LoadPlanner, undo: LoadUndo, keep_old: bool) -> int:
-        """Read ``reqs`` from the open copy ``f`` (a stream, not checked beforehand) front to
-        back, checking all of it against ``entry`` on the way."""
+        """Read ``reqs`` from the open copy ``f``, not checked beforehand (a stream, or any
+        copy when loads are not verified), front to back, checking all of it against
+        ``entry`` on the way when loads are verified."""
         ctx = self._services.context
         verify = tier.keyring.hasher_for(entry.checksum) if ctx.config.verify_on_load else None
         return read_items(f, entry, reqs, self._metadata.storage_data, self._metadata, planner,

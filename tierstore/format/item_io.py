@@ -562,7 +562,9 @@ class MappedCopy:
     it, or the blocks ``held``): a load reads what it needs straight from them, with no second
     pass. A mapping keeps the file it was made of (its inode) even when the file is replaced or
     deleted, and a load's checkpoint is kept from eviction (whose recycling would write over
-    those pages) until the load ends. :meth:`close` when done."""
+    those pages) until the load ends: by this process's ``keep``, and, through ``hold`` (the
+    reader's shared lock on the checkpoint's directory), by the other processes sharing that
+    directory. :meth:`close` when done."""
 
     def __init__(self, f: IO[bytes], pages: mmap.mmap | None,
                  held: list[tuple[int, int]] | None) -> None:
