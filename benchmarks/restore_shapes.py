@@ -89,8 +89,82 @@ def full_tensor(i: int, rows: int):
     return torch.rand(rows, 1024, generator=gen)
 
 
+def raw_job(spec: dict) -> int:
+    """One rank of the raw floor at 2x2 (``spec["shape"]``: ``2x2`` or ``2x2-lost``): the
+    least any restore of these files must do, with no tierstore, DCP or checks beyond one
+    hash. Each rank maps its own files from its node's RAM directory, hashes them (XXH3, as an
+    unsigned store) and copies them into destination tensors touched beforehand (as a model's
+    are). With node 1 lost, ranks 0 and 1 also send ranks 2 and 3 their files from the replica
+    sets node 0 holds, over gloo, while they read their own; ranks 2 and 3 receive them into
+    fresh buffers (as any check before landing must), then hash and copy them. Prints the
+    slowest rank's seconds and the CPU seconds of all ranks, like :func:`job`."""
+    import glob
+    import mmap
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    import xxhash
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    lost = spec["shape"] == "2x2-lost"
+    node, base = rank // 2, spec["base"]
+
+    def files_of(r: int, directory: str) -> list[str]:
+        return sorted(glob.glob(os.path.join(directory, CID, f"__{r}_*.distcp")))
+
+    def mapped(path: str) -> torch.Tensor:
+        with open(path, "rb") as f:
+            region = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                               prot=mmap.PROT_READ)
+        return torch.frombuffer(region, dtype=torch.uint8)
+
+    def land(data: torch.Tensor, into: torch.Tensor) -> None:
+        xxhash.xxh3_128(data.numpy()).hexdigest()
+        into.copy_(data)
+
+    own = files_of(rank, os.path.join(base, "ram", str(node)))
+    to_send = (files_of(rank + 2, os.path.join(base, "peer", "0", ".replicas",
+                                                f"{rank + 2}-held-by-{rank}"))
+               if lost and node == 0 else [])
+    if lost and node == 1:  # the sizes of what is coming (a restore knows them: manifests)
+        own = files_of(rank, os.path.join(base, "peer", "0", ".replicas",
+                                          f"{rank}-held-by-{rank - 2}"))
+    sizes = [os.path.getsize(p) for p in own]
+    with warnings.catch_warnings():
+        # The files are mapped read-only: torch warns that writes would fail; none are made.
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        destinations = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        dist.barrier()
+        started, cpu_started = time.perf_counter(), time.process_time()
+        if lost and node == 1:
+            buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            works = [dist.irecv(b, src=rank - 2) for b in buffers]
+            for w, b, d in zip(works, buffers, destinations):
+                w.wait()
+                land(b, d)
+        else:
+            works = [dist.isend(mapped(p), dst=rank + 2) for p in to_send]
+            for p, d in zip(own, destinations):
+                land(mapped(p), d)
+            for w in works:
+                w.wait()
+        seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        cpu = torch.tensor([time.process_time() - cpu_started], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)
+    if rank == 0:
+        print("RESULT " + json.dumps({"seconds": float(seconds), "cpu_seconds": float(cpu),
+                                      "mismatched": 0}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
 def job(spec: dict) -> int:
     """One rank: save (``spec["phase"] == "save"``) or load and time it."""
+    if spec["phase"] == "raw":
+        return raw_job(spec)
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -251,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
             run_job({**spec, "base": own_base[shape], "phase": "save", "source": "fast"},
                     *SHAPES[shape], args.timeout)
             contenders.append((shape, "own"))
+        # The floor of the lost node's cost on this machine: the same bytes moved and
+        # landed with nothing else done (raw_job).
+        contenders += [("2x2", "raw")] + ([("2x2-lost", "raw")] if "2x2-lost" in shapes else [])
         if args.profile:
             os.makedirs(args.profile, exist_ok=True)
             spec["profile"] = os.path.abspath(args.profile)
@@ -262,10 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                 nnodes, nproc = SHAPES[shape]
                 if source == "own":
                     job_spec = {**spec, "base": own_base[shape], "source": "fast"}
+                elif source == "raw":
+                    put_back(base, pristine, lost=shape == "2x2-lost")
+                    job_spec = {**spec, "source": "fast", "phase": "raw"}
                 else:
                     put_back(base, pristine, lost=shape == "2x2-lost")
                     job_spec = {**spec, "source": source}
-                result = run_job({**job_spec, "phase": "load", "shape": shape,
+                result = run_job({"phase": "load", **job_spec, "shape": shape,
                                   "label": source}, nnodes, nproc, args.timeout)
                 if result is None or result["mismatched"]:
                     print(f"MISMATCH: {shape} from {source}: {result}", file=sys.stderr)
@@ -300,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
                f"{fast / s3:7.2f}x" if s3 else f"{'':>8}"]
         print(" ".join(row))
     print(f"(intact from fast: {gb / intact:.2f} GB/s)")
+    if "2x2-lost raw" in median:
+        raw, raw_lost = median["2x2 raw"], median["2x2-lost raw"]
+        print(f"raw floor (no tierstore: map, hash, copy; the lost node's files over gloo): "
+              f"intact {raw:.3f} s, node 1 lost {raw_lost:.3f} s, lost/intact "
+              f"{raw_lost / raw:.2f}x (tierstore: {median['2x2-lost fast'] / intact:.2f}x); "
+              f"tierstore / raw: intact {intact / raw:.2f}x, lost "
+              f"{median['2x2-lost fast'] / raw_lost:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size_mib": args.size_mib, "rounds": args.rounds, "seconds": seconds,

@@ -3,12 +3,15 @@
 With node-local tiers (and peer replicas) a rank may need files that only other nodes hold: its
 own shards after its node was replaced, or another rank's file that DCP's plan sends its way.
 When the load starts (the reader's ``reset``, in the gather it makes anyway) every rank tells the
-others the files it can serve (:func:`servable_here`); once its plan is known, each rank lists
-the files it needs and has no good copy of here, with the byte ranges of them its plan reads (a
-rank of a job at another world size reads part of a file), as whole blocks of the file (each
-block's digest is in the manifest): one more gather. All ranks derive the same schedule from that, spreading the blocks over every rank that holds
-the file, and they move over torch.distributed (tierstore.transport.transfer) into buffers whose
-other pages are never touched. Every received block (or a whole file without blocks) is checked
+others the files it can serve (:func:`servable_here`). Once its plan is known, each rank checks
+its local copies and lists the files it needs and has no good copy of here, with the byte ranges
+of them its plan reads (a rank of a job at another world size reads part of a file), as whole
+blocks of the file (each block's digest is in the manifest): :func:`wanted_from_peers`. That
+list rides in the rank's DCP load plan to the coordinator, which schedules every transfer
+(:func:`schedule_plans`: the blocks of a file spread over every rank holding it) and sends each
+rank its part with its global plan, so a load asks its peers without a collective of its own.
+The bytes move over torch.distributed (tierstore.transport.transfer) into buffers whose other
+pages are never touched. Every received block (or a whole file without blocks) is checked
 against its digest before the load reads it; what no peer has, or sent bad, is left to the
 slower (shared) tiers, file by file, as usual.
 """
@@ -31,7 +34,8 @@ from tierstore.transport.ends import BufferTarget
 from tierstore.transport.transfer import Transfer, open_to_send, run_transfers
 
 __all__ = ["fetch_from_peers", "FetchedFile", "Servable", "servable_here", "local_sources",
-           "node_tiers", "held_here"]
+           "node_tiers", "held_here", "PeerFetchPlan", "wanted_from_peers", "schedule_fetches",
+           "schedule_plans"]
 
 log = logging.getLogger("tierstore.dcp.peer_fetch")
 
@@ -109,25 +113,37 @@ def servable_here(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifes
     return out
 
 
-def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]],
-                     missing: set[str], holders: list[dict[str, FileEntry]],
-                     ranges_for: Callable[[str, FileEntry], list[tuple[int, int]] | None]
-                     = lambda rel, entry: None) -> dict[str, FetchedFile]:
-    """Collective on the store's io group (one gather, then the transfers): fetch the files of
-    ``missing`` (those this rank needs and has no good copy of here: the reader has checked its
-    local copies) from ranks that hold them. ``holders[r]``: what rank ``r`` serves (gathered
-    when the load started, of the copies this load may read). ``ranges_for(rel, entry)`` gives
-    the byte ranges of a file this rank's load reads (None: all of it): of a file whose
-    manifest entry lists blocks, only the blocks holding them move, each from one of the ranks
-    holding the file, spread over them. Returns relative path -> FetchedFile, every block (or
-    whole file) checked against its digest."""
-    rank, group = ctx.rank, ctx.groups.io
-    local = local_sources(ctx, sources)
-    # The entry this rank goes by for each file it lacks (its own manifest's, else a
-    # holder's: the sources all belong to one save), and the blocks it asks for.
+Runs = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class PeerFetchPlan:
+    """What one rank's load asks of its peers, carried in its DCP ``LoadPlan.storage_data``
+    through the plan exchange DCP makes anyway (no collective of its own): ``asked`` (file ->
+    byte ranges, as whole blocks) and ``rank`` (the rank in the store's group) on the way to the
+    coordinator; on the way back, the transfers this rank takes part in (``scheduled``), and
+    whether any rank's load moves anything (``busy``)."""
+
+    rank: int
+    asked: dict[str, Runs]
+    transfers: tuple[Transfer, ...] = ()
+    busy: bool = False
+    scheduled: bool = False
+
+
+def wanted_from_peers(sources: list[tuple[Tier, Manifest]], missing: set[str],
+                      holders: list[dict[str, FileEntry]],
+                      ranges_for: Callable[[str, FileEntry], Runs | None]
+                      ) -> tuple[dict[str, FileEntry], dict[str, Runs]]:
+    """Of the files ``missing`` (those this rank's load needs and has no good copy of here),
+    those some rank holds (``holders[r]``: what rank ``r`` serves, gathered when the load
+    started): the entry this rank goes by for each (its own manifest's, else a holder's: the
+    sources all belong to one save), and the byte ranges it asks for, as runs of whole blocks
+    (``ranges_for(rel, entry)``: the ranges its plan reads, None for all of the file; a file
+    whose entry lists no blocks moves whole)."""
     own = {rel: m.files[rel] for _, m in sources for rel in m.files}
     chosen: dict[str, FileEntry] = {}
-    wants: dict[str, list[tuple[int, int]]] = {}
+    wants: dict[str, Runs] = {}
     for rel in sorted(missing):
         entry = own.get(rel) or next((has[rel] for has in holders if rel in has), None)
         if entry is None:
@@ -139,19 +155,59 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
             ranges = None
         runs = entry.block_runs(ranges) if ranges is not None and entry.blocks else []
         wants[rel] = runs or [(0, entry.size)]
-    asked = all_gather_object(wants, group)
-    if not any(asked):
-        return {}
-    ctx.host.phase(Phase.PEER_FETCH, cid, None, rank)
+    return chosen, wants
+
+
+def schedule_fetches(asked: list[dict[str, Runs]], holders: list[dict[str, FileEntry]]
+                     ) -> list[Transfer]:
+    """Every transfer of a load, from what each rank asked (``asked[r]``) and what each holds:
+    the blocks of a file are spread over the ranks holding it, the same way wherever this is
+    computed."""
     schedule: list[Transfer] = []
     for dst, runs_of in enumerate(asked):
         for rel, runs in sorted(runs_of.items()):
             have = [h for h, has in enumerate(holders) if h != dst and rel in has]
             for start, end in runs if have else ():
-                # Spread the blocks over the holders, the same way on every rank.
                 src = have[(dst + len(schedule)) % len(have)]
                 schedule.append(Transfer(src, dst, rel, end - start, start))
-    mine = [t for t in schedule if rank in (t.src, t.dst)]
+    return schedule
+
+
+def schedule_plans(plans: list[PeerFetchPlan], holders: list[dict[str, FileEntry]]
+                   ) -> list[PeerFetchPlan]:
+    """The coordinator's part: each rank's plan with the transfers it takes part in. Plans
+    that do not come from every rank of the store's group, once each (DCP's group is another
+    one), are returned unscheduled: the ranks then exchange what they ask themselves."""
+    by_rank = {p.rank: p for p in plans}
+    if sorted(by_rank) != list(range(len(holders))) or len(plans) != len(holders):
+        return plans
+    schedule = schedule_fetches([by_rank[r].asked for r in range(len(holders))], holders)
+    busy = bool(schedule)
+    return [PeerFetchPlan(p.rank, p.asked,
+                          tuple(t for t in schedule if p.rank in (t.src, t.dst)), busy, True)
+            for p in plans]
+
+
+def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]],
+                     chosen: dict[str, FileEntry], wants: dict[str, Runs],
+                     holders: list[dict[str, FileEntry]],
+                     plan: PeerFetchPlan | None = None) -> dict[str, FetchedFile]:
+    """Collective on the store's io group: fetch the byte ranges ``wants`` of the files
+    ``chosen`` (see :func:`wanted_from_peers`) from ranks that hold them. With ``plan``
+    (scheduled in DCP's plan exchange) the transfers are known; without, the ranks gather
+    what each asks first (one more gather). Returns relative path -> FetchedFile, every block
+    (or whole file) checked against its digest."""
+    rank, group = ctx.rank, ctx.groups.io
+    if plan is None or not plan.scheduled:
+        schedule = schedule_fetches(all_gather_object(wants, group), holders)
+        mine = [t for t in schedule if rank in (t.src, t.dst)]
+        busy = bool(schedule)
+    else:
+        mine, busy = list(plan.transfers), plan.busy
+    if not busy:
+        return {}
+    ctx.host.phase(Phase.PEER_FETCH, cid, None, rank)
+    local = local_sources(ctx, sources)
     buffers: dict[str, BufferTarget] = {}
 
     def open_source(t: Transfer):

@@ -8,6 +8,7 @@ the user unwrapped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -21,8 +22,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierstore.dcp.peer_fetch import (FetchedFile, Servable, fetch_from_peers, held_here,
-                                      local_sources, node_tiers, servable_here)
+from tierstore.dcp.peer_fetch import (FetchedFile, PeerFetchPlan, Servable, fetch_from_peers,
+                                      held_here, local_sources, node_tiers, schedule_plans,
+                                      servable_here, wanted_from_peers)
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
@@ -78,8 +80,12 @@ class TierstoreReader(StorageReader):
         self._runs: dict[str, list[tuple[int, int]]] = {}
         #: local copies checked from their mapped pages, read from them (by relative path)
         self._mapped: dict[str, MappedCopy] = {}
-        #: this load's read items per file, and its planner (set by read_data)
-        self._plan: tuple[dict[str, list[ReadItem]], LoadPlanner] | None = None
+        #: this load's read items per file (set by prepare_local_plan)
+        self._per_file: dict[str, list[ReadItem]] | None = None
+        #: where each file's read starts (see _first_good_copy), set by prepare_local_plan
+        self._firsts: dict[str, tuple[int, list[str], bool]] = {}
+        #: the files this rank asks peers for: the entry it goes by, and the ranges
+        self._wanted: tuple[dict[str, FileEntry], dict[str, list[tuple[int, int]]]] = ({}, {})
         #: what each rank can serve to peers of this load's copies (node-local tiers only)
         self._holders: list[dict[str, FileEntry]] = []
         #: slower tiers whose manifests this load has not read yet (see _reset), and whether
@@ -106,6 +112,7 @@ class TierstoreReader(StorageReader):
         ``keep`` spares it until this load has read its data."""
         cid = validate_checkpoint_id(checkpoint_id)
         self._stop_protecting()
+        self._unmap()  # an earlier load that DCP abandoned between its plan and its read
         retention = self._services.retention
         retention.loading(cid, begins=True)
         self._protection = weakref.finalize(self, retention.load_released_later, cid)
@@ -324,11 +331,77 @@ class TierstoreReader(StorageReader):
         self._metadata = metadata
         self._rank = kwargs.get("rank") or 0
 
+    def _peers(self) -> bool:
+        """Whether this load may fetch from peers (node-local tiers in a distributed job)."""
+        ctx = self._services.context
+        return ctx.tiers.node_local and ctx.groups.main is not None
+
+    def _here(self) -> int:
+        """How many of the sources count as this node's (the rest are slower shared tiers)."""
+        ctx = self._services.context
+        return len(local_sources(ctx, self._sources)) if self._peers() else len(self._sources)
+
+    def _pool(self, files: int) -> ThreadPoolExecutor | None:
+        """Threads to check or read ``files`` files with (None: this thread alone). Reading
+        from RAM and checking digests is CPU work: more threads than this rank's share of the
+        node's CPUs only take turns with the other ranks' (and slow them)."""
+        ctx = self._services.context
+        workers = min(ctx.config.io_threads, ctx.job.cpu_share(), max(1, files))
+        return (ThreadPoolExecutor(workers, thread_name_prefix="tierstore-read")
+                if workers > 1 else None)
+
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """Check this node's copies of the files the plan reads (those blocks of them it
+        reads), and with peers, carry to the coordinator what this rank needs of the files no
+        copy here holds good (in ``storage_data``: DCP's plan exchange carries it, and the
+        coordinator schedules the transfers; see :mod:`tierstore.dcp.peer_fetch`)."""
+        self._unmap()
+        self._fetched = {}
+        storage_data = self._metadata.storage_data
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
+        self._per_file = per_file
+        self._firsts = self._check_local(list(per_file))
+        if not self._peers():
+            return plan
+        self._wanted = self._wants(self._firsts)
+        return dataclasses.replace(plan, storage_data=PeerFetchPlan(
+            self._services.context.rank, self._wanted[1]))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """The coordinator schedules every peer transfer of the load (each rank gets those it
+        takes part in with its plan)."""
+        asked = [p.storage_data for p in plans]
+        if not self._peers() or not all(isinstance(a, PeerFetchPlan) for a in asked):
+            return plans
+        return [dataclasses.replace(p, storage_data=a)
+                for p, a in zip(plans, schedule_plans(asked, self._holders))]
+
+    def _check_local(self, files: list[str]) -> dict[str, tuple[int, list[str], bool]]:
+        """Where reading each of ``files`` starts: this node's copies checked (see
+        :meth:`_first_good_copy`), every file of the load before any byte lands."""
+        here = self._here()
+        pool = self._pool(len(files))
+        try:
+            found = (map if pool is None else pool.map)(
+                lambda r: self._first_good_copy(r, 0, here), files)
+            return dict(zip(files, found))
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+    def _wants(self, firsts: dict[str, tuple[int, list[str], bool]]
+               ) -> tuple[dict[str, FileEntry], dict[str, list[tuple[int, int]]]]:
+        """What this rank asks its peers for: the files with no good copy here."""
+        ctx, cid = self._services.context, self._checkpoint_id
+        here = self._here()
+        if ctx.config.verify_on_load:
+            missing = {r for r, (start, _, _) in firsts.items() if start >= here}
+        else:  # unchecked: a copy of the right size counts
+            local = self._sources[:here]
+            missing = {r for r in firsts if held_here(cid, r, local) is None}
+        return wanted_from_peers(self._sources, missing, self._holders, self._needed_ranges)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's items, files in parallel, each from the first tier whose copy
@@ -345,34 +418,33 @@ class TierstoreReader(StorageReader):
         for req in plan.items:
             per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
         started = time.perf_counter()
-        from_peers = ctx.tiers.node_local and ctx.groups.main is not None
         self._fetched = {}
-        self._plan = (per_file, planner)
-        # A load is all or nothing. Local copies are checked first, every file of the load
-        # before any byte lands (from their mapped pages: no copy; only the blocks this rank
-        # reads, of a file it needs part of), and read from those pages without a second
-        # pass; a file no tier has a good copy of fails the load with nothing changed. Copies
-        # that cannot be checked that cheaply (streams) are read once, with the old bytes of
-        # their destinations kept: any failure puts back every tensor the load was read into
-        # (LoadUndo).
+        if self._per_file != per_file:
+            # The planner changed the plan after it was prepared (finish_plan): check again.
+            self._unmap()
+            self._per_file = per_file
+            self._firsts = self._check_local(list(per_file))
+            if self._peers():
+                self._wanted = self._wants(self._firsts)
+        # A load is all or nothing. Local copies were checked first (prepare_local_plan),
+        # every file of the load before any byte lands (from their mapped pages: no copy;
+        # only the blocks this rank reads, of a file it needs part of), and are read from
+        # those pages without a second pass; a file no tier has a good copy of fails the load
+        # with nothing changed. Copies that cannot be checked that cheaply (streams) are read
+        # once, with the old bytes of their destinations kept: any failure puts back every
+        # tensor the load was read into (LoadUndo).
         undo = LoadUndo()
-        # Reading from RAM and checking digests is CPU work: more threads than this rank's
-        # share of the node's CPUs only take turns with the other ranks' (and slow them).
-        workers = min(ctx.config.io_threads, ctx.job.cpu_share(), max(1, len(per_file)))
-        pool = (ThreadPoolExecutor(workers, thread_name_prefix="tierstore-read")
-                if workers > 1 else None)
+        pool = self._pool(len(per_file))
 
         def each(fn, items):
             return list(map(fn, items)) if pool is None else list(pool.map(fn, items))
 
         try:
-            # Each local copy is checked once, here: its check decides whether peers are asked
-            # for the file, and the read compares with the digest it gave.
-            files = list(per_file)
-            here = len(local_sources(ctx, self._sources)) if from_peers else len(self._sources)
-            firsts = dict(zip(files, each(lambda r: self._first_good_copy(r, 0, here), files)))
-            if from_peers:
-                self._fetch_missing(firsts, here, each)
+            firsts = dict(self._firsts)
+            if self._peers():
+                scheduled = plan.storage_data
+                self._fetch_missing(firsts, each, scheduled
+                                    if isinstance(scheduled, PeerFetchPlan) else None)
             for relative, (start, problems, _) in firsts.items():
                 if start >= len(self._sources) and relative not in self._fetched:
                     self._no_good_copy(relative, problems)
@@ -412,13 +484,12 @@ class TierstoreReader(StorageReader):
         """Close the mapped copies this load has not read (it failed before)."""
         while self._mapped:
             self._mapped.popitem()[1].close()
-        self._plan = None
 
     def _check_runs(self, relative: str, entry: FileEntry) -> list[tuple[int, int]] | None:
         """The runs of whole blocks of ``relative`` this rank's plan reads, when that is less
         than the file and its entry lists blocks (a rank of a job at another world size reads
         part of a file); None for all of it."""
-        if not entry.blocks or self._plan is None:
+        if not entry.blocks or self._per_file is None:
             return None
         try:
             runs = entry.block_runs(self._needed_ranges(relative, entry))
@@ -429,24 +500,21 @@ class TierstoreReader(StorageReader):
     def _needed_ranges(self, relative: str, entry: FileEntry) -> list[tuple[int, int]]:
         """The byte ranges of ``relative`` this rank's plan reads (FileReadError when the
         metadata does not describe the file)."""
-        per_file, planner = self._plan
-        return needed_ranges(entry, per_file[relative], self._metadata.storage_data,
-                             self._metadata, planner)
+        return needed_ranges(entry, self._per_file[relative], self._metadata.storage_data,
+                             self._metadata)
 
-    def _fetch_missing(self, firsts: dict[str, tuple[int, list[str], bool]], here: int,
-                       each) -> None:
+    def _fetch_missing(self, firsts: dict[str, tuple[int, list[str], bool]], each,
+                       scheduled: PeerFetchPlan | None) -> None:
         """Collective: fetch from peers the files of this load with no good copy on this
-        node's tiers (the first ``here`` sources); those no peer sent are looked for on the
+        node's tiers (``scheduled``: the transfers DCP's plan exchange brought; None: the
+        ranks exchange what they ask themselves); those no peer sent are looked for on the
         slower tiers after them (their entries in ``firsts`` are updated)."""
         ctx, cid = self._services.context, self._checkpoint_id
-        if ctx.config.verify_on_load:
-            missing = {r for r, (start, _, _) in firsts.items() if start >= here}
-        else:  # unchecked: a copy of the right size counts
-            local = self._sources[:here]
-            missing = {r for r in firsts if held_here(cid, r, local) is None}
-        self._fetched = fetch_from_peers(ctx, cid, self._sources, missing, self._holders,
-                                         self._needed_ranges)
-        rest = sorted(r for r in missing if r not in self._fetched and firsts[r][0] >= here)
+        here = self._here()
+        chosen, wants = self._wanted
+        self._fetched = fetch_from_peers(ctx, cid, self._sources, chosen, wants,
+                                         self._holders, scheduled)
+        rest = sorted(r for r in firsts if r not in self._fetched and firsts[r][0] >= here)
         if rest:
             self._read_deferred()  # what no node holds comes from the slower tiers
         for relative, (start, problems, checked) in zip(

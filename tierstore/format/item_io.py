@@ -330,6 +330,9 @@ class _Part:
     req: ReadItem | None = None
     #: large enough to be read straight into ``target``, not through a window
     in_place: bool = False
+    #: ``target`` is a buffer of this load's own, not the destination: the planner's tensor
+    #: (on another device, of another dtype or layout) gets its bytes when it is committed
+    staged: bool = False
 
 
 class FileReadError(Exception):
@@ -396,7 +399,7 @@ class LoadUndo:
                     if not sink.byte_io:
                         sink(data)
                 for p in filled:
-                    planner.commit_tensor(p.req, p.target)
+                    _commit(planner, p)
             for decoded, _, _ in self._later:
                 for sink, data in decoded:
                     if sink.byte_io:
@@ -475,8 +478,19 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     for sink, data in checked:
         sink(data)
     for p in filled:
-        planner.commit_tensor(p.req, p.target)
+        _commit(planner, p)
     return reading.pos
+
+
+def _commit(planner: LoadPlanner, part: _Part) -> None:
+    """Hand the planner ``part``'s tensor, once its file is known good (a staged one is
+    copied into the planner's tensor first)."""
+    if part.staged:
+        destination = planner.resolve_tensor(part.req).detach()
+        destination.copy_(part.target)
+        planner.commit_tensor(part.req, destination)
+    else:
+        planner.commit_tensor(part.req, part.target)
 
 
 def _reads(parts: list[_Part], verify: bool):
@@ -501,26 +515,34 @@ def _reads(parts: list[_Part], verify: bool):
 
 
 def needed_ranges(entry: FileEntry, reqs: list[ReadItem], storage_data: dict,
-                  metadata: Metadata, planner: LoadPlanner) -> list[tuple[int, int]]:
+                  metadata: Metadata) -> list[tuple[int, int]]:
     """The byte ranges ``[start, end)`` of the file that :func:`read_items` reads for
-    ``reqs`` without verification (a file fetched in part from a peer is read so: every range
-    it needs was checked on arrival). Raises FileReadError when the metadata does not
-    describe the file."""
-    parts = _plan_parts(entry, reqs, storage_data, metadata, planner)
+    ``reqs`` without verification (a file fetched or checked in part is read so: every range
+    it needs was checked). They follow from the plan and the metadata alone, never from the
+    destination tensors, so that a load can know them (and check or fetch them) before
+    DCP hands it its planner. Raises FileReadError when the metadata does not describe the
+    file."""
+    layout = _layout(entry, reqs, storage_data, metadata)
+    parts = [_Part(start, end, data_start=run[0] if run else 0,
+                   in_place=run is not None and run[1] >= DIRECT_READ_MIN)
+             for start, end, _, _, run in layout]
     ranges = []
     for start, end, group in _reads(parts, False):
-        if group is None:
-            part = parts[start]
-            ranges.append((part.data_start, part.data_start + part.target.nbytes))
+        if group is None:  # a large raw run, read alone
+            offset, nbytes = layout[start][4]
+            ranges.append((offset, offset + nbytes))
         else:
             ranges.append((start, end))
     return ranges
 
 
-def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, metadata: Metadata,
-                planner: LoadPlanner, trusted: tuple[str, ...] = ()) -> list[_Part]:
-    """The stored items ``reqs`` need, in file order, each with where its bytes go."""
-    # (No container per item beyond what is needed: see _Part.)
+def _layout(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, metadata: Metadata
+            ) -> list[tuple[int, int, list[ReadItem], _StorageInfo, tuple[int, int] | None]]:
+    """The stored items ``reqs`` need, in file order: ``(start, end, requests, storage info,
+    run)``, where ``run`` is ``(file offset, bytes)`` of the raw bytes the one request reads
+    (a whole chunk, or one contiguous run of it: rows of a chunk saved at another world size)
+    when the manifest locates the item's raw bytes (its spans), else None (the item is
+    decoded whole)."""
     spans = {span[0]: span for span in entry.spans or ()}  # item offset -> the manifest's triple
     by_offset: dict[int, ReadItem | list[ReadItem]] = {}
     for req in reqs:
@@ -528,7 +550,8 @@ def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, meta
         held = by_offset.setdefault(offset, req)
         if held is not req:  # several requests read one stored item (resharding)
             by_offset[offset] = [*held, req] if isinstance(held, list) else [held, req]
-    parts = []
+    out = []
+    last_end = None
     for offset in sorted(by_offset):
         held = by_offset[offset]
         group = held if isinstance(held, list) else [held]
@@ -536,24 +559,47 @@ def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, meta
         if info.offset + info.length > entry.size:
             raise FileReadError(f"item {group[0].storage_index.fqn} ends at byte "
                                 f"{info.offset + info.length}, past the file's {entry.size} bytes")
-        if parts and info.offset < parts[-1].end:
+        if last_end is not None and info.offset < last_end:
             # The file is read front to back once: an item inside the one before would get the
             # bytes after it. DCP never writes items that overlap.
             raise FileReadError(f"item {group[0].storage_index.fqn} starts at byte {info.offset}, "
                                 f"inside the item before it (which ends at byte "
-                                f"{parts[-1].end}); the metadata does not describe this file")
+                                f"{last_end}); the metadata does not describe this file")
+        last_end = info.offset + info.length
         span = spans.get(info.offset)
-        direct = (_direct_target(span[1:], info, group, metadata, planner)
-                  if len(group) == 1 and span else None)
-        end = info.offset + info.length
-        if direct is not None:
-            (data_start, _), target = direct
-            parts.append(_Part(info.offset, end, target=target, data_start=data_start,
-                               req=group[0], in_place=target.nbytes >= DIRECT_READ_MIN))
-        else:
-            parts.append(_Part(info.offset, end,
+        run = (_raw_run(span[1:], info, group[0], metadata)
+               if len(group) == 1 and span else None)
+        out.append((info.offset, last_end, group, info, run))
+    return out
+
+
+def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, metadata: Metadata,
+                planner: LoadPlanner, trusted: tuple[str, ...] = ()) -> list[_Part]:
+    """The stored items ``reqs`` need, in file order, each with where its bytes go: a raw run
+    straight into the planner's tensor when it can take them (a contiguous CPU tensor of the
+    stored dtype), else into a buffer of this load's own, copied into the planner's tensor
+    when committed (so that a load reads the same bytes whatever the destination is: see
+    :func:`needed_ranges`); other items through ``torch.load``."""
+    # (No container per item beyond what is needed: see _Part.)
+    parts = []
+    for start, end, group, info, run in _layout(entry, reqs, storage_data, metadata):
+        if run is None:
+            parts.append(_Part(start, end,
                                sink=_Decoder(group, planner, info.transform_descriptors,
                                              trusted)))
+            continue
+        req = group[0]
+        dtype = metadata.state_dict_metadata[req.storage_index.fqn].properties.dtype
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != tuple(req.lengths):
+            raise AssertionError(f"item {req.storage_index} has size {tuple(req.lengths)}, "
+                                 f"expected {tuple(target.shape)}")
+        staged = (target.device.type != "cpu" or not target.is_contiguous()
+                  or target.dtype != dtype)
+        if staged:
+            target = torch.empty(tuple(req.lengths), dtype=dtype)
+        parts.append(_Part(start, end, target=target, data_start=run[0], req=req,
+                           in_place=run[1] >= DIRECT_READ_MIN, staged=staged))
     return parts
 
 
@@ -828,32 +874,31 @@ def _contiguous_slice(sizes, offsets, lengths, element_size: int) -> tuple[int, 
     return start * element_size, numel * element_size
 
 
-def _direct_target(span: tuple[int, int], info: _StorageInfo, group: list[ReadItem],
-                   metadata: Metadata, planner: LoadPlanner):
-    """``(span, destination)`` when the bytes the request needs can be read straight into the
-    tensor the planner gives for it: a whole chunk or one contiguous run of it (rows of a
-    chunk saved at another world size), into a contiguous CPU tensor of the same dtype.
-    ``span`` is then where those bytes lie in the file."""
-    req = group[0]
+def _raw_run(span: tuple[int, int], info: _StorageInfo, req: ReadItem, metadata: Metadata
+             ) -> tuple[int, int] | None:
+    """``(file offset, bytes)`` of the raw bytes ``req`` reads of its stored item, when they
+    are one contiguous run of it (a whole chunk, or rows of a chunk saved at another world
+    size) of a plain tensor item whose raw bytes lie at ``span`` (``(offset, bytes)`` in the
+    file, from the manifest); else None."""
     if req.type != LoadItemType.TENSOR or info.transform_descriptors:
         return None
     sizes = _chunk_sizes(metadata, req)
     if sizes is None:
         return None
     md = metadata.state_dict_metadata[req.storage_index.fqn]
-    target = planner.resolve_tensor(req).detach()
+    element = torch._utils._element_size(md.properties.dtype)
     run = _contiguous_slice(tuple(sizes), tuple(req.storage_offsets), tuple(req.lengths),
-                            torch._utils._element_size(md.properties.dtype))
-    whole = 1
+                            element)
+    whole = element
     for n in sizes:
         whole *= n
-    if (run is None or target.device.type != "cpu" or not target.is_contiguous()
-            or target.dtype != md.properties.dtype
-            or tuple(target.shape) != tuple(req.lengths)
-            or span[1] != whole * target.element_size() or run[1] != target.nbytes
+    wanted = element
+    for n in req.lengths:
+        wanted *= n
+    if (run is None or span[1] != whole or run[1] != wanted
             or not info.offset <= span[0] <= info.offset + info.length - span[1]):
         return None
-    return (span[0] + run[0], run[1]), target
+    return span[0] + run[0], run[1]
 
 
 _EXTENSIONS = ExtensionRegistry()
