@@ -172,6 +172,38 @@ def test_an_object_store_copy_serves_part_of_a_file_by_its_checked_blocks(tmp_pa
     assert torch.equal(out["b"], torch.full((3 << 18,), 7.0))  # nothing of it landed
 
 
+@pytest.mark.parametrize("destination", ["float64", "transposed"])
+def test_a_destination_that_cannot_take_the_raw_bytes_gets_them_from_the_same_blocks(
+        tmp_path, destination):
+    """What a load reads of a file follows from its plan and the metadata, never from the
+    destination tensors (a load knows it before DCP hands it its planner): a destination of
+    another dtype, or not contiguous (as a tensor on a GPU cannot take raw bytes either), gets
+    the raw bytes through a buffer of the load's own, read from the same checked blocks."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import tierstore
+    from recording import Recorder
+    from tierstore import EventKind
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    config = {"store": {"io_threads": 1},
+              "tier": [{"name": "objects", "backend": "fsspec", "url": f"file://{tmp_path}/o"}]}
+    saved = {k: v.reshape(768, 1024) for k, v in _three().items()}
+    with tierstore.open(config) as store:
+        dcp.save(saved, storage_writer=store.writer(), checkpoint_id="step-1")
+    out = ({"b": torch.zeros(768, 1024, dtype=torch.float64)} if destination == "float64"
+           else {"b": torch.zeros(1024, 768).t()})
+    recorder = Recorder()
+    with tierstore.open(config, plugins=[recorder]) as store:
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
+    assert torch.equal(out["b"], saved["b"].to(out["b"].dtype))
+    loaded, = [e for e in recorder.events if e.kind == EventKind.LOADED]
+    read = loaded.detail["bytes_from"]["objects"]
+    assert 3 << 20 <= read <= (3 << 20) + 2 * BLOCK_MIN_BYTES, read
+
+
 def test_a_local_copy_is_checked_and_read_in_the_blocks_a_load_needs_only(tmp_path):
     """A node-local copy is checked from its mapped pages before anything lands, and only in
     the blocks the load reads (a job at another world size reads part of a file): damage
