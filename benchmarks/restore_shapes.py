@@ -37,6 +37,11 @@ job's size, where ``fast / 2x2`` mixes the two.
     .venv/bin/python benchmarks/restore_shapes.py                 # 128 MiB, 1 round (~4 min)
     .venv/bin/python benchmarks/restore_shapes.py --size-mib 32 --rounds 2 --json /tmp/r.json
 
+The raw floor (``raw``, always run): the 2x2 checkpoint restored with nothing but the work no
+restore can skip (:func:`raw_job`: map, hash, copy; the lost node's files sent over gloo), intact
+and with node 1 lost. Its lost / intact ratio is what moving the lost node's bytes costs on this
+machine, whatever the software.
+
 Reading guide: ``2x2-lost / 2x2`` is what the lost node costs (target 1.1x); each resharded
 shape from ``fast`` against ``2x2`` from ``fast`` is the price of the new shape (target 1.3x),
 against ``own`` the price of resharding alone, and against the same shape from ``files`` and
