@@ -421,11 +421,12 @@ class TierstoreReader(StorageReader):
         self._fetched = {}
         if self._per_file != per_file:
             # The planner changed the plan after it was prepared (finish_plan): check again.
+            # Peers still send what the prepared plan asked for (every rank's transfers were
+            # scheduled from it); a file newly needed that no copy here holds good comes from
+            # the slower tiers.
             self._unmap()
             self._per_file = per_file
             self._firsts = self._check_local(list(per_file))
-            if self._peers():
-                self._wanted = self._wants(self._firsts)
         # A load is all or nothing. Local copies were checked first (prepare_local_plan),
         # every file of the load before any byte lands (from their mapped pages: no copy;
         # only the blocks this rank reads, of a file it needs part of), and are read from
