@@ -169,6 +169,60 @@ def test_verify_of_unknown_id_and_unknown_tier(store):
         store.verify("step-404", tier="tape")
 
 
+@pytest.mark.parametrize("backend", ["local", "fsspec"])
+def test_keep_in_a_process_sharing_the_directory_never_evicts_a_checkpoint_being_pinned(
+        tmp_path, monkeypatch, backend):
+    """``keep`` evicts only under an exclusive lock on the checkpoint's directory, and a pin
+    holds it shared from reading the manifest to rewriting it: another process sharing the
+    directory (a node's leader applying ``keep``) is refused meanwhile, and the checkpoint
+    stays whole and pinned. (An eviction in between made the rewrite fail on the missing
+    directory, or, on an object store, bring back a manifest whose files were gone.)"""
+    from tierstore_plugins.fsspec_backend import FsspecBackend
+    from tierstore_plugins.local import LocalBackend
+
+    from tierstore.tiers.tier import Tier
+
+    root = tmp_path / "t"
+    if backend == "local":
+        config = {"tier": [{"name": "t", "backend": "local", "path": str(root)}]}
+        neighbour = LocalBackend(str(root))
+    else:
+        config = {"tier": [{"name": "t", "backend": "fsspec", "url": f"file://{root}"}]}
+        neighbour = FsspecBackend(str(root), url=f"file://{root}")
+    with tierstore.open(config) as store:
+        save(store, "step-1", value=3.0)
+    armed, refused = [], []
+    complete_manifest = Tier.complete_manifest
+
+    def evicting_meanwhile(self, cid):
+        manifest = complete_manifest(self, cid)
+        if armed:  # the neighbour's keep, between the pin's read and its rewrite
+            lock = neighbour.lock_directory(cid, exclusive=True)
+            refused.append(lock is None)
+            if lock is not None:
+                try:
+                    neighbour.delete(cid)
+                finally:
+                    lock.release()
+        return manifest
+
+    monkeypatch.setattr(Tier, "complete_manifest", evicting_meanwhile)
+    with tierstore.open(config) as store:
+        armed.append(True)
+        store.pin("step-1")
+        armed.clear()
+    assert refused == [True], refused
+    monkeypatch.undo()
+    with open(root / "step-1" / "tierstore.json") as f:
+        assert json.load(f)["pinned"] is True
+    with tierstore.open(config) as store:
+        assert torch.equal(load(store, "step-1")["w"], torch.full((1000,), 3.0))
+    lock = neighbour.lock_directory("step-1", exclusive=True)
+    assert lock is not None  # the pin let it go
+    lock.release()
+    neighbour.close()
+
+
 def test_pin_unknown_checkpoint(store):
     with pytest.raises(CheckpointNotFound, match="cannot pin 'step-3'"):
         store.pin("step-3")

@@ -350,17 +350,30 @@ class Tier:
 
     # -- changing what is there --------------------------------------------------------------
     def set_pinned(self, checkpoint_id: str, pinned: bool) -> bool:
-        """Rewrite the manifest's pinned flag; False when the checkpoint is not complete here."""
-        manifest = self.complete_manifest(checkpoint_id)
-        if manifest is None:
-            return False
-        if manifest.pinned != pinned:
-            manifest.pinned = pinned
-            raw = manifest.to_json(self.keyring)
-            with self.writing(f"{checkpoint_id}/{MANIFEST_NAME}", len(raw)):
-                self.commit.update_manifest(self.backend, checkpoint_id, raw,
-                                            uuid.uuid4().hex[:12])
-        return True
+        """Rewrite the manifest's pinned flag; False when the checkpoint is not complete here.
+
+        The checkpoint's directory is held shared from the read of its manifest to the
+        rewrite: ``keep`` (this process's, or another's sharing the directory: a node's leader)
+        evicts only under an exclusive lock, and a rewrite after an eviction would bring back
+        the manifest of a checkpoint whose files are gone (on an object store, where writing a
+        key needs no directory), or fail on the missing directory."""
+        try:
+            hold = self.backend.lock_directory(checkpoint_id, exclusive=False)
+        except FileNotFoundError:
+            return False  # evicted (or never here)
+        try:
+            manifest = self.complete_manifest(checkpoint_id)
+            if manifest is None:
+                return False
+            if manifest.pinned != pinned:
+                manifest.pinned = pinned
+                raw = manifest.to_json(self.keyring)
+                with self.writing(f"{checkpoint_id}/{MANIFEST_NAME}", len(raw)):
+                    self.commit.update_manifest(self.backend, checkpoint_id, raw,
+                                                uuid.uuid4().hex[:12])
+            return True
+        finally:
+            hold.release()
 
     def delete(self, checkpoint_id: str, *, evicted: bool = False) -> None:
         """Remove a checkpoint so that a crash part-way leaves nothing visible and nothing gc
