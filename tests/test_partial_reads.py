@@ -296,3 +296,42 @@ def test_a_local_copy_being_read_is_not_evicted_by_another_process_sharing_its_d
     lock = neighbour.lock_directory("step-1", exclusive=True)
     assert lock is not None  # the load let it go
     lock.release()
+
+
+def test_a_load_abandoned_between_its_plan_and_its_read_lets_its_checked_copies_go(tmp_path):
+    """Local copies are checked (mapped, their directory held shared) when DCP prepares the
+    plan, and read in read_data: a load that fails in between (here the planner's global
+    step) leaves nothing mapped or held once the reader is dropped, so keep in a process
+    sharing the directory can evict again."""
+    import gc
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import tierstore
+    from tierstore_plugins.local import LocalBackend
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    config = {"tier": [{"name": "nvme", "backend": "local", "path": str(tmp_path / "l")}]}
+    saved = _three()
+    with tierstore.open(config) as store:
+        dcp.save(saved, storage_writer=store.writer(), checkpoint_id="step-1")
+    neighbour = LocalBackend(str(tmp_path / "l"))
+
+    class Failing(DefaultLoadPlanner):
+        def create_global_plan(self, global_plan):
+            raise RuntimeError("the global plan failed")
+
+    out = _three(fill=0)
+    with tierstore.open(config) as store:
+        with pytest.raises(CheckpointException, match="the global plan failed"):
+            dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1",
+                     planner=Failing())
+        gc.collect()
+        lock = neighbour.lock_directory("step-1", exclusive=True)
+        assert lock is not None  # nothing of the abandoned load holds it
+        lock.release()
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-1")
+    assert all(torch.equal(out[k], saved[k]) for k in saved)

@@ -80,6 +80,10 @@ class TierstoreReader(StorageReader):
         self._runs: dict[str, list[tuple[int, int]]] = {}
         #: local copies checked from their mapped pages, read from them (by relative path)
         self._mapped: dict[str, MappedCopy] = {}
+        # They are checked when DCP prepares the plan and read in read_data: a load that DCP
+        # abandons in between (another rank failed its plan) and then drops this reader must
+        # not keep their pages mapped and their directories locked against keep.
+        weakref.finalize(self, _close_copies, self._mapped)
         #: this load's read items per file (set by prepare_local_plan)
         self._per_file: dict[str, list[ReadItem]] | None = None
         #: where each file's read starts (see _first_good_copy), set by prepare_local_plan
@@ -483,8 +487,7 @@ class TierstoreReader(StorageReader):
 
     def _unmap(self) -> None:
         """Close the mapped copies this load has not read (it failed before)."""
-        while self._mapped:
-            self._mapped.popitem()[1].close()
+        _close_copies(self._mapped)
 
     def _check_runs(self, relative: str, entry: FileEntry) -> list[tuple[int, int]] | None:
         """The runs of whole blocks of ``relative`` this rank's plan reads, when that is less
@@ -738,6 +741,12 @@ class TierstoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return is_valid_checkpoint_id(checkpoint_id)
+
+
+def _close_copies(mapped: dict[str, MappedCopy]) -> None:
+    """Close (and forget) every copy in ``mapped``."""
+    while mapped:
+        mapped.popitem()[1].close()
 
 
 def _matches(keyring: Keyring, raw: bytes, entry: FileEntry) -> bool:
