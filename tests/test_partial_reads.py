@@ -255,12 +255,9 @@ def test_a_local_copy_is_checked_and_read_in_the_blocks_a_load_needs_only(tmp_pa
     assert torch.equal(b, saved["b"]) and list(read) == ["objects"], read
 
 
-def test_a_local_copy_being_read_is_not_evicted_by_another_process_sharing_its_directory(
-        tmp_path):
-    """The read takes its bytes from the pages it checked, without hashing them again: the
-    directory is held shared from the check to the end of the read, so another process
-    sharing it (a node's other ranks evict and recycle under an exclusive lock) cannot take
-    the pages meanwhile; once the load is done, it can."""
+def _saved_with_a_neighbour(tmp_path):
+    """``_three()`` saved as step-1 on a ``local`` tier: its config, the saved values, and a
+    backend of the same directory standing for another process sharing it."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -273,7 +270,20 @@ def test_a_local_copy_being_read_is_not_evicted_by_another_process_sharing_its_d
     saved = _three()
     with tierstore.open(config) as store:
         dcp.save(saved, storage_writer=store.writer(), checkpoint_id="step-1")
-    neighbour = LocalBackend(str(tmp_path / "l"))
+    return config, saved, LocalBackend(str(tmp_path / "l"))
+
+
+def test_a_local_copy_being_read_is_not_evicted_by_another_process_sharing_its_directory(
+        tmp_path):
+    """The read takes its bytes from the pages it checked, without hashing them again: the
+    directory is held shared from the check to the end of the read, so another process
+    sharing it (a node's other ranks evict and recycle under an exclusive lock) cannot take
+    the pages meanwhile; once the load is done, it can."""
+    import torch.distributed.checkpoint as dcp
+
+    import tierstore
+
+    config, saved, neighbour = _saved_with_a_neighbour(tmp_path)
 
     class Neighbour:
         """Another process sharing the directory tries to evict while each file is read."""
@@ -304,21 +314,14 @@ def test_a_load_abandoned_between_its_plan_and_its_read_lets_its_checked_copies_
     step) leaves nothing mapped or held once the reader is dropped, so keep in a process
     sharing the directory can evict again."""
     import gc
-    import warnings
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.api import CheckpointException
 
     import tierstore
-    from tierstore_plugins.local import LocalBackend
 
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    config = {"tier": [{"name": "nvme", "backend": "local", "path": str(tmp_path / "l")}]}
-    saved = _three()
-    with tierstore.open(config) as store:
-        dcp.save(saved, storage_writer=store.writer(), checkpoint_id="step-1")
-    neighbour = LocalBackend(str(tmp_path / "l"))
+    config, saved, neighbour = _saved_with_a_neighbour(tmp_path)
 
     class Failing(DefaultLoadPlanner):
         def create_global_plan(self, global_plan):
