@@ -57,6 +57,11 @@ def test_a_lost_node_comes_back_from_its_peers(tmp_path, strategy):
     out = run(root, strategy, "obj", "load", "step-3")
     for rank in range(4):
         assert f"RANK {rank} LATEST step-3" in out
+    # What every rank gathers from every rank as a load starts: the entries of a node's files
+    # come from the lowest of its ranks only (rank 0); rank 1 names the same files.
+    served = {int(r): (int(n), int(e)) for r, n, e in
+              re.findall(r"RANK (\d) SERVES (\d+) FILES WITH (\d+) ENTRIES", out)}
+    assert served[0][0] == served[0][1] > 0 and served[1] == (served[0][0], 0), served
     # Ranks 2 and 3 got their own shards from their peers on node 0 (either rank there serves
     # both: each reads the replica sets its node's other rank keeps), and nobody read the
     # object store.

@@ -66,6 +66,25 @@ def config(root, strategy, obj):
     return {"store": signed, "tier": tiers}
 
 
+def count_servable_sent() -> dict:
+    """Counts, as loads start, the files this rank says it serves and the manifest entries it
+    sends with them (what every rank gathers from every rank)."""
+    import tierstore.dcp.reader as reader_module
+
+    counts = {"names": 0, "entries": 0}
+    gather = reader_module.all_gather_object
+
+    def counting(obj, group):
+        if isinstance(obj, tuple) and len(obj) == 4:  # (token, by_token, world, servable)
+            for source in obj[3]:
+                counts["names"] += len(source.files)
+                counts["entries"] += sum(e is not None for e in source.files.values())
+        return gather(obj, group)
+
+    reader_module.all_gather_object = counting
+    return counts
+
+
 class Replanning(DefaultLoadPlanner):
     """DCP's default load planner, whose global plans are new objects holding only the items."""
 
@@ -109,7 +128,10 @@ def main() -> int:
               flush=True)
         dist.barrier()
     elif phase == "load":
+        sent = count_servable_sent()
         check_node_checkpoint(store, problems, rank, mesh, sys.argv[5], OWN_NUMEL)
+        print(f"RANK {rank} SERVES {sent['names']} FILES WITH {sent['entries']} ENTRIES",
+              flush=True)
         for file, tier in sorted(set(seen.reads)):
             print(f"RANK {rank} READ {file} FROM {tier}", flush=True)
         for file, src in sorted(set(seen.fetched)):

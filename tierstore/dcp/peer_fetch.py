@@ -90,22 +90,30 @@ class Servable:
     """What one source of a rank could serve to peers, as gathered when a load starts: the
     save it belongs to (its token, codecs and ``.metadata`` entry, so that every rank keeps
     only the copies its load may mix, as the reader filters its own sources) and its files
-    held at their manifest's size, with their entries."""
+    held at their manifest's size, with their entries; None for a file whose entry the lowest
+    of the ranks sharing the directory sends (:func:`servable_here`)."""
 
     save_token: str | None
     codecs: tuple[str, ...]
     metadata: FileEntry | None
-    files: dict[str, FileEntry]
+    files: dict[str, FileEntry | None]
 
 
 def servable_here(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]]
                   ) -> list[Servable]:
-    """What this rank can serve of ``cid`` from its node-local sources (with the entry of its
-    own manifest: the receiver may have none, as DCP writes a replicated item once, in one
-    rank's file, listed only in that part)."""
+    """What this rank can serve of ``cid`` from its node-local sources, with the entries of
+    their manifests (a receiver may have none: DCP writes a replicated item once, in one
+    rank's file, listed only in that part; a rank of a new node has no manifest at all).
+
+    Every rank gathers what every rank serves, and an entry is large (a digest per block, a
+    span per item: about 12 KiB for a file of 1 GiB): only the lowest of the ranks sharing a
+    directory (a node's ranks) sends the entries of its files; the others name the files they
+    hold there, the same files. What each rank gathers then grows with the nodes, not with
+    the ranks per node."""
     out = []
     for tier, manifest in local_sources(ctx, sources):
-        files = {rel: entry for rel, entry in manifest.files.items()
+        full = ctx.rank == min(_sharers(ctx, tier))
+        files = {rel: entry if full else None for rel, entry in manifest.files.items()
                  if tier.stored_size(f"{cid}/{rel}") == entry.size}
         if files:
             out.append(Servable(manifest.save_token, tuple(manifest.codecs),
@@ -132,7 +140,7 @@ class PeerFetchPlan:
 
 
 def wanted_from_peers(sources: list[tuple[Tier, Manifest]], missing: set[str],
-                      holders: list[dict[str, FileEntry]],
+                      holders: list[dict[str, FileEntry | None]],
                       ranges_for: Callable[[str, FileEntry], Runs | None]
                       ) -> tuple[dict[str, FileEntry], dict[str, Runs]]:
     """Of the files ``missing`` (those this rank's load needs and has no good copy of here),
@@ -145,7 +153,7 @@ def wanted_from_peers(sources: list[tuple[Tier, Manifest]], missing: set[str],
     chosen: dict[str, FileEntry] = {}
     wants: dict[str, Runs] = {}
     for rel in sorted(missing):
-        entry = own.get(rel) or next((has[rel] for has in holders if rel in has), None)
+        entry = own.get(rel) or entry_from(holders, rel)
         if entry is None:
             continue  # no rank holds it: the slower tiers, or a clear error, later
         chosen[rel] = entry
@@ -158,7 +166,7 @@ def wanted_from_peers(sources: list[tuple[Tier, Manifest]], missing: set[str],
     return chosen, wants
 
 
-def schedule_fetches(asked: list[dict[str, Runs]], holders: list[dict[str, FileEntry]]
+def schedule_fetches(asked: list[dict[str, Runs]], holders: list[dict[str, FileEntry | None]]
                      ) -> list[Transfer]:
     """Every transfer of a load, from what each rank asked (``asked[r]``) and what each holds:
     the blocks of a file are spread over the ranks holding it, the same way wherever this is
@@ -173,7 +181,7 @@ def schedule_fetches(asked: list[dict[str, Runs]], holders: list[dict[str, FileE
     return schedule
 
 
-def schedule_plans(plans: list[PeerFetchPlan], holders: list[dict[str, FileEntry]]
+def schedule_plans(plans: list[PeerFetchPlan], holders: list[dict[str, FileEntry | None]]
                    ) -> list[PeerFetchPlan]:
     """The coordinator's part: each rank's plan with the transfers it takes part in. Plans
     that do not come from every rank of the store's group, once each (DCP's group is another
@@ -188,9 +196,22 @@ def schedule_plans(plans: list[PeerFetchPlan], holders: list[dict[str, FileEntry
             for p in plans]
 
 
+def _sharers(ctx: StoreContext, tier: Tier) -> tuple[int, ...]:
+    """The ranks that see ``tier``'s directory (a replica set is in its peer tier's)."""
+    tiers = ctx.tiers
+    if tiers.peer is not None and tiers.is_replica(tier):
+        return tiers.peer.layout.part_ranks
+    return tier.layout.part_ranks
+
+
+def entry_from(holders: list[dict[str, FileEntry | None]], rel: str) -> FileEntry | None:
+    """The entry of ``rel`` that some holder sent (see :func:`servable_here`), if any."""
+    return next((has[rel] for has in holders if has.get(rel) is not None), None)
+
+
 def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifest]],
                      chosen: dict[str, FileEntry], wants: dict[str, Runs],
-                     holders: list[dict[str, FileEntry]],
+                     holders: list[dict[str, FileEntry | None]],
                      plan: PeerFetchPlan | None = None) -> dict[str, FetchedFile]:
     """Collective on the store's io group: fetch the byte ranges ``wants`` of the files
     ``chosen`` (see :func:`wanted_from_peers`) from ranks that hold them. With ``plan``

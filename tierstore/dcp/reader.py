@@ -91,7 +91,7 @@ class TierstoreReader(StorageReader):
         #: the files this rank asks peers for: the entry it goes by, and the ranges
         self._wanted: tuple[dict[str, FileEntry], dict[str, list[tuple[int, int]]]] = ({}, {})
         #: what each rank can serve to peers of this load's copies (node-local tiers only)
-        self._holders: list[dict[str, FileEntry]] = []
+        self._holders: list[dict[str, FileEntry | None]] = []
         #: slower tiers whose manifests this load has not read yet (see _reset), and whether
         #: a copy there may be mixed with the sources (its save token, codecs, .metadata)
         self._deferred: list[Tier] = []
@@ -195,10 +195,9 @@ class TierstoreReader(StorageReader):
                    if mixable(m.save_token, m.codecs, m.files.get(METADATA_NAME))]
         self._deferred, self._mixable = deferred, mixable
         # What each rank may serve to the others, of the copies every rank's load may read.
-        self._holders = [
-            {rel: e for s in theirs if mixable(s.save_token, s.codecs, s.metadata)
-             for rel, e in s.files.items()}
-            for theirs in servable]
+        self._holders = [_merged_files(s.files for s in theirs
+                                       if mixable(s.save_token, s.codecs, s.metadata))
+                         for theirs in servable]
         self._checkpoint_id = cid
         self._sources = sources
         # Every copy left in sources has these very bytes: name them all.
@@ -741,6 +740,16 @@ class TierstoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return is_valid_checkpoint_id(checkpoint_id)
+
+
+def _merged_files(listings) -> dict[str, FileEntry | None]:
+    """One rank's servable files over its sources: an entry wins over a name alone."""
+    out: dict[str, FileEntry | None] = {}
+    for files in listings:
+        for rel, entry in files.items():
+            if out.get(rel) is None:
+                out[rel] = entry
+    return out
 
 
 def _close_copies(mapped: dict[str, MappedCopy]) -> None:
