@@ -56,7 +56,7 @@ test: $(VENV)/.installed-test
 # this target says why it ran nothing).
 gpu-test: $(VENV)/.installed-test
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-test: CUDA is not available to torch ' + torch.__version__)"
-	$(PY) -m pytest -q tests/gpu
+	$(PY) -m pytest -q tests/gpu tests/test_load_destinations.py
 
 # The fault matrix: every phase x every fault kind, invariants checked from a fresh process;
 # prints the table (tests/faults/). Add TABLE=path.md to write it as Markdown too.

@@ -68,7 +68,7 @@ def check_equal(what: str, dest: dict[str, torch.Tensor], sd: dict[str, torch.Te
     """Fail loudly (``<what> returned wrong data for '<key>'``) when a load did not reproduce
     the saved tensors."""
     for key, ref in sd.items():
-        if not torch.equal(dest[key], ref):
+        if not torch.equal(dest[key].to(ref.device), ref):
             raise SystemExit(f"{what} returned wrong data for '{key}'")
 
 

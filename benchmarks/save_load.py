@@ -58,6 +58,7 @@ From the repository root::
     .venv/bin/python benchmarks/save_load.py              # 1 GiB, 64 tensors, 3 rounds
     .venv/bin/python benchmarks/save_load.py --repeat 5 --json /tmp/bench.json
     .venv/bin/python benchmarks/save_load.py --size-mib 256 --tensors 16 --dir /local_nvme/tmp
+    .venv/bin/python benchmarks/save_load.py --cuda    # loads land in tensors on the GPU
 
 Progress lines go to stderr, the report to stdout. ``--strict`` makes the exit status 1 when a target is missed (for CI). Temp directories are
 removed at the end, also after an error.
@@ -169,6 +170,8 @@ def load_into(name: str, dest: dict[str, torch.Tensor], sources: dict[str, str],
         dcp.load(dest, storage_reader=FileSystemReader(sources[STOCK_LOAD_SOURCE]))
     else:
         raise ValueError(name)
+    if any(t.is_cuda for t in dest.values()):
+        torch.cuda.synchronize()  # the host-to-device copies are part of the load
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -283,6 +286,9 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
           f"dir {base} ({fs_type(base)}), {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"tierstore io_threads={args.io_threads or 'default'}")
     print("CPU s: median process CPU time (user+system, all threads) of the operation.")
+    if args.cuda:
+        print(f"Loads land in tensors on {torch.cuda.get_device_name()} (timed until "
+              "torch.cuda.synchronize() returns).")
     print("Loads read from the page cache (each checkpoint's files read once, untimed, just "
           "before its load); destination tensors preallocated, results checked with torch.equal.")
     print()
@@ -316,7 +322,13 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = benchmark_parser(__doc__, 3, "lazy imports, allocator and page-cache growth",
                          "parent of the temp directory (default: system temp dir); not tmpfs")
-    return p.parse_args(argv)
+    p.add_argument("--cuda", action="store_true",
+                   help="load into destination tensors on the GPU (saves stay from host "
+                        "tensors); needs CUDA")
+    args = p.parse_args(argv)
+    if args.cuda and not torch.cuda.is_available():
+        p.error("--cuda needs CUDA, and torch.cuda.is_available() is False here")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     sd = make_state_dict(args.size_mib, args.tensors)
-    dest = {k: torch.empty_like(v) for k, v in sd.items()}
+    dest = {k: torch.empty_like(v, device="cuda" if args.cuda else "cpu")
+            for k, v in sd.items()}
     nbytes = nbytes_of(sd)
     base = tempfile.mkdtemp(prefix="tierstore-bench-", dir=parent)
     try:
@@ -341,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {"size_mib": args.size_mib, "tensors": args.tensors, "repeat": args.repeat,
               "warmup": args.warmup, "bytes": nbytes, "dir": parent, "fs_type": kind,
               "io_threads": args.io_threads, "load_from": "page cache (warmed untimed)",
-              "stock_load_source": STOCK_LOAD_SOURCE}
+              "stock_load_source": STOCK_LOAD_SOURCE,
+              "load_into": "cuda" if args.cuda else "cpu"}
     return finish_report(args, config, summary, t_start)
 
 

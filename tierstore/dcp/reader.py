@@ -693,6 +693,8 @@ class TierstoreReader(StorageReader):
                             nbytes = self._read_whole(f, tier, entry, reqs, planner, undo,
                                                       keep_old)
             except (FileReadError, OSError, IntegrityError) as exc:
+                if mapped is not None:
+                    mapped.close()
                 problems.append(f"tier '{tier.name}': {exc}")
                 if landing and not keep_old and not damaged:
                     # Checked good, then read otherwise: its bytes landed without their old
@@ -706,9 +708,12 @@ class TierstoreReader(StorageReader):
                 log.warning("checkpoint %s: %s on tier '%s' is bad (%s)", cid, relative,
                             tier.name, str(exc))
                 continue
-            finally:
+            except BaseException:
                 if mapped is not None:
                     mapped.close()
+                raise
+            if mapped is not None:
+                undo.close_after(mapped)  # tensors held back until the load is good view it
             if n > 0:
                 ctx.host.event(Event(EventKind.FELL_BACK, cid, tier.name, self._rank,
                                        detail={"file": relative, "problems": list(problems)}))

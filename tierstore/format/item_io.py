@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import IO, Callable
 
+import numpy
 import torch
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -333,6 +334,8 @@ class _Part:
     #: ``target`` is a buffer of this load's own, not the destination: the planner's tensor
     #: (on another device, of another dtype or layout) gets its bytes when it is committed
     staged: bool = False
+    #: what owns the memory a staged ``target`` views (kept until it is committed)
+    source: object = None
 
 
 class FileReadError(Exception):
@@ -358,7 +361,7 @@ class LoadUndo:
     old bytes back, so a failed load leaves the state dict as it was. Shared by the reading
     threads of one load."""
 
-    __slots__ = ("_lock", "_saved", "_backups", "_later")
+    __slots__ = ("_lock", "_saved", "_backups", "_later", "_sources")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -366,6 +369,8 @@ class LoadUndo:
         #: (one buffer, [(destination address, offset in the buffer, bytes)])
         self._backups: list[tuple[torch.Tensor, list[tuple[int, int, int]]]] = []
         self._later: list[tuple[list, list, LoadPlanner]] = []
+        #: checked copies whose pages the held-back tensors view (closed once those landed)
+        self._sources: list[MappedCopy] = []
 
     def save(self, targets: list[torch.Tensor]) -> None:
         """Keep the bytes ``targets`` hold now (those not kept already by this load), in one
@@ -389,6 +394,17 @@ class LoadUndo:
         with self._lock:
             self._later.append((decoded, filled, planner))
 
+    def close_after(self, copy: MappedCopy) -> None:
+        """Keep ``copy`` (its pages mapped, its directory held against eviction) until what
+        was read from it has landed: a destination that cannot take raw bytes in place (on a
+        GPU, of another dtype or layout) copies them from its pages when committed."""
+        with self._lock:
+            self._sources.append(copy)
+
+    def _close_sources(self) -> None:
+        while self._sources:
+            self._sources.pop().close()
+
     def apply(self) -> None:
         """Hand the planner what every file brought: tensors decoded by ``torch.load`` and
         ``commit_tensor`` first, the non-tensor values (which cannot be put back) last, after
@@ -409,6 +425,7 @@ class LoadUndo:
             raise
         self._later.clear()
         self._backups.clear()
+        self._close_sources()
 
     def restore(self) -> None:
         """Write back every destination's old bytes and drop what was held back."""
@@ -419,6 +436,7 @@ class LoadUndo:
                 ctypes.memmove(address, base + offset, n)
         self._backups.clear()
         self._saved.clear()
+        self._close_sources()
 
 
 def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_data: dict,
@@ -450,8 +468,14 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     for start, end, group in _reads(parts, verify is not None):
         if group is None:  # one large tensor's bytes, straight into its destination
             part = parts[start]
+            if part.staged and isinstance(f, BufferReader):
+                # Checked bytes in memory already (mapped pages, or what peers sent): the
+                # destination copies from them when committed, with no buffer in between.
+                part.target, part.source = f.tensor_at(part.data_start, part.target), f
+                filled.append(part)
+                continue
             reading.skip_to(part.data_start)
-            if undo is not None and keep_old:
+            if undo is not None and keep_old and not part.staged:
                 undo.save([part.target])
             reading.read_into(tensor_bytes(part.target))
             filled.append(part)
@@ -460,8 +484,8 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
         reading.skip_to(start)
         window, address = reading.read_window(end - start, fresh=keeps_bytes)
         base = address - start
-        if undo is not None and keep_old:
-            undo.save([p.target for p in group if p.sink is None])
+        if undo is not None and keep_old:  # (a staged target is a buffer of the load's own)
+            undo.save([p.target for p in group if p.sink is None and not p.staged])
         for p in group:
             if p.sink is not None:
                 pending.append((p.sink, window[p.start - start:p.end - start]))
@@ -488,6 +512,7 @@ def _commit(planner: LoadPlanner, part: _Part) -> None:
     if part.staged:
         destination = planner.resolve_tensor(part.req).detach()
         destination.copy_(part.target)
+        part.target = part.source = None  # the load's buffer, or its view of checked pages
         planner.commit_tensor(part.req, destination)
     else:
         planner.commit_tensor(part.req, part.target)
@@ -779,6 +804,25 @@ class BufferReader(io.RawIOBase):
         out[:n] = self._view[self._pos:self._pos + n]
         self._pos += n
         return n
+
+    def tensor_at(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``like``'s dtype and shape over the bytes at ``offset``, without a copy
+        (only read from: the bytes may be read-only pages). It does not keep them: the caller
+        keeps this reader, and the pages' mapping (LoadUndo.close_after), until it is used."""
+        n = like.nbytes
+        if self._held is not None and not any(start <= offset and offset + n <= end
+                                              for start, end in self._held):
+            raise FileReadError(f"bytes {offset}-{offset + n} of the file were not "
+                                f"fetched (only {self._held})")
+        if offset + n > len(self._view):
+            raise FileReadError(f"file is shorter than its manifest says (bytes {offset}-"
+                                f"{offset + n} of {len(self._view)})")
+        if n == 0:
+            return torch.empty_like(like)
+        # numpy takes the address of read-only memory (torch.frombuffer would warn about it).
+        address = numpy.frombuffer(self._view, dtype=numpy.uint8, count=n, offset=offset).ctypes.data
+        raw = torch.frombuffer((ctypes.c_char * n).from_address(address), dtype=torch.uint8)
+        return raw.view(like.dtype).view(like.shape)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         """Move to ``offset`` (from the start, the current position or the end)."""
