@@ -18,12 +18,14 @@ from tierstore.plugin import hookimpl, IntegrityError, Option
 from .local import LocalBackend, local_path_problem
 from .safe_fs import is_dir_at
 
-__all__ = ["PeerBackend", "REPLICA_DIR"]
+__all__ = ["PeerBackend", "REPLICA_DIR", "PARITY_DIR"]
 
 log = logging.getLogger("tierstore")
 
 #: directory (under the tier root) of the replicas this rank keeps for other ranks
 REPLICA_DIR = ".replicas"
+#: directory (under the tier root) of the parity each rank keeps (``erasure`` strategy)
+PARITY_DIR = ".parity"
 _REPLICA_NAME = re.compile(r"(0|[1-9][0-9]{0,8})-held-by-(0|[1-9][0-9]{0,8})")
 
 
@@ -52,6 +54,12 @@ class PeerBackend(LocalBackend):
         # Reached from this tier's root without following links: a ``.replicas`` swapped for
         # a link must not take the replicas (and their recycle bins) elsewhere.
         return LocalBackend(os.path.join(self.root, REPLICA_DIR, f"{src}-held-by-{holder}"),
+                            fsync=self.durable, recycle=True, inside=self.root)
+
+    def parity_backend(self, holder: int) -> LocalBackend:
+        """Where rank ``holder`` keeps its share of its parity set's parity (recycling too),
+        reached from this root without following links, as replicas are."""
+        return LocalBackend(os.path.join(self.root, PARITY_DIR, f"held-by-{holder}"),
                             fsync=self.durable, recycle=True, inside=self.root)
 
     def replica_sets(self) -> list[tuple[int, int]]:

@@ -28,6 +28,7 @@ from tierstore.dcp.peer_fetch import (FetchedFile, PeerFetchPlan, Servable, fetc
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
+from tierstore.engine.parity import parity_of, rebuild_lost
 from tierstore.engine.retention import Retention
 from tierstore.engine.watchdog import Watchdog
 from tierstore.engine.saves import SaveSlot
@@ -142,6 +143,9 @@ class TierstoreReader(StorageReader):
         eager = node_tiers(ctx) if peers else order
         deferred = [t for t in order if not any(t is e for e in eager)]
         sources, rejected = self._manifests(cid, eager)
+        if peers and ctx.tiers.parity_tier is not None and self._rebuild_from_parity(
+                cid, sources):
+            sources, rejected = self._manifests(cid, eager)  # with the rebuilt copy
         raw, codecs, problems, token = self._local_metadata(cid, sources)
         self._fetched = {}
         servable: list[list[Servable]] = []
@@ -205,6 +209,27 @@ class TierstoreReader(StorageReader):
             ", ".join(f"tier '{t.name}'" for t, m in sources if m.has_metadata)
             or "a peer rank's tier") + f": {cid}/{METADATA_NAME}")
         self._fresh = True
+
+    def _rebuild_from_parity(self, cid: str, sources: list[tuple[Tier, Manifest]]) -> bool:
+        """Collective: rebuild the files of ranks whose node lost them from their parity sets
+        (tierstore.engine.parity) before the load looks for copies; whether this rank got a
+        rebuilt copy."""
+        ctx = self._services.context
+        tiers = ctx.tiers
+        covered: dict[str, list[int]] = {}
+        for tier, manifest in sources:
+            if len(tier.present_files(cid, manifest)) == len(manifest.files):
+                covered.setdefault(manifest.save_token, []).extend(manifest.ranks)
+        mine = {"covered": {t: sorted(set(r)) for t, r in covered.items()},
+                "parity": parity_of(tiers.parity_tier, cid)}
+        own_root = tiers.peer.backend.replica_backend(ctx.rank, ctx.rank).root
+        rebuilt = next(t for t in tiers.found_replicas if t.backend.root == own_root)
+        got = rebuild_lost(
+            ctx.groups.main, ctx.rank, ctx.job.world_size, cid, mine, sources,
+            tiers.parity_tier, rebuilt,
+            lambda phase: ctx.host.phase(phase, cid, rebuilt.name, ctx.rank),
+            ctx.copy_chunk_bytes)
+        return got is not None
 
     def _manifests(self, cid: str, tiers: list[Tier]
                    ) -> tuple[list[tuple[Tier, Manifest]], list[str]]:

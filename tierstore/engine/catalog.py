@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
+from tierstore.engine.parity import parity_held, recoverable
 from tierstore.engine.retention import Retention
 from tierstore.errors import CheckpointNotFound
 from tierstore.events import Phase
@@ -45,17 +46,36 @@ class Catalog:
         node's part is stale, are never counted together). A collective on the store's group
         under torch.distributed."""
         ctx = self._context
-        views = all_gather_object(self.coverage(), ctx.groups.main)
+        gathered = all_gather_object((self.coverage(), self.parity()), ctx.groups.main)
+        views = [cov for cov, _ in gathered]
+        world = len(gathered)
         best: tuple[float, str] | None = None
         for key in set().union(*views):
             held = [v[key] for v in views if key in v]
             ranks = set().union(*(h.ranks for h in held))
+            # A member of a parity set that no rank holds is rebuilt by the load (from the
+            # other members' files and parity, at their ranks in this job).
+            parity = {holder: members for holder, (_, par) in enumerate(gathered)
+                      for members in [par.get(key)] if members is not None}
+            rebuilt = {lost for lost, members in recoverable(ranks, parity).items()
+                       if max(members) < world}
+            ranks |= rebuilt
             # Every rank of the save, however many ranks this job has: DCP reshards the rest.
             saved = set(range(max(h.world_size for h in held)))
-            if ranks >= saved and any(h.has_metadata for h in held):
+            # (The coordinator's parity covers .metadata with its files.)
+            if ranks >= saved and (0 in rebuilt or any(h.has_metadata for h in held)):
                 newest = (max(h.committed for h in held), key[0])
                 best = newest if best is None or newest > best else best
         return best[1] if best else None
+
+    def parity(self) -> dict[tuple[str, str], tuple[int, ...]]:
+        """The saves this rank holds its share of parity of (``erasure`` strategy): (id, save
+        token) -> the set's ranks."""
+        tier = self._context.tiers.parity_tier
+        if tier is None:
+            return {}
+        held = self._health.ask(tier, "latest()", lambda: parity_held(tier), {})
+        return {(cid, token): members for cid, (token, members) in held.items()}
 
     def coverage(self) -> dict[tuple[str, str], Coverage]:
         """What this process holds of each checkpoint, by (id, save token), over all its

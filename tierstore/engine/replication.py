@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from tierstore.engine.context import StoreContext
 from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
 from tierstore.engine.manifests import build_manifest
+from tierstore.engine.parity import PARITY_FILE, protect
 from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveLedger
 from tierstore.errors import DrainError, ReplicationError
@@ -71,6 +72,7 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         self.peer = tiers.peer
         self.strategy = tiers.strategy
         self.replica_tiers = tiers.replica_tiers
+        self.parity_tier = tiers.parity_tier
         self.group = context.groups.replication
         self._commit_timeout = context.config.part_timeout
         self._piece_bytes = context.copy_chunk_bytes
@@ -153,6 +155,10 @@ class Replicator(BackgroundJobs[ReplicationJob]):
                   "step": job.step, "token": job.token, "codecs": manifest.codecs,
                   "created": manifest.created, "committed": manifest.committed,
                   "world_size": world}
+        members = self.strategy.parity_set(rank, world)
+        if members is not None:
+            self._protect_with_parity(job, members, {**header, "files": files}, started)
+            return
         holders = self.strategy.holders(rank, world)
         held = sorted(self.replica_tiers)
         headers = {src: _with_entries(h, src) for src, h in
@@ -202,6 +208,24 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         # Housekeeping once the replicas are published (it frees or recycles old replicas).
         for src in held:
             self._retention.apply_quietly(self.replica_tiers[src])
+
+    def _protect_with_parity(self, job: ReplicationJob, members: list[int], header: dict,
+                             started: float) -> None:
+        """The ``erasure`` strategy: this rank's share of its set's parity instead of replicas
+        (tierstore.engine.parity)."""
+        tier = self.parity_tier
+        assert tier is not None
+        sent, received = protect(
+            self.group, self._rank, members, header, job.checkpoint_id, job.source, tier,
+            str(self.strategy),
+            lambda phase: self._host.phase(phase, job.checkpoint_id, tier.name, self._rank),
+            self._piece_bytes)
+        self._host.event(Event(EventKind.REPLICATED, job.checkpoint_id, self.peer.name,
+                               self._rank, time.perf_counter() - started, sent + received,
+                               {"sent": sent, "received": received, "parity_set": members,
+                                "parity_bytes": tier.read_manifest(job.checkpoint_id)
+                                .files[PARITY_FILE].size}))
+        self._retention.apply_quietly(tier)
 
     def _commit_replica(self, job: ReplicationJob, src: int, header: dict, staging: str,
                         received_files: dict[tuple[int, str], "_Received"]) -> None:

@@ -303,3 +303,10 @@ class ReplicationStrategy(abc.ABC):
     @abc.abstractmethod
     def holders(self, rank: int, world_size: int) -> list[int]:
         """Ranks (other than ``rank``) that keep a replica of ``rank``'s files."""
+
+    def parity_set(self, rank: int, world_size: int) -> list[int] | None:
+        """The ranks (``rank`` among them, in rank order) that protect each other's files with
+        parity instead of replicas: each keeps an equal share of the set's parity, and any one
+        lost member's files are rebuilt from the others. None (the default): this strategy
+        keeps whole replicas (:meth:`holders`)."""
+        return None

@@ -20,7 +20,7 @@ from tierstore.tiers.tier import Tier
 from tierstore.tiers.tierset import TierSet
 from tierstore.transport.collectives import RankContext, all_gather_object
 
-__all__ = ["build_tiers", "replica_tier", "standalone_tier"]
+__all__ = ["build_tiers", "parity_tier", "replica_tier", "standalone_tier"]
 
 log = logging.getLogger("tierstore")
 
@@ -46,7 +46,15 @@ def build_tiers(config: StoreConfig, host: PluginHost, ctx: RankContext, group: 
     _check_drain_paths(tiers, config)
     peer, strategy, replica_tiers, found = _replication(tiers, config, host, ctx,
                                                         quiet=tolerate_unreachable)
-    return TierSet(tuple(tiers), peer, strategy, replica_tiers, found)
+    parity = None
+    if strategy is not None and strategy.parity_set(ctx.rank, ctx.world_size) is not None:
+        # Parity instead of replicas: this rank's share of its set's parity, and the replica
+        # set a load rebuilds this rank's files into when its node lost them.
+        parity = parity_tier(peer, ctx.rank)
+        if not any(t.backend.root == peer.backend.replica_backend(ctx.rank, ctx.rank).root
+                   for t in found):
+            found = (*found, replica_tier(peer, ctx.rank, ctx.rank))
+    return TierSet(tuple(tiers), peer, strategy, replica_tiers, found, parity)
 
 
 def standalone_tier(tc: TierConfig, config: StoreConfig, host: PluginHost,
@@ -235,6 +243,15 @@ def _found_replicas(peer: Tier, strategy: Any, world: int, rank: int) -> tuple[T
         (src, rank) for src in range(world) if rank in strategy.holders(src, world)}
     return tuple(replica_tier(peer, src, holder) for src, holder in peer.backend.replica_sets()
                  if (src, holder) not in kept)
+
+
+def parity_tier(peer: Tier, rank: int) -> Tier:
+    """The tier where ``rank`` keeps its share of its set's parity (beside the peer tier)."""
+    backend = peer.backend.parity_backend(rank)
+    config = dataclasses.replace(peer.config, name=f"{peer.name}:parity-{rank}")
+    layout = TierLayout(0, 1, (rank,), ((rank,),))
+    return Tier(config, backend, peer.commit, peer.commit_name, layout=layout,
+                codecs=peer.codecs, keyring=peer.keyring)
 
 
 def replica_tier(peer: Tier, src: int, rank: int) -> Tier:

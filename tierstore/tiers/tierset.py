@@ -26,6 +26,8 @@ class TierSet(Sequence):
     #: ranks keep them, or a job of another size or layout left them): read and served, never
     #: written by this rank
     found_replicas: tuple[Tier, ...] = ()
+    #: where this rank keeps its share of its set's parity (``erasure`` strategy), or None
+    parity_tier: Tier | None = None
 
     def __getitem__(self, index):  # type: ignore[override]
         return self.tiers[index]

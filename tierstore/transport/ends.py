@@ -101,10 +101,13 @@ class MappedFile(DescriptorEnd):
 
     def piece(self, offset: int, length: int) -> torch.Tensor:
         """Bytes ``[offset, offset + length)`` as a read-only uint8 tensor over the file's
-        pages; ``offset`` must be a multiple of the page size (pieces of whole MiB are)."""
+        pages (mapped from the page ``offset`` is in: a range of a file, such as a parity
+        chunk's piece, starts anywhere)."""
         if length == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return map_populated(self._fd, length, writable=False, offset=offset)
+        lead = offset % mmap.ALLOCATIONGRANULARITY
+        pages = map_populated(self._fd, length + lead, writable=False, offset=offset - lead)
+        return pages[lead:] if lead else pages
 
 
 

@@ -1,0 +1,96 @@
+"""torchrun worker for simulated nodes with a peer tier protected by parity (``erasure``
+strategy; tests/test_erasure.py). Ranks per node = torchrun's local world size; the strategy's
+jump is that, so a set's members are on different nodes.
+
+Tiers: "ram" (node-local RAM) and "peer" (node-local, ``erasure`` with DATA data members and
+parity 1), no shared tier unless argv's OBJ is "obj" ("objects": an fsspec ``file://`` tier).
+argv: ROOT DATA OBJ PHASE [EXPECTED]. PHASE "save" saves step-1..3 and waits for the parity;
+"load" checks latest() == EXPECTED and loads it bitwise, printing where each file came from;
+"load-missing" loads EXPECTED and prints the CheckpointNotFound it expects.
+"""
+
+import os
+import sys
+import warnings
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import init_device_mesh
+
+import tierstore
+from tierstore import EventKind
+from tierstore.events import Phase
+from worker_common import check_node_checkpoint, node_state, run_worker
+
+warnings.filterwarnings("ignore")
+problems: list[str] = []
+OWN_NUMEL = 50_000  # floats of each rank's own in the state
+
+
+class Observer:
+    """Records which tier each file was read from, peer fetches and parity events."""
+
+    def __init__(self):
+        self.reads, self.fetched, self.protected = [], [], []
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase, tier, detail):
+        if phase == Phase.READ_FILE:
+            self.reads.append((detail["file"], tier))
+
+    @tierstore.hookimpl
+    def tierstore_event(self, event):
+        if event.kind == EventKind.PEER_FETCHED:
+            self.fetched.append((event.detail["file"], event.detail["from"]))
+        elif event.kind == EventKind.REPLICATED:
+            self.protected.append((event.checkpoint_id, event.detail.get("parity_set"),
+                                   event.detail.get("parity_bytes")))
+
+
+def config(root, data, obj, per_node):
+    tiers = [
+        {"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 2},
+        {"name": "peer", "backend": "peer", "path": root + "/peer/{node}", "keep": 2,
+         "replication": {"strategy": "erasure", "data": data, "parity": 1, "jump": per_node}},
+    ]
+    if obj == "obj":
+        tiers.append({"name": "objects", "backend": "fsspec", "url": f"file://{root}/objects"})
+    return {"tier": tiers}
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    root, data, obj, phase = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    seen = Observer()
+    store = tierstore.open(config(root, data, obj, per_node), plugins=[seen])
+    if phase == "save":
+        for step in (1, 2, 3):
+            dcp.save(node_state(step, rank, mesh, OWN_NUMEL), storage_writer=store.writer(),
+                     checkpoint_id=f"step-{step}", process_group=store.process_group)
+            store.wait()
+        for cid, members, nbytes in seen.protected:
+            print(f"RANK {rank} PROTECTED {cid} SET {members} PARITY {nbytes}", flush=True)
+        dist.barrier()
+    elif phase == "load":
+        check_node_checkpoint(store, problems, rank, mesh, sys.argv[5], OWN_NUMEL)
+        for file, tier in sorted(set(seen.reads)):
+            print(f"RANK {rank} READ {file} FROM {tier}", flush=True)
+        for file, src in sorted(set(seen.fetched)):
+            print(f"RANK {rank} FETCHED {file} FROM RANK {src}", flush=True)
+    elif phase == "load-missing":
+        out = node_state(3, rank, mesh, OWN_NUMEL, zero=True)
+        try:
+            dcp.load(out, storage_reader=store.reader(), checkpoint_id=sys.argv[5],
+                     process_group=store.process_group)
+            problems.append("the load succeeded")
+        except tierstore.CheckpointNotFound as exc:
+            print(f"RANK {rank} NOTFOUND {exc}", flush=True)
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    run_worker(main, problems, "PROBLEM")

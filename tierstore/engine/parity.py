@@ -1,0 +1,417 @@
+"""Parity instead of replicas (the ``erasure`` replication strategy): protecting a save, and
+rebuilding a lost member's files at a load.
+
+**Protect.** After a save commits, the ranks of each parity set (``strategy.parity_set``) swap
+headers (their committed files, as the replication header lists them) and lay their files one
+after another into a stream each, cut into ``k`` chunks of a common length
+(tierstore.format.parity). Every member sends each other member the chunk of its stream that
+member's parity covers, over torch.distributed (tierstore.transport.transfer, from the files'
+mapped pages), and XORs what it receives into its parity chunk. The chunk and the set's headers
+(``members.json``) are committed as a checkpoint of the member's parity tier
+(``.parity/held-by-<rank>`` beside the peer tier), with the save's token: a set whose members
+are killed while encoding leaves the previous save's parity complete, and a half-written one is
+never committed.
+
+**Rebuild.** A load (tierstore.dcp.reader) first asks every rank what it holds. Where exactly
+one member of a set lost its files and every other member holds its own files and its parity of
+the same save, the survivors XOR the others' chunks into their parity (each gets one chunk of
+the lost member's stream), send the pieces to the lost member's rank in this job, which writes
+the files into its rebuilt replica set (``.replicas/<rank>-held-by-<rank>``), checks each
+against the digest its header records, and commits it. The load then reads it as any replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierstore.engine.manifests import build_manifest
+from tierstore.errors import IntegrityError
+from tierstore.format.checksum import hash_stream
+from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.format.parity import chunk_index, common_length
+from tierstore.tiers.tier import Tier
+from tierstore.transport.collectives import all_gather_object
+from tierstore.transport.ends import TransferEnd
+from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
+
+__all__ = ["PARITY_FILE", "MEMBERS_FILE", "ParitySet", "protect", "parity_held", "parity_of",
+           "recoverable", "rebuild_lost", "read_members"]
+
+log = logging.getLogger("tierstore.replication")
+
+#: the parity chunk a member keeps, and the set's headers, in its parity tier's checkpoint
+PARITY_FILE = "parity"
+MEMBERS_FILE = "members.json"
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ParitySet:
+    """One parity set of one save, as plain data: its members (ranks, in rank order), each
+    member's replication header (its files and the save's fields) and the chunk length."""
+
+    ranks: tuple[int, ...]
+    headers: dict[int, dict]
+    chunk: int
+
+    @classmethod
+    def of(cls, ranks: list[int], headers: dict[int, dict]) -> "ParitySet":
+        """The set of ``ranks`` with their ``headers``, its chunk length computed."""
+        lengths = [sum(e.size for e in headers[r]["files"].values()) for r in ranks]
+        return cls(tuple(ranks), headers, common_length(lengths, len(ranks)) // (len(ranks) - 1))
+
+    def position(self, rank: int) -> int:
+        """Where ``rank`` is in the set."""
+        return self.ranks.index(rank)
+
+    def files(self, rank: int) -> list[tuple[str, FileEntry]]:
+        """Member ``rank``'s files in stream order."""
+        return sorted(self.headers[rank]["files"].items())
+
+    def pieces(self, member: int, holder: int) -> list[tuple[str, int, int, int]]:
+        """The pieces of ``member``'s stream in ``holder``'s parity chunk: ``(file, offset in
+        the file, bytes, offset in the chunk)``."""
+        n = len(self.ranks)
+        c = chunk_index(self.position(holder), self.position(member), n)
+        lo, hi = c * self.chunk, (c + 1) * self.chunk
+        out, at = [], 0
+        for rel, entry in self.files(member):
+            start, end = max(lo, at), min(hi, at + entry.size)
+            if start < end:
+                out.append((rel, start - at, end - start, start - lo))
+            at += entry.size
+        return out
+
+    def encode_transfers(self, skip: int | None = None) -> list[Transfer]:
+        """Every piece each member sends each other member for its parity (none from or to
+        ``skip``), in one order all ranks compute alike."""
+        out = []
+        for member in self.ranks:
+            for holder in self.ranks:
+                if member == holder or skip in (member, holder):
+                    continue
+                out += [Transfer(member, holder, rel, size, offset)
+                        for rel, offset, size, _ in self.pieces(member, holder)]
+        return out
+
+    def to_json(self) -> bytes:
+        """``members.json``: plain data (entries as their fields)."""
+        return json.dumps({"format": _FORMAT, "ranks": list(self.ranks), "chunk": self.chunk,
+                           "headers": {str(r): _plain_header(h) for r, h in self.headers.items()}},
+                          sort_keys=True).encode()
+
+
+def _plain_header(header: dict) -> dict:
+    return {**header, "files": {rel: dataclasses.asdict(e) for rel, e in header["files"].items()}}
+
+
+def _header_of(plain: dict) -> dict:
+    return {**plain, "files": {rel: FileEntry(**f) for rel, f in plain["files"].items()}}
+
+
+def read_members(raw: bytes) -> ParitySet:
+    """The set described by a ``members.json`` (checked against its manifest by the caller);
+    IntegrityError when it is not one."""
+    try:
+        doc = json.loads(raw)
+        if doc.get("format") != _FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}, this version reads {_FORMAT}")
+        ranks = tuple(int(r) for r in doc["ranks"])
+        headers = {int(r): _header_of(h) for r, h in doc["headers"].items()}
+        if sorted(headers) != sorted(ranks) or len(ranks) < 2:
+            raise ValueError("its headers do not match its members")
+        found = ParitySet.of(list(ranks), headers)
+        if found.chunk != int(doc["chunk"]):
+            raise ValueError("its chunk length does not match its members' files")
+        return found
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise IntegrityError(f"{MEMBERS_FILE} is not a parity set's description "
+                             f"({type(exc).__name__}: {exc})") from None
+
+
+class _XorInto(TransferEnd):
+    """A receiving end that XORs each arrived piece into ``parity`` at its place (a streaming
+    end: pieces come in the transfer's reused buffers, in order per transfer)."""
+
+    in_place = False
+
+    def __init__(self, parity: torch.Tensor, base: int):
+        self._parity, self._base = parity, base  # chunk position of the file's byte 0
+
+    def write_at(self, offset: int, data: torch.Tensor) -> None:
+        at = self._base + offset
+        self._parity[at:at + data.numel()].bitwise_xor_(data)
+
+
+class _ChunkSource(TransferEnd):
+    """A sending end over a rebuilt chunk: file ``offset`` of a piece is at ``base + offset``."""
+
+    def __init__(self, chunk: torch.Tensor, base: int):
+        self._chunk, self._base = chunk, base
+
+    def piece(self, offset: int, length: int) -> torch.Tensor:
+        at = self._base + offset
+        return self._chunk[at:at + length]
+
+
+def _xor_from_peers(group: Any, rank: int, found: ParitySet, transfers: list[Transfer],
+                    parity: torch.Tensor, open_source: Callable[[Transfer], TransferEnd],
+                    piece_bytes: int) -> int:
+    """Run ``transfers`` (pieces of members' streams), XORing what this rank receives into
+    ``parity`` at the place its holder's chunk keeps it; bytes received."""
+    bases = {}
+    for t in transfers:
+        if t.dst == rank:
+            for rel, offset, _, at in found.pieces(t.src, rank):
+                bases[(t.src, rel, offset)] = at - offset
+
+    def open_target(t: Transfer) -> TransferEnd:
+        return _XorInto(parity, bases[(t.src, t.key, t.offset)])
+
+    return run_transfers(group, rank, transfers, open_source, open_target,
+                         lambda *_: None, piece_bytes)
+
+
+# -- protect ----------------------------------------------------------------------------------
+
+def protect(group: Any, rank: int, members: list[int], header: dict, cid: str, source: Tier,
+            parity_tier: Tier, strategy: str, announce: Callable[[str], None],
+            piece_bytes: int) -> tuple[int, int]:
+    """Encode this rank's share of its set's parity for the save ``cid`` (this rank's files
+    committed on ``source``, listed in ``header``) and commit it on ``parity_tier``. Every
+    member of the set calls it. Returns (bytes sent, bytes received)."""
+    others = [r for r in members if r != rank]
+    headers = exchange_objects(group, {r: _plain_header(header) for r in others}, others)
+    headers = {r: _header_of(h) for r, h in headers.items()}
+    headers[rank] = header
+    found = ParitySet.of(members, headers)
+    transfers = [t for t in found.encode_transfers() if rank in (t.src, t.dst)]
+    token = header["token"]
+    staging = parity_tier.begin_save(cid, token)
+    try:
+        end = parity_tier.backend.receiving_end(f"{staging}/{PARITY_FILE}", found.chunk)
+        try:
+            parity = (end.piece(0, found.chunk) if end.in_place
+                      else torch.empty(found.chunk, dtype=torch.uint8))
+            parity.zero_()  # (recycled pages hold an older chunk)
+
+            def open_source(t: Transfer) -> TransferEnd:
+                return open_to_send(source.backend, f"{cid}/{t.key}",
+                                    header["files"][t.key].size)
+
+            received = _xor_from_peers(group, rank, found, transfers, parity, open_source,
+                                       piece_bytes)
+            if not end.in_place and found.chunk:
+                end.write_at(0, parity)
+            digest = parity_tier.keyring.new_hasher()
+            digest.update(parity.numpy())
+        finally:
+            end.close(fsync=parity_tier.backend.durable)
+        described = found.to_json()
+        parity_tier.backend.write_bytes(f"{staging}/{MEMBERS_FILE}", described)
+        files = {PARITY_FILE: FileEntry(found.chunk, digest.hexdigest(), rank),
+                 MEMBERS_FILE: FileEntry(len(described), parity_tier.keyring.digest(described),
+                                         rank)}
+        manifest = build_manifest(
+            parity_tier, cid, files,
+            plugins={"replication": strategy, "parity_set": ",".join(map(str, members))},
+            world_size=header["world_size"], codecs=[], step=header["step"], part=0, parts=1,
+            ranks=[rank], save_token=token, created=header["created"],
+            committed=header["committed"])
+        parity_tier.commit_save(cid, staging, manifest, announce)
+    except BaseException:
+        parity_tier.abort_save(cid, staging)
+        raise
+    sent = sum(t.size for t in transfers if t.src == rank)
+    return sent, received
+
+
+# -- what is held, and what can be rebuilt ---------------------------------------------------
+
+def _set_of(manifest: Manifest) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(r) for r in manifest.plugins["parity_set"].split(","))
+    except (KeyError, ValueError, AttributeError):
+        return None
+
+
+def parity_held(tier: Tier | None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The saves ``tier`` (a parity tier) holds complete parity of: id -> (save token, the
+    set's ranks, as its manifest records them)."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    if tier is None:
+        return out
+    for cid, manifest in tier.complete().items():
+        members = _set_of(manifest)
+        if members:
+            out[cid] = (manifest.save_token, members)
+    return out
+
+
+def parity_of(tier: Tier | None, cid: str) -> tuple[str, tuple[int, ...]] | None:
+    """(save token, the set's ranks) of the parity ``tier`` holds of ``cid`` (its manifest
+    checked, its files present), or None."""
+    if tier is None:
+        return None
+    manifest, _ = tier.checked_manifest(cid)
+    if manifest is None or len(tier.present_files(cid, manifest)) != len(manifest.files):
+        return None
+    members = _set_of(manifest)
+    return (manifest.save_token, members) if members else None
+
+
+def recoverable(covered: set[int], parity: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+    """Ranks whose files are covered by nobody but can be rebuilt: lost member -> its set,
+    for each set (``parity``: holder rank -> the set it holds parity of, for one save) where
+    exactly one member is not in ``covered`` and every other member is and holds its parity."""
+    out = {}
+    for members in set(parity.values()):
+        lost = [r for r in members if r not in covered]
+        if len(lost) == 1 and all(parity.get(r) == members for r in members if r != lost[0]):
+            out[lost[0]] = members
+    return out
+
+
+def rebuild_lost(group: Any, rank: int, world: int, cid: str, mine: dict[str, Any],
+                 own: list[tuple[Tier, Manifest]], parity_tier: Tier | None,
+                 rebuilt_tier: Tier | None,
+                 announce: Callable[[str], None], piece_bytes: int
+                 ) -> tuple[Tier, Manifest] | None:
+    """Collective on ``group`` (every rank of the load calls it): rebuild the files of every
+    member of a parity set that no rank holds and that its set can rebuild, into the rebuilt
+    replica set of the lost member's rank in this job (``rebuilt_tier`` there); a survivor
+    sends from its own files of the save, the first copy of each in ``own`` (this rank's
+    sources, fastest first) whose entry has the digest the set's header records. ``mine``: what
+    this rank holds of ``cid``: ``{"covered": {token: [ranks]}, "parity": (token, set) or
+    None}``. Returns this rank's rebuilt copy ``(tier, manifest)`` when it got one."""
+    views = all_gather_object(mine, group)
+    plan: list[tuple[int, tuple[int, ...], str]] = []  # (lost, set, token)
+    tokens = {t for v in views for t in v["covered"]}
+    for token in sorted(tokens):
+        covered = {r for v in views for r in v["covered"].get(token, ())}
+        parity = {holder: tuple(v["parity"][1]) for holder, v in enumerate(views)
+                  if v["parity"] is not None and v["parity"][0] == token}
+        for lost, members in sorted(recoverable(covered, parity).items()):
+            if lost < world and all(r < world for r in members):
+                plan.append((lost, members, token))
+    if not plan:
+        return None
+    started = time.perf_counter()
+    result = None
+    for lost, members, token in plan:  # every rank walks the same plan
+        got = _rebuild_one(group, rank, cid, lost, members, own, parity_tier, rebuilt_tier,
+                           announce, piece_bytes)
+        if got is not None:
+            result = got
+    log.info("checkpoint %s: rebuilt the files of rank(s) %s from parity in %.3f s", cid,
+             [p[0] for p in plan], time.perf_counter() - started)
+    return result
+
+
+def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int, ...],
+                 own: list[tuple[Tier, Manifest]], parity_tier: Tier | None,
+                 rebuilt_tier: Tier | None,
+                 announce: Callable[[str], None], piece_bytes: int
+                 ) -> tuple[Tier, Manifest] | None:
+    survivors = [r for r in members if r != lost]
+    if rank not in members:
+        return None
+    found = None
+    if rank != lost:
+        assert parity_tier is not None
+        raw = parity_tier.backend.read_bytes(f"{cid}/{MEMBERS_FILE}")
+        manifest = parity_tier.read_manifest(cid)
+        entry = manifest.files[MEMBERS_FILE]
+        if parity_tier.keyring.digest(raw, entry.checksum) != entry.checksum:
+            raise IntegrityError(f"checkpoint '{cid}': {MEMBERS_FILE} on tier "
+                                 f"'{parity_tier.name}' does not match its manifest")
+        found = read_members(raw)
+    # The lowest survivor tells the lost member's rank (which has nothing) what its set is.
+    told = exchange_objects(group, {lost: found.to_json().decode()} if rank == survivors[0]
+                            else {}, [survivors[0]] if rank == lost else [])
+    if rank == lost:
+        found = read_members(told[survivors[0]].encode())
+    assert found is not None
+    # 1. Each survivor XORs the other survivors' chunks into a copy of its parity: one chunk
+    #    of the lost member's stream.
+    chunk = None
+    if rank != lost:
+        chunk = torch.frombuffer(bytearray(parity_tier.backend.read_bytes(
+            f"{cid}/{PARITY_FILE}")), dtype=torch.uint8) if found.chunk else \
+            torch.empty(0, dtype=torch.uint8)
+        if chunk.numel() != found.chunk:
+            raise IntegrityError(f"checkpoint '{cid}': the parity on tier '{parity_tier.name}' "
+                                 f"is {chunk.numel()} bytes, its set's chunk {found.chunk}")
+        files = found.headers[rank]["files"]
+
+        def open_own(t: Transfer) -> TransferEnd:
+            want = files[t.key]
+            for tier, manifest in own:
+                entry = manifest.files.get(t.key)
+                if entry is not None and entry.checksum == want.checksum:
+                    return open_to_send(tier.backend, f"{cid}/{t.key}", want.size)
+            raise IntegrityError(f"checkpoint '{cid}': rank {rank} holds no copy of its "
+                                 f"{t.key} to rebuild rank {lost}'s files with")
+
+        transfers = [t for t in found.encode_transfers(skip=lost) if rank in (t.src, t.dst)]
+        _xor_from_peers(group, rank, found, transfers, chunk, open_own, piece_bytes)
+    # 2. The survivors send the lost member's rank its files' pieces.
+    moves = [Transfer(holder, lost, rel, size, offset) for holder in survivors
+             for rel, offset, size, _ in found.pieces(lost, holder)]
+    header = found.headers[lost]
+    if rank == lost:
+        assert rebuilt_tier is not None
+        staging = rebuilt_tier.begin_save(cid, header["token"])
+        try:
+            ends = {}
+
+            def open_target(t: Transfer) -> TransferEnd:
+                if t.key not in ends:
+                    ends[t.key] = rebuilt_tier.backend.receiving_end(
+                        f"{staging}/{t.key}", header["files"][t.key].size)
+                return ends[t.key]
+
+            run_transfers(group, rank, moves, None, open_target, lambda *_: None, piece_bytes)
+            for end in ends.values():
+                end.close(fsync=rebuilt_tier.backend.durable)
+            for rel, entry in header["files"].items():
+                if rel not in ends:
+                    if entry.size:
+                        raise IntegrityError(f"{rel} of rank {lost} was not rebuilt")
+                    rebuilt_tier.backend.write_bytes(f"{staging}/{rel}", b"")
+                with rebuilt_tier.backend.open_read(f"{staging}/{rel}") as f:
+                    size, digest = hash_stream(f, hasher=rebuilt_tier.keyring.hasher_for(
+                        entry.checksum))
+                if (size, digest) != (entry.size, entry.checksum):
+                    raise IntegrityError(
+                        f"checkpoint '{cid}': {rel} of rank {lost}, rebuilt from the parity of "
+                        f"ranks {survivors}, does not match its digest: a parity chunk or a "
+                        f"member's file changed since the save")
+            manifest = build_manifest(
+                rebuilt_tier, cid, header["files"],
+                plugins={"replication": "rebuilt from parity"},
+                world_size=header["world_size"], codecs=header["codecs"], step=header["step"],
+                part=0, parts=1, ranks=[lost], save_token=header["token"],
+                created=header["created"], committed=header["committed"])
+            rebuilt_tier.commit_save(cid, staging, manifest, announce)
+        except BaseException:
+            rebuilt_tier.abort_save(cid, staging)
+            raise
+        return rebuilt_tier, manifest
+    positions = {}
+    for rel, offset, _, at in found.pieces(lost, rank):
+        positions[(rel, offset)] = at - offset
+
+    def open_source(t: Transfer) -> TransferEnd:
+        return _ChunkSource(chunk, positions[(t.key, t.offset)])
+
+    run_transfers(group, rank, moves, open_source, None, lambda *_: None, piece_bytes)
+    return None
