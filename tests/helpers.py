@@ -91,14 +91,16 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def run_torchrun(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
-                 timeout: float = 150, expect_ok: bool = True) -> str:
+                 timeout: float = 150, expect_ok: bool = True, killed: bool = False) -> str:
     """Run ``tests/scripts/<script>`` under torchrun, ``nproc`` ranks on each of ``nnodes``
     simulated nodes (one torchrun per node, concurrently, on a localhost rendezvous), and
     return the ranks' stdout (the nodes' one after the other).
 
     Fails the test, with stdout and the end of stderr, unless every torchrun exited 0 in time
     and no line says MISMATCH or PROBLEM; with ``expect_ok``, also unless every rank printed
-    ``RANK <r> OK`` (what ``worker_common.run_worker`` prints for a rank without problems)."""
+    ``RANK <r> OK`` (what ``worker_common.run_worker`` prints for a rank without problems).
+    ``killed``: the job's ranks kill themselves; every torchrun must still end in time, and
+    its stdout is returned whatever the exit statuses."""
     port = free_port() if nnodes > 1 else None
     procs = [subprocess.Popen(
         torchrun_command(script, *args, nproc=nproc, nnodes=nnodes, node_rank=node, port=port),
@@ -125,6 +127,9 @@ def run_torchrun(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
         pytest.fail(f"torchrun ({script}) did not finish in {timeout} s\n{report}")
     problems = [line for line in stdout.splitlines() if any(w in line for w in PROBLEM_WORDS)]
     codes = [p.returncode for p in procs]
+    if killed:
+        assert not problems, "\n".join(problems) + "\n" + report
+        return stdout
     assert codes == [0] * nnodes and not problems, \
         f"torchrun exit statuses {codes}\n" + "\n".join(problems) + "\n" + report
     if expect_ok:

@@ -6,7 +6,10 @@ Tiers: "ram" (node-local RAM) and "peer" (node-local, ``erasure`` with DATA data
 parity 1), no shared tier unless argv's OBJ is "obj" ("objects": an fsspec ``file://`` tier).
 argv: ROOT DATA OBJ PHASE [EXPECTED]. PHASE "save" saves step-1..3 and waits for the parity;
 "load" checks latest() == EXPECTED and loads it bitwise, printing where each file came from;
-"load-missing" loads EXPECTED and prints the CheckpointNotFound it expects.
+"load-missing" loads EXPECTED and prints the CheckpointNotFound it expects; "save-killed" saves
+step-1 and step-2, then the job is killed while step-3's parity is encoded: ranks 1 and 2 as they
+publish their parity, the others once theirs is committed (a mix of complete and missing parity
+of step-3 is left behind, beside step-2's complete parity).
 """
 
 import os
@@ -33,10 +36,16 @@ class Observer:
     def __init__(self):
         self.reads, self.fetched, self.protected = [], [], []
 
+    kill_step3 = False
+
     @tierstore.hookimpl
-    def tierstore_phase(self, phase, tier, detail):
+    def tierstore_phase(self, phase, checkpoint_id, tier, rank, detail):
         if phase == Phase.READ_FILE:
             self.reads.append((detail["file"], tier))
+        if (self.kill_step3 and checkpoint_id == "step-3" and rank in (1, 2)
+                and phase == Phase.PUBLISH and tier == f"peer:parity-{rank}"):
+            print(f"RANK {rank} KILLED PUBLISHING ITS PARITY", flush=True)
+            os._exit(9)
 
     @tierstore.hookimpl
     def tierstore_event(self, event):
@@ -45,6 +54,9 @@ class Observer:
         elif event.kind == EventKind.REPLICATED:
             self.protected.append((event.checkpoint_id, event.detail.get("parity_set"),
                                    event.detail.get("parity_bytes")))
+            if self.kill_step3 and event.checkpoint_id == "step-3":
+                print(f"RANK {event.rank} KILLED WITH ITS PARITY COMMITTED", flush=True)
+                os._exit(9)
 
 
 def config(root, data, obj, per_node):
@@ -66,7 +78,8 @@ def main() -> int:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     seen = Observer()
     store = tierstore.open(config(root, data, obj, per_node), plugins=[seen])
-    if phase == "save":
+    if phase in ("save", "save-killed"):
+        seen.kill_step3 = phase == "save-killed"
         for step in (1, 2, 3):
             dcp.save(node_state(step, rank, mesh, OWN_NUMEL), storage_writer=store.writer(),
                      checkpoint_id=f"step-{step}", process_group=store.process_group)

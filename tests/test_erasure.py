@@ -1,0 +1,179 @@
+"""Parity instead of replicas (``erasure`` strategy on a ``peer`` tier), under torchrun on
+simulated nodes (one torchrun per node, ``{node}`` in the tier paths, gloo): each set of
+``data + 1`` ranks on different nodes keeps XOR parity of its members' files, 1/data of a
+checkpoint per rank; after a node is lost (its directories deleted) every rank loads bitwise
+from the fast tiers, the lost ranks' files rebuilt from their sets. Two lost nodes of one set
+cannot be rebuilt: the load names what is missing, or reads it from a shared tier. A job killed
+while encoding leaves the previous save's parity whole, and the half-encoded save is never
+decoded. Plus the strategy's placement, config errors and the set's layout, in one process."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from helpers import run_torchrun
+
+from tierstore.format.manifest import FileEntry
+from tierstore.format.parity import common_length
+from tierstore_conformance import ReplicationStrategyTests
+from tierstore_plugins.replication import ErasureStrategy
+
+import tierstore
+from tierstore.engine.parity import ParitySet, read_members
+
+
+def run(root, data: int, nodes: int, per_node: int, *args, killed: bool = False) -> str:
+    return run_torchrun("erasure_worker.py", root, data, *args, nproc=per_node, nnodes=nodes,
+                        timeout=240, killed=killed)
+
+
+def lose_node(root, node: int) -> None:
+    """The node is replaced: nothing of its RAM or peer tier is left."""
+    shutil.rmtree(root / f"ram/{node}")
+    shutil.rmtree(root / f"peer/{node}")
+
+
+def checkpoint_bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(".distcp")
+               or p.name == ".metadata")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("nodes,per_node,data,lost", [(4, 1, 3, 2), (4, 2, 3, 3), (3, 1, 2, 0)],
+                         ids=["3+1-4x1-node2", "3+1-4x2-node3", "2+1-3x1-node0"])
+def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, nodes, per_node, data, lost):
+    out = run(tmp_path, data, nodes, per_node, "noobj", "save")
+    world = nodes * per_node
+    for rank in range(world):
+        members = list(range(rank % per_node, world, per_node))
+        assert f"RANK {rank} PROTECTED step-3 SET {members}" in out, out[-5000:]
+    # Each rank keeps 1/data of a checkpoint of parity, and no replicas.
+    for node in range(nodes):
+        peer = tmp_path / f"peer/{node}"
+        assert not (peer / ".replicas").exists()
+        own = checkpoint_bytes(peer / "step-3")
+        parity = sum((peer / f".parity/held-by-{r}/step-3/parity").stat().st_size
+                     for r in range(node * per_node, (node + 1) * per_node))
+        assert parity <= own / data + 8 * per_node * data + 4096, (parity, own)
+        assert not (peer / f".parity/held-by-{node * per_node}/step-1").exists()  # keep = 2
+
+    lose_node(tmp_path, lost)
+    out = run(tmp_path, data, nodes, per_node, "noobj", "load", "step-3")  # bitwise, or fails
+    for rank in range(world):
+        assert f"RANK {rank} LATEST step-3" in out, out[-5000:]
+    for rank in range(lost * per_node, (lost + 1) * per_node):
+        rebuilt = tmp_path / f"peer/{lost}/.replicas/{rank}-held-by-{rank}/step-3"
+        manifest = json.loads((rebuilt / "tierstore.json").read_text())
+        assert manifest["ranks"] == [rank] and manifest["plugins"]["replication"] == \
+            "rebuilt from parity"
+        assert f"RANK {rank} READ __{rank}_0.distcp FROM peer:rank-{rank}" in out, out[-8000:]
+    if lost == 0:  # the coordinator's .metadata came back with its files
+        assert (tmp_path / "peer/0/.replicas/0-held-by-0/step-3/.metadata").exists()
+
+
+@pytest.mark.timeout(900)
+def test_two_lost_nodes_of_a_set_are_named_or_read_from_a_shared_tier(tmp_path):
+    run(tmp_path, 3, 4, 1, "obj", "save")
+    lose_node(tmp_path, 1)
+    lose_node(tmp_path, 2)
+    out = run(tmp_path, 3, 4, 1, "noobj", "load-missing", "step-3")
+    for rank in range(4):
+        assert re.search(rf"RANK {rank} NOTFOUND checkpoint 'step-3' cannot be loaded by this "
+                         rf"job: the files of rank\(s\) \[1, 2\] are on no tier", out), out[-5000:]
+    assert not (tmp_path / "peer/1/.replicas").exists()  # nothing half rebuilt
+    # With the shared tier configured, the two ranks' files come from it.
+    out = run(tmp_path, 3, 4, 1, "obj", "load", "step-3")
+    assert "RANK 1 READ __1_0.distcp FROM objects" in out, out[-8000:]
+    assert "RANK 0 READ __0_0.distcp FROM ram" in out, out[-8000:]
+
+
+@pytest.mark.timeout(900)
+def test_a_job_killed_while_encoding_leaves_the_previous_parity_whole(tmp_path):
+    out = run(tmp_path, 3, 4, 1, "noobj", "save-killed", killed=True)
+    assert "RANK 1 KILLED PUBLISHING ITS PARITY" in out, out[-5000:]
+    assert "RANK 0 KILLED WITH ITS PARITY COMMITTED" in out, out[-5000:]
+    # A mix: ranks 0 and 3 hold step-3's parity, ranks 1 and 2 do not.
+    held = {r: (tmp_path / f"peer/{r}/.parity/held-by-{r}/step-3/tierstore.json").exists()
+            for r in range(4)}
+    assert held == {0: True, 1: False, 2: False, 3: True}, held
+    lose_node(tmp_path, 2)
+    # step-3 cannot be rebuilt (rank 1 has no parity of it): the newest loadable checkpoint is
+    # step-2, rebuilt from its complete parity, bitwise.
+    out = run(tmp_path, 3, 4, 1, "noobj", "load", "step-2")
+    assert "RANK 2 READ __2_0.distcp FROM peer:rank-2" in out, out[-8000:]
+    out = run(tmp_path, 3, 4, 1, "noobj", "load-missing", "step-3")
+    assert "RANK 0 NOTFOUND checkpoint 'step-3' cannot be loaded by this job: the files of " \
+           "rank(s) [2]" in out, out[-5000:]
+
+
+# -- one process ------------------------------------------------------------------------------
+
+class TestErasureStrategy(ReplicationStrategyTests):
+    """The kit's checks, plus a parity set's: every rank in exactly one set, its members on
+    different nodes (``jump`` apart)."""
+
+    covers_every_rank = False  # no whole replicas: parity
+
+    @pytest.fixture
+    def strategy(self):
+        return ErasureStrategy(data=3, parity=1, jump=2)
+
+    @pytest.fixture
+    def world_sizes(self):
+        return [8, 16, 24]
+
+    @pytest.fixture
+    def bad_world_sizes(self):
+        return [1, 2, 4, 6, 12]
+
+
+def test_a_config_with_parity_above_one_or_a_world_size_that_fits_no_set_is_refused(tmp_path):
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.open({"tier": [{"name": "peer", "backend": "peer", "path": str(tmp_path),
+                                  "replication": {"strategy": "erasure", "data": 4,
+                                                  "parity": 2}}]})
+    assert "parity" in str(info.value) and "Reed-Solomon" in str(info.value), info.value
+    assert "clique replication with factor = 3" in str(info.value), info.value
+    problem = ErasureStrategy(data=3, jump=2).check_world_size(12)
+    assert "multiple of 8 (8, 16, 24, ...); this job has 12 ranks" in problem, problem
+
+
+def _entry(size: int) -> FileEntry:
+    return FileEntry(size, "xxh3_128:0")
+
+
+def test_every_byte_of_every_member_is_in_exactly_one_other_members_parity():
+    headers = {r: {"files": {f"__{r}_{i}.distcp": _entry(size)
+                             for i, size in enumerate(sizes)}}
+               for r, sizes in {0: [100, 7], 2: [1000], 4: [3, 5, 999], 6: []}.items()}
+    found = ParitySet.of([0, 2, 4, 6], headers)
+    assert found.chunk * 3 == common_length([107, 1000, 1007, 0], 4)
+    for member in found.ranks:
+        seen = torch.zeros(found.chunk * 3, dtype=torch.int64)
+        at = {}
+        pos = 0
+        for rel, entry in found.files(member):
+            at[rel] = pos
+            pos += entry.size
+        for holder in found.ranks:
+            if holder == member:
+                continue
+            for rel, offset, size, in_chunk in found.pieces(member, holder):
+                assert 0 <= in_chunk and in_chunk + size <= found.chunk
+                seen[at[rel] + offset:at[rel] + offset + size] += 1
+        assert seen[:pos].eq(1).all() and seen[pos:].eq(0).all(), member
+    assert read_members(found.to_json()) == found
+
+
+def test_a_members_description_that_is_not_one_is_refused():
+    with pytest.raises(tierstore.IntegrityError, match="members.json is not a parity set"):
+        read_members(b'{"format": 1, "ranks": [0], "chunk": 8, "headers": {}}')
+    with pytest.raises(tierstore.IntegrityError, match="chunk length does not match"):
+        found = ParitySet.of([0, 1], {0: {"files": {"a": _entry(16)}}, 1: {"files": {}}})
+        doc = json.loads(found.to_json())
+        doc["chunk"] = 4
+        read_members(json.dumps(doc).encode())
