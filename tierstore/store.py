@@ -290,7 +290,7 @@ class Store:
         """Remove what interrupted saves left on every tier (never a committed checkpoint)."""
         self._check_open()
         self._check_writable("gc")
-        return [f"{tier.name}:{name}" for tier in self._ctx.tiers.read_order()
+        return [f"{tier.name}:{name}" for tier in self._ctx.tiers.maintained()
                 for name in self._health.ask(tier, "gc", lambda t=tier: self._gc.collect(t), [])]
 
     def wait(self, timeout: float | None = None, *, all_ranks: bool = False) -> None:
@@ -379,7 +379,8 @@ class Store:
             self._ledger.release_spill()
             if self._stager is not None:
                 self._stager.close()
-            for tier in [*ctx.tiers, *ctx.tiers.all_replicas]:
+            for tier in [*ctx.tiers, *ctx.tiers.all_replicas,
+                         *([ctx.tiers.parity_tier] if ctx.tiers.parity_tier else [])]:
                 tier.backend.close()
             _destroy(ctx.groups.main, ctx.groups.io, ctx.groups.replication)
             self._events_log.stop()

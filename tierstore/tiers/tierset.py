@@ -73,6 +73,11 @@ class TierSet(Sequence):
         """Every replica tier this rank reads: those it keeps, then those found."""
         return [*self.replica_tiers.values(), *self.found_replicas]
 
+    def maintained(self) -> list[Tier]:
+        """Every tier this rank writes or reads, for housekeeping (gc, close): the read order,
+        then the parity tier (which no load reads as a copy)."""
+        return [*self.read_order(), *([self.parity_tier] if self.parity_tier else [])]
+
     def read_order(self) -> list[Tier]:
         """Every tier a load may read, fastest first: the replica tiers come right after the
         peer tier (own copy, then replicas kept here, then slower tiers)."""
