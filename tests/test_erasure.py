@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 
 import pytest
 import torch
-from helpers import run_torchrun
+from helpers import SCRIPTS, run_torchrun
 
 from tierstore.format.manifest import FileEntry
 from tierstore.format.parity import common_length
@@ -24,6 +25,9 @@ from tierstore_plugins.replication import ErasureStrategy
 
 import tierstore
 from tierstore.engine.parity import ParitySet, read_members
+
+sys.path.insert(0, str(SCRIPTS))
+from faults_node_worker import check_parity  # noqa: E402  (the fault matrix's decoder)
 
 
 def run(root, data: int, nodes: int, per_node: int, *args, killed: bool = False) -> str:
@@ -60,6 +64,9 @@ def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, nodes, per_node, 
                      for r in range(node * per_node, (node + 1) * per_node))
         assert parity <= own / data + 8 * per_node * data + 4096, (parity, own)
         assert not (peer / f".parity/held-by-{node * per_node}/step-1").exists()  # keep = 2
+    # Decoded in one process by the fault matrix's reference decoder (packed streams and
+    # tierstore.format.parity), every member lost in turn: the bytes each header records.
+    assert check_parity(str(tmp_path)) == []
 
     lose_node(tmp_path, lost)
     out = run(tmp_path, data, nodes, per_node, "noobj", "load", "step-3")  # bitwise, or fails
@@ -78,6 +85,13 @@ def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, nodes, per_node, 
 @pytest.mark.timeout(900)
 def test_two_lost_nodes_of_a_set_are_named_or_read_from_a_shared_tier(tmp_path):
     run(tmp_path, 3, 4, 1, "obj", "save")
+    # (The reference decoder notices one flipped bit of one member's parity.)
+    parity = tmp_path / "peer/3/.parity/held-by-3/step-3/parity"
+    kept = parity.read_bytes()
+    parity.write_bytes(kept[:100] + bytes([kept[100] ^ 1]) + kept[101:])
+    assert any("decodes rank 0's __0_0.distcp to wrong bytes" in p
+               for p in check_parity(str(tmp_path)))
+    parity.write_bytes(kept)
     lose_node(tmp_path, 1)
     lose_node(tmp_path, 2)
     out = run(tmp_path, 3, 4, 1, "noobj", "load-missing", "step-3")

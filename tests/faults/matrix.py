@@ -41,7 +41,7 @@ import tierstore
 
 from .checks import check
 from .inject import FAULTS, FIRST_FULL, FULL_FAULTS, Injector
-from .multinode import dry_counts, plan_multinode, run_chain
+from .multinode import dry_counts, plan_multinode, plan_parity, run_chain
 from .places import Env, mount_tmpfs, server_module, unmount
 from .plan import Trial, plan_cells, plan_first_full, row_key
 from .procs import ChildResult, run_child, run_pool
@@ -63,12 +63,16 @@ S3_FAULTS = ("raise", "sigkill", "eio", "slow")
 #: drain), ``stall`` (a drain's retention stalled on the slow tier while the job saves), ``ops``
 #: (``scrub --repair`` and ``promote`` under every fault, on a local slow tier) and ``ops-s3``
 #: (the same against an S3 server that fails, is slow, freezes or dies).
-#: ``multinode``: 2 simulated nodes x 2 ranks under torchrun (see ``multinode``).
-KINDS = ("classic", "keep1", "spoil", "cli", "stall", "ops", "ops-s3", "multinode")
+#: ``multinode``: 2 simulated nodes x 2 ranks under torchrun (see ``multinode``); ``parity``:
+#: the same job with its saves protected by parity (``erasure`` 3+1), killed while encoding.
+KINDS = ("classic", "keep1", "spoil", "cli", "stall", "ops", "ops-s3", "multinode", "parity")
 #: The multi-node trials of the CI sample: the coordinator killed in ``finish`` (before its
 #: ``.metadata``, the other node's part already published), and a gathered drain whose
 #: source part on the other node goes bad under it.
 MULTINODE_SAMPLE = ("node/write_metadata@0:sigkill:3:1", "node/drain_file@2:corrupt-source:2:2")
+#: The parity trials of the CI sample: a member killed as its parity of the second save is
+#: published (the others' committed), and one whose encoding raises as it begins.
+PARITY_SAMPLE = ("parity/publish@1:sigkill:2:1", "parity/replicate@2:raise:2:2")
 #: Faults of the ``ops-s3`` trials.
 OPS_S3_FAULTS = ("raise", "eio", "slow", "flaky", "server-death")
 #: Drain rows where a ``cli`` trial holds the drain (no copy thread is running then).
@@ -428,20 +432,23 @@ class Matrix:
         self.say(f"S3 trials: {len(trials)}/{len(trials)}")
         return results
 
-    def run_multinode(self) -> list[dict[str, Any]]:
-        """Plan and run the multi-node trials (torchrun, one chain of launches)."""
+    def run_multinode(self, parity: bool = False) -> list[dict[str, Any]]:
+        """Plan and run the multi-node trials (torchrun, one chain of launches); with
+        ``parity``, those of the job whose saves are protected by parity."""
         a = self.args
-        workdir = os.path.join(self.workdir, "multinode")
+        kind = "parity" if parity else "multinode"
+        workdir = os.path.join(self.workdir, kind)
         os.makedirs(workdir, exist_ok=True)
         if a.sample:
-            trials = [Trial.parse(spec) for spec in MULTINODE_SAMPLE]
+            trials = [Trial.parse(spec) for spec in (PARITY_SAMPLE if parity
+                                                     else MULTINODE_SAMPLE)]
         else:
             seeds = [a.seed * 100_000 + 80_000 + i for i in range(a.multinode_seeds)]
-            counts = {s: dry_counts(workdir, s) for s in seeds}
-            trials = plan_multinode(counts, a.multinode_per_cell,
-                                    random.Random(f"{a.seed}-multinode"))
+            counts = {s: dry_counts(workdir, s, parity) for s in seeds}
+            trials = (plan_parity if parity else plan_multinode)(
+                counts, a.multinode_per_cell, random.Random(f"{a.seed}-{kind}"))
         trials = [t for t in trials if t.fault in a.faults]
-        self.say(f"{len(trials)} multi-node trials (2 nodes x 2 ranks, torchrun)")
+        self.say(f"{len(trials)} {kind} trials (2 nodes x 2 ranks, torchrun)")
         results = run_chain(trials, workdir, say=self.say)
         for r in results:
             if not r["passed"]:
@@ -455,7 +462,7 @@ class Matrix:
         try:
             if any(f in (*LOCAL_FAULTS, FIRST_FULL, "cli", "corrupt-source", "vanish-source",
                           "stall") for f in self.args.faults) \
-                    and set(self.args.kinds) - {"ops-s3", "multinode"}:
+                    and set(self.args.kinds) - {"ops-s3", "multinode", "parity"}:
                 results += self.run_local()
             if self.args.s3 and {"classic", "ops-s3"} & set(self.args.kinds):
                 results += self.run_s3()
@@ -463,10 +470,13 @@ class Matrix:
                 self.skipped.append("the S3 tier (--no-s3)")
             if "multinode" in self.args.kinds:
                 results += self.run_multinode()
+            if "parity" in self.args.kinds:
+                results += self.run_multinode(parity=True)
         finally:
             if self.server is not None:
                 self.server.stop()
-        self.skipped.append("replicate and peer_fetch (the peer tier needs torchrun ranks)")
+        self.skipped.append("peer_fetch, and replicate with whole replicas (the parity kind "
+                            "covers replicate with parity)")
         return self.report(results, time.monotonic() - started)
 
     def report(self, results: list[dict[str, Any]], wall: float) -> int:
@@ -495,7 +505,7 @@ class Matrix:
     def run_one(self, trial: Trial) -> int:
         """Run one trial and say everything about it; its directories are kept."""
         self.args.keep = True
-        if trial.row.startswith("node/"):
+        if trial.row.startswith(("node/", "parity/")):
             workdir = os.path.join(self.workdir, "one")
             result = run_chain([trial], workdir, say=self.say)[0]
             print(f"trial {trial.spec}: {'passed' if result['passed'] else 'FAILED'} in "

@@ -1,7 +1,9 @@
 """Multi-node trials: 2 simulated nodes x 2 ranks under torchrun (gloo), a node-local ``memory``
 tier and a shared tier behind it, ``keep = 1`` (see ``tests/scripts/faults_node_worker.py``).
 
-A trial is ``node/PHASE@RANK:FAULT:NTH:SEED``: the job of ``SEED`` (3 saves; a wait after each
+A trial is ``node/PHASE@RANK:FAULT:NTH:SEED``, or ``parity/PHASE@RANK:...`` for the same job
+with a ``peer`` tier protecting every save with parity (``erasure`` 3+1 over the 4 ranks; the
+check then also decodes every save's parity, each member lost in turn): the job of ``SEED`` (3 saves; a wait after each
 when the seed is odd) with ``FAULT`` (``raise``, ``sigkill``, ``corrupt-source``,
 ``vanish-source``) striking rank ``RANK`` at its ``NTH`` announcement of ``PHASE``. Launching
 four ranks costs seconds, so trials run as a chain: each launch checks the trial before it
@@ -27,7 +29,7 @@ from typing import Any
 
 from .plan import Trial
 
-__all__ = ["MULTINODE_FAULTS", "plan_multinode", "run_chain", "spec_of"]
+__all__ = ["MULTINODE_FAULTS", "plan_multinode", "plan_parity", "run_chain", "spec_of"]
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "faults_node_worker.py"
 NPROC, NNODES = 2, 2
@@ -36,16 +38,18 @@ WORLD = NPROC * NNODES
 MULTINODE_FAULTS = ("raise", "sigkill", "corrupt-source", "vanish-source")
 #: Seconds one launch (a check and a job) may take.
 LAUNCH_TIMEOUT = 150
-_ROW = re.compile(r"node/(?P<phase>[a-z_]+)@(?P<rank>\d+)")
+_ROW = re.compile(r"(?P<kind>node|parity)/(?P<phase>[a-z_]+)@(?P<rank>\d+)")
 
 
-def spec_of(trial: Trial | None) -> dict[str, Any]:
-    """What the worker's job takes for ``trial`` (None: a dry run)."""
+def spec_of(trial: Trial | None, parity: bool = False) -> dict[str, Any]:
+    """What the worker's job takes for ``trial`` (None: a dry run, with parity or not)."""
     if trial is None:
-        return {"fault": None, "saves": 3, "wait_each": False, "rank": -1, "row": "", "nth": 0}
+        return {"fault": None, "saves": 3, "wait_each": False, "rank": -1, "row": "", "nth": 0,
+                "parity": parity}
     m = _ROW.fullmatch(trial.row)
     return {"fault": trial.fault, "saves": 3, "wait_each": trial.seed % 2 == 1,
-            "rank": int(m["rank"]), "row": f"node/{m['phase']}", "nth": trial.nth}
+            "rank": int(m["rank"]), "row": f"{m['kind']}/{m['phase']}", "nth": trial.nth,
+            "parity": m["kind"] == "parity"}
 
 
 def _free_port() -> int:
@@ -100,11 +104,11 @@ def _journal(root: str) -> list[list[str]]:
         return []
 
 
-def dry_counts(workdir: str, seed: int) -> dict[int, dict[str, int]]:
+def dry_counts(workdir: str, seed: int, parity: bool = False) -> dict[int, dict[str, int]]:
     """What each rank announces per row in the job of ``seed`` without a fault."""
-    root = os.path.join(workdir, f"dry-{seed}")
+    root = os.path.join(workdir, f"dry-{seed}{'-parity' if parity else ''}")
     os.makedirs(root, exist_ok=True)
-    spec = spec_of(None)
+    spec = spec_of(None, parity)
     spec["wait_each"] = seed % 2 == 1
     launch(None, root, spec, os.path.join(root, "log"))
     counts = {}
@@ -116,6 +120,27 @@ def dry_counts(workdir: str, seed: int) -> dict[int, dict[str, int]]:
             raise RuntimeError(f"the multi-node job of seed {seed} without a fault failed; "
                                f"see {root}/log") from None
     return counts
+
+
+def plan_parity(counts: dict[int, dict[int, dict[str, int]]], per_cell: int,
+                rng: random.Random) -> list[Trial]:
+    """The parity job: SIGKILL and ``raise`` at every rank's ``replicate`` (the encoding
+    begins) and at points of its ``write_manifest``, ``publish`` and ``retain`` (among them
+    the parity's commit, and the eviction of the previous save's parity), ``per_cell`` each."""
+    trials = []
+    seeds = sorted(counts)
+    for rank in range(WORLD):
+        for row in ("parity/replicate", "parity/write_manifest", "parity/publish",
+                    "parity/retain"):
+            reached = [(s, counts[s][rank][row]) for s in seeds
+                       if counts[s].get(rank, {}).get(row)]
+            if not reached:
+                continue
+            for fault in ("sigkill", "raise"):
+                for _ in range(per_cell):
+                    seed, n = reached[rng.randrange(len(reached))]
+                    trials.append(Trial(f"{row}@{rank}", fault, rng.randint(1, n), seed))
+    return trials
 
 
 def plan_multinode(counts: dict[int, dict[int, dict[str, int]]], per_cell: int,
@@ -200,8 +225,11 @@ def outcome(trial: Trial, root: str, job: dict, seconds: float) -> dict[str, Any
             seen.add(key)
             unique.append(v)
     m = _ROW.fullmatch(trial.row)
-    return {"spec": trial.spec, "row": f"node/{m['phase']}", "fault": trial.fault, "s3": False,
+    parity = m["kind"] == "parity"
+    return {"spec": trial.spec, "row": f"{m['kind']}/{m['phase']}", "fault": trial.fault,
+            "s3": False,
             "room": None, "backend": "memory", "passed": not unique, "violations": unique,
-            "notes": notes, "scenario": f"2 nodes x 2 ranks, memory({{node}}) -> shared local, "
-            f"keep 1/1, 3 saves{', wait each' if trial.seed % 2 else ''}, rank {m['rank']}",
+            "notes": notes, "scenario": f"2 nodes x 2 ranks, memory({{node}}) -> "
+            f"{'peer({node}, erasure 3+1) -> ' if parity else ''}shared local, "
+            f"keep 1, 3 saves{', wait each' if trial.seed % 2 else ''}, rank {m['rank']}",
             "seconds": round(seconds, 3), "timings": {}, "dir": root}

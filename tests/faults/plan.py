@@ -26,8 +26,9 @@ _SPEC = re.compile(r"(?P<row>[^:]+):(?P<fault>[^:]+):(?P<nth>\d+):(?P<seed>\d+)(
                    r"(?::room(?P<room>[+-]?\d+))?(?::(?P<variant>[a-z0-9]+))?")
 
 #: Operations in the table's order (rows are ``operation/phase``); ``scrub`` and ``promote``
-#: are the operator's (the ``ops`` variant), ``node`` the multi-node trials' (``multinode``).
-OPERATIONS = ("save", "drain", "load", "verify", "gc", "scrub", "promote", "node")
+#: are the operator's (the ``ops`` variant), ``node`` the multi-node trials' (``multinode``),
+#: ``parity`` those of the multi-node job whose saves are protected by parity (``parity``).
+OPERATIONS = ("save", "drain", "load", "verify", "gc", "scrub", "promote", "node", "parity")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ def kind_of(result: dict[str, Any]) -> str:
     variant = result.get("variant") or ""
     if result["row"].startswith("node/"):
         return "multinode"
+    if result["row"].startswith("parity/"):
+        return "parity"
     if variant == "ops":
         return "ops-s3" if result["s3"] else "ops"
     if result["fault"] in ("corrupt-source", "vanish-source"):
@@ -59,7 +61,7 @@ def table(results: list[dict[str, Any]], wall_s: float, skipped: list[str]) -> s
         c[0] += r["passed"]
         c[1] += 1
     if set(kinds) - {"classic"}:
-        lines += ["", "by kind (issue 25: keep1, spoil, cli, stall, ops, ops-s3, multinode):",
+        lines += ["", "by kind (issue 25: keep1, spoil, cli, stall, ops, ops-s3, multinode; parity):",
                   "", "| kind | passed/run |", "|---|---:|"]
         lines += [f"| {k} | {c[0]}/{c[1]} |" for k, c in kinds.items()]
     rooms = sorted({r["room"] for r in results if r.get("room") is not None})

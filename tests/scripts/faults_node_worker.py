@@ -68,9 +68,19 @@ def _is_complete_part(directory: str) -> bool:
     return ".metadata" in theirs["files"] and mine["save_token"] == theirs["save_token"]
 
 
+def parity_job(root: str) -> bool:
+    """Whether the job at ``root`` protects its saves with parity (its spec's ``parity``)."""
+    return os.path.exists(os.path.join(root, "parity"))
+
+
 def config(root: str, *, only: str | None = None) -> dict:
     tiers = [{"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 1},
              {"name": "shared", "backend": "local", "path": root + "/shared", "keep": 1}]
+    if parity_job(root):
+        # One parity set of the 4 ranks (jump 1: two members per node), 1/3 each.
+        tiers.insert(1, {"name": "peer", "backend": "peer", "path": root + "/peer/{node}",
+                         "keep": 1, "replication": {"strategy": "erasure", "data": 3,
+                                                    "parity": 1, "jump": 1}})
     if only:
         tiers = [{k: v for k, v in t.items() if k != "keep"} for t in tiers if t["name"] == only]
     return {"store": {"collective_timeout": COLLECTIVE_S}, "tier": tiers}
@@ -121,7 +131,7 @@ class Strike:
     def tierstore_phase(self, phase, checkpoint_id, tier, rank, detail):
         if phase == tierstore.Phase.COLLECT:
             return
-        row = f"node/{phase}"
+        row = f"{'parity' if self.spec.get('parity') else 'node'}/{phase}"
         self.counts[row] = self.counts.get(row, 0) + 1
         spec = self.spec
         if (self.fired or spec.get("fault") is None or spec["rank"] != self.rank
@@ -155,6 +165,9 @@ class Strike:
 
 
 def run_job(root: str, spec: dict, rank: int, node: int, mesh) -> None:
+    if spec.get("parity") and rank == 0:
+        open(os.path.join(root, "parity"), "w").close()
+    dist.barrier()
     journal = Journal(os.path.join(root, "journal"))
     strike = Strike(spec, rank, node, root, journal)
     store = tierstore.open(config(root), plugins=[strike])
@@ -252,6 +265,13 @@ def run_check(root: str, rank: int, world: int, mesh) -> list[str]:
             problems.append(f"the newest committed checkpoint step-{newest} (or a newer one) "
                             f"loads bitwise from no tier alone")
 
+    # (6) parity: every save whose parity all members hold (one token) decodes each member's
+    # files to the very bytes its header records; a save whose parity a killed encoding left
+    # incomplete is never counted as rebuildable.
+    if rank == 0 and parity_job(root):
+        problems += check_parity(root)
+    dist.barrier()
+
     # (4): the next save, as a restarted job makes it: attempt 2 of the step after latest().
     nxt = (step_of(latest) if latest else 0) + 1
     cid = f"step-{nxt}"
@@ -286,6 +306,89 @@ def run_check(root: str, rank: int, world: int, mesh) -> list[str]:
                         # (tierstore.engine.publish); an orphan part is a leftover
                         continue
                     problems.append(f"left after gc(): {os.path.relpath(os.path.join(d, n), root)}")
+    return problems
+
+
+def check_parity(root: str) -> list[str]:
+    """Decode every save's parity in this one process, independently of the store's transfer
+    path (tierstore.format.parity's reference XOR over packed streams), for each member lost in
+    turn, and compare with the digests the set's headers record."""
+    from tierstore.engine.parity import MEMBERS_FILE, PARITY_FILE, read_members, recoverable
+    from tierstore.format.checksum import checksum_of
+    from tierstore.format.parity import chunk_index, pack
+
+    problems = []
+    held: dict[tuple[str, str], dict[int, tuple]] = {}
+    nodes = sorted(os.listdir(os.path.join(root, "peer")))
+    for node in nodes:
+        top = os.path.join(root, "peer", node, ".parity")
+        for holder_dir in sorted(os.listdir(top)) if os.path.isdir(top) else []:
+            holder = int(holder_dir.rsplit("-", 1)[1])
+            for cid in os.listdir(os.path.join(top, holder_dir)):
+                d = os.path.join(top, holder_dir, cid)
+                try:
+                    with open(os.path.join(d, "tierstore.json")) as f:
+                        token = json.load(f)["save_token"]
+                    with open(os.path.join(d, MEMBERS_FILE), "rb") as f:
+                        found = read_members(f.read())
+                    with open(os.path.join(d, PARITY_FILE), "rb") as f:
+                        chunk = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+                except (OSError, ValueError, KeyError):
+                    continue  # not a committed parity checkpoint (a staging leftover)
+                held.setdefault((cid, token), {})[holder] = (found, chunk)
+
+    def files_of(member: int, found) -> torch.Tensor | None:
+        parts = []
+        for rel, entry in found.files(member):
+            data = None
+            for tier in ("ram", "peer"):
+                for node in nodes:
+                    path = os.path.join(root, tier, node, cid, rel)
+                    if os.path.exists(path):
+                        with open(path, "rb") as f:
+                            raw = f.read()
+                        if len(raw) == entry.size and checksum_of(raw) == entry.checksum:
+                            data = raw
+            if data is None:
+                return None
+            parts.append(torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                         if data else torch.empty(0, dtype=torch.uint8))
+        return pack(parts, found.chunk * (len(found.ranks) - 1))
+
+    for (cid, token), by_holder in sorted(held.items()):
+        found = next(iter(by_holder.values()))[0]
+        members = found.ranks
+        n, streams = len(members), {}
+        for m in members:
+            streams[m] = files_of(m, found)
+        for lost in members:
+            # What a load would rebuild: every survivor holds parity of this very save (a
+            # killed encoding may have left some members without it: then the load does not
+            # count the lost member as held, and nothing is decoded).
+            if not recoverable(set(members) - {lost}, {h: members for h in by_holder}):
+                continue
+            if any(streams[m] is None for m in members if m != lost):
+                continue  # the survivors' files are not all here (evicted, spoiled)
+            rebuilt = torch.zeros(found.chunk * (n - 1), dtype=torch.uint8)
+            for holder in members:
+                if holder == lost:
+                    continue
+                c = chunk_index(members.index(holder), members.index(lost), n)
+                piece = by_holder[holder][1].clone()
+                for other in members:
+                    if other in (holder, lost):
+                        continue
+                    co = chunk_index(members.index(holder), members.index(other), n)
+                    piece ^= streams[other][co * found.chunk:(co + 1) * found.chunk]
+                rebuilt[c * found.chunk:(c + 1) * found.chunk] = piece
+            at = 0
+            for rel, entry in found.files(lost):
+                got = rebuilt[at:at + entry.size].numpy().tobytes()
+                at += entry.size
+                if checksum_of(got) != entry.checksum:
+                    problems.append(f"{cid} (save {token[:8]}): the parity of ranks "
+                                    f"{list(members)} decodes rank {lost}'s {rel} to wrong "
+                                    f"bytes")
     return problems
 
 
