@@ -3,7 +3,10 @@ files, for ``peer`` tiers) must do.
 
 Every rank computes ``holders`` on its own, so the answer must be a pure function of
 ``(rank, world_size)``: in range, never the rank itself, no duplicates, the same on every call
-and in every copy of the strategy.
+and in every copy of the strategy. A strategy that keeps parity instead (``parity_set``) must
+split the ranks into sets every member agrees on, on different nodes, and any one lost member
+of a set must decode bitwise from the others' files and parity (checked with the core's own
+layout, tierstore.engine.parity, on files of uneven sizes).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class ReplicationStrategyTests:
             def bad_world_sizes(self):       # optional: sizes it must refuse (default none)
                 return [1, 3]
 
+            @pytest.fixture
+            def ranks_per_node(self):        # optional: parity sets must span nodes of this size
+                return 8
+
     Set ``covers_every_rank = False`` for a strategy that deliberately leaves some ranks
     without a holder (the kit then checks that some rank really has none).
     """
@@ -63,6 +70,12 @@ class ReplicationStrategyTests:
     def bad_world_sizes(self) -> list[int]:
         """World sizes the strategy must refuse (default: none)."""
         return []
+
+    @pytest.fixture
+    def ranks_per_node(self) -> int | None:
+        """Ranks per node the strategy is configured for: a parity set's members must then be
+        on different nodes (default None: not checked)."""
+        return None
 
     # -- tests ---------------------------------------------------------------------------------
     def test_options_are_declared_with_descriptions(self, strategy):
@@ -116,7 +129,8 @@ class ReplicationStrategyTests:
         """With covers_every_rank (the default), every rank's files have a holder when there
         is more than one rank. A class that sets covers_every_rank = False must really leave
         some rank without one (the declaration matches what the strategy does)."""
-        bare = {w: [r for r in range(w) if not strategy.holders(r, w)]
+        bare = {w: [r for r in range(w) if not strategy.holders(r, w)
+                    and len(strategy.parity_set(r, w) or ()) < 2]
                 for w in world_sizes if w > 1}
         if self.covers_every_rank:
             assert not any(bare.values()), \
@@ -137,3 +151,86 @@ class ReplicationStrategyTests:
                 value = str(getattr(strategy, opt.name))
                 assert value in text, \
                     f"str(strategy) = {text!r} does not show option {opt.name} = {value}"
+
+    # -- parity strategies ---------------------------------------------------------------------
+    def _sets(self, strategy, world: int) -> dict[int, list[int]] | None:
+        sets = {r: strategy.parity_set(r, world) for r in range(world)}
+        if all(v is None for v in sets.values()):
+            return None
+        missing = [r for r, v in sets.items() if v is None]
+        assert not missing, f"{strategy}: parity_set is None for ranks {missing} only, at " \
+                            f"world size {world}: every rank has a set or none has"
+        return sets
+
+    def test_parity_sets_split_the_ranks_and_every_member_agrees(self, strategy, world_sizes):
+        """parity_set(rank, world): the rank's set, itself included, in rank order, at least two
+        distinct ranks in range, the same list from every member."""
+        for world in world_sizes:
+            sets = self._sets(strategy, world)
+            if sets is None:
+                continue
+            for rank, members in sets.items():
+                where = f"{strategy}: parity_set({rank}, {world}) = {members!r}"
+                assert rank in members, f"{where} does not contain the rank"
+                assert members == sorted(set(members)), f"{where}: not sorted, or duplicates"
+                assert len(members) >= 2 and all(0 <= m < world for m in members), where
+                for m in members:
+                    assert sets[m] == members, f"{where}, but rank {m} says {sets[m]}"
+
+    def test_parity_sets_span_nodes(self, strategy, world_sizes, ranks_per_node):
+        """With ``ranks_per_node``, no two members of a set are on one node (one lost node
+        costs a set one member)."""
+        if ranks_per_node is None:
+            pytest.skip("no ranks_per_node fixture: placement on nodes not checked")
+        for world in world_sizes:
+            sets = self._sets(strategy, world)
+            for members in (sets or {}).values():
+                nodes = [m // ranks_per_node for m in members]
+                assert len(set(nodes)) == len(nodes), \
+                    f"{strategy}: set {members} puts two members on one node of " \
+                    f"{ranks_per_node} ranks (world size {world})"
+
+    def test_any_one_lost_member_decodes_bitwise(self, strategy, world_sizes):
+        """Each set's parity, laid out by the core (tierstore.engine.parity) over files of
+        uneven sizes, rebuilds any one lost member bit for bit from the others."""
+        import torch
+
+        from tierstore.engine.parity import ParitySet
+        from tierstore.format.manifest import FileEntry
+
+        world = world_sizes[0]
+        sets = self._sets(strategy, world)
+        if sets is None:
+            pytest.skip(f"{strategy} keeps replicas, not parity")
+        gen = torch.Generator().manual_seed(7)
+        for members in {tuple(v) for v in sets.values()}:
+            data = {m: [torch.randint(0, 256, (int(n),), dtype=torch.uint8, generator=gen)
+                        for n in torch.randint(0, 5000, (1 + i % 3,), generator=gen)]
+                    for i, m in enumerate(members)}
+            headers = {m: {"files": {f"f{j}": FileEntry(t.numel(), "-")
+                                     for j, t in enumerate(files)}}
+                       for m, files in data.items()}
+            found = ParitySet.of(list(members), headers)
+            file_of = {m: {f"f{j}": t for j, t in enumerate(files)} for m, files in data.items()}
+            parity = {h: torch.zeros(found.chunk, dtype=torch.uint8) for h in members}
+            for member in members:
+                for holder in members:
+                    if holder != member:
+                        for rel, offset, size, at in found.pieces(member, holder):
+                            parity[holder][at:at + size] ^= file_of[member][rel][offset:offset + size]
+            for lost in members:
+                for holder in members:
+                    if holder == lost:
+                        continue
+                    chunk = parity[holder].clone()
+                    for other in members:
+                        if other in (holder, lost):
+                            continue
+                        for rel, offset, size, at in found.pieces(other, holder):
+                            chunk[at:at + size] ^= file_of[other][rel][offset:offset + size]
+                    for rel, offset, size, at in found.pieces(lost, holder):
+                        assert torch.equal(chunk[at:at + size],
+                                           file_of[lost][rel][offset:offset + size]), \
+                            f"{strategy}: set {members}, member {lost} lost: bytes " \
+                            f"{offset}-{offset + size} of its {rel} decode wrong"
+

@@ -127,10 +127,8 @@ def test_a_job_killed_while_encoding_leaves_the_previous_parity_whole(tmp_path):
 # -- one process ------------------------------------------------------------------------------
 
 class TestErasureStrategy(ReplicationStrategyTests):
-    """The kit's checks, plus a parity set's: every rank in exactly one set, its members on
-    different nodes (``jump`` apart)."""
-
-    covers_every_rank = False  # no whole replicas: parity
+    """The kit's checks, a parity strategy's included: every rank in exactly one set, its
+    members on different nodes (``jump`` apart), any one lost member decoded bitwise."""
 
     @pytest.fixture
     def strategy(self):
@@ -143,6 +141,10 @@ class TestErasureStrategy(ReplicationStrategyTests):
     @pytest.fixture
     def bad_world_sizes(self):
         return [1, 2, 4, 6, 12]
+
+    @pytest.fixture
+    def ranks_per_node(self):
+        return 2
 
 
 def test_a_config_with_parity_above_one_or_a_world_size_that_fits_no_set_is_refused(tmp_path):
