@@ -24,6 +24,7 @@ from tierstore_conformance import ReplicationStrategyTests
 from tierstore_plugins.replication import ErasureStrategy
 
 import tierstore
+from tierstore.cli import main as tierstore_cli
 from tierstore.engine.parity import ParitySet, read_members
 
 sys.path.insert(0, str(SCRIPTS))
@@ -49,7 +50,8 @@ def checkpoint_bytes(path) -> int:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("nodes,per_node,data,lost", [(4, 1, 3, 2), (4, 2, 3, 3), (3, 1, 2, 0)],
                          ids=["3+1-4x1-node2", "3+1-4x2-node3", "2+1-3x1-node0"])
-def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, nodes, per_node, data, lost):
+def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, capsys, nodes, per_node, data,
+                                                      lost):
     out = run(tmp_path, data, nodes, per_node, "noobj", "save")
     world = nodes * per_node
     for rank in range(world):
@@ -69,6 +71,21 @@ def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, nodes, per_node, 
     assert check_parity(str(tmp_path)) == []
 
     lose_node(tmp_path, lost)
+    # `tierstore plan` says beforehand that the lost ranks' files come back from parity, on
+    # their node of the new job, and nothing from a slower tier.
+    config = tmp_path / "tiers.toml"
+    config.write_text(
+        f'[[tier]]\nname = "ram"\nbackend = "memory"\npath = "{tmp_path}/ram/{{node}}"\n'
+        f'[[tier]]\nname = "peer"\nbackend = "peer"\npath = "{tmp_path}/peer/{{node}}"\n'
+        f'replication = {{ strategy = "erasure", data = {data}, jump = {per_node} }}\n')
+    capsys.readouterr()
+    assert tierstore_cli(["plan", str(config), "step-3", "--world-size", str(world),
+                          "--ranks-per-node", str(per_node), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["missing"] == [] and planned["from_slow_tiers_bytes"] == 0, planned
+    rebuilt = {f["name"] for f in planned["files"] if f["tier"] == "peer:rebuilt-from-parity"}
+    assert rebuilt >= {f"__{r}_0.distcp" for r in range(lost * per_node, (lost + 1) * per_node)}
+    assert all(f["node"] == lost for f in planned["files"] if f["name"] in rebuilt), planned
     out = run(tmp_path, data, nodes, per_node, "noobj", "load", "step-3")  # bitwise, or fails
     for rank in range(world):
         assert f"RANK {rank} LATEST step-3" in out, out[-5000:]

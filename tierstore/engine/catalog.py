@@ -57,7 +57,8 @@ class Catalog:
             # other members' files and parity, at their ranks in this job).
             parity = {holder: members for holder, (_, par) in enumerate(gathered)
                       for members in [par.get(key)] if members is not None}
-            rebuilt = {lost for lost, members in recoverable(ranks, parity).items()
+            self_held = {r for r, v in enumerate(views) if key in v and r in v[key].ranks}
+            rebuilt = {lost for lost, members in recoverable(ranks, parity, self_held).items()
                        if max(members) < world}
             ranks |= rebuilt
             # Every rank of the save, however many ranks this job has: DCP reshards the rest.

@@ -268,14 +268,19 @@ def parity_of(tier: Tier | None, cid: str) -> tuple[str, tuple[int, ...]] | None
     return (manifest.save_token, members) if members else None
 
 
-def recoverable(covered: set[int], parity: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+def recoverable(covered: set[int], parity: dict[int, tuple[int, ...]],
+                self_held: set[int] | None = None) -> dict[int, tuple[int, ...]]:
     """Ranks whose files are covered by nobody but can be rebuilt: lost member -> its set,
     for each set (``parity``: holder rank -> the set it holds parity of, for one save) where
-    exactly one member is not in ``covered`` and every other member is and holds its parity."""
+    exactly one member is not in ``covered`` and every other member holds its parity and its
+    own files (``self_held``: the ranks that hold their own files themselves, where the
+    rebuild reads them; default ``covered``)."""
+    own = covered if self_held is None else self_held
     out = {}
     for members in set(parity.values()):
         lost = [r for r in members if r not in covered]
-        if len(lost) == 1 and all(parity.get(r) == members for r in members if r != lost[0]):
+        if len(lost) == 1 and all(parity.get(r) == members and r in own
+                                  for r in members if r != lost[0]):
             out[lost[0]] = members
     return out
 
@@ -299,7 +304,10 @@ def rebuild_lost(group: Any, rank: int, world: int, cid: str, mine: dict[str, An
         covered = {r for v in views for r in v["covered"].get(token, ())}
         parity = {holder: tuple(v["parity"][1]) for holder, v in enumerate(views)
                   if v["parity"] is not None and v["parity"][0] == token}
-        for lost, members in sorted(recoverable(covered, parity).items()):
+        # A survivor sends from its own copy: one on its node (a job at another shape may
+        # hold it on another node only; then the set does not rebuild, the load reads on).
+        self_held = {r for r, v in enumerate(views) if r in v["covered"].get(token, ())}
+        for lost, members in sorted(recoverable(covered, parity, self_held).items()):
             if lost < world and all(r < world for r in members):
                 plan.append((lost, members, token))
     if not plan:

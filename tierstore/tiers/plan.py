@@ -22,7 +22,7 @@ from tierstore.config.validate import StoreConfig
 from tierstore.errors import CheckpointNotFound
 from tierstore.format.manifest import Manifest
 from tierstore.plugin.host import PluginHost
-from tierstore.tiers.build import replica_tier, standalone_tier
+from tierstore.tiers.build import parity_tier, replica_tier, standalone_tier
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import RankContext
 
@@ -144,11 +144,55 @@ def restore_plan(config: StoreConfig, host: PluginHost, checkpoint_id: str,
         files.append(PlannedFile(name, entry.size, entry.rank,
                                  held.tier.name if held else None, held.node if held else None,
                                  fast))
+    files = _rebuilt_from_parity(config, host, checkpoint_id, token, files, usable,
+                                 world_size, ranks_per_node, saved)
     # Ranks of the save whose files no copy lists (their node lost, with every replica).
-    listed = {r for c in copies for r in c.manifest.ranks}
+    listed = {r for c in copies for r in c.manifest.ranks} | {
+        f.rank for f in files if f.tier is not None and f.rank is not None}
     files += [PlannedFile(f"(the files of rank {r})", 0, r, None, None)
               for r in range(saved) if r not in listed]
     return RestorePlan(checkpoint_id, world_size, ranks_per_node, saved, files)
+
+
+def _rebuilt_from_parity(config: StoreConfig, host: PluginHost, cid: str, token: str,
+                         files: list[PlannedFile], usable: list[_Copy], world_size: int,
+                         ranks_per_node: int, saved: int) -> list[PlannedFile]:
+    """``files`` with those of the ranks a load would rebuild from their parity sets
+    (tierstore.engine.parity) planned from ``<peer tier>:rebuilt-from-parity`` on the lost
+    rank's node: no copy holds them, and every other member of the set holds its own files and
+    its parity of this save on its node in the new job."""
+    from tierstore.engine.parity import MEMBERS_FILE, parity_of, read_members, recoverable
+
+    node_of = {r: r // ranks_per_node for r in range(world_size)}
+    covered = {r for c in usable for r in c.manifest.ranks
+                if all(n in c.present for n, e in c.manifest.files.items() if e.rank == r)}
+    self_held = {r for c in usable if c.node is not None for r in c.manifest.ranks
+                 if node_of.get(r) == c.node
+                 and all(n in c.present for n, e in c.manifest.files.items() if e.rank == r)}
+    parity, described, peer_name = {}, {}, None
+    for tc in config.tiers:
+        if not hasattr(host.lookup("backend", tc.backend).factory, "parity_backend"):
+            continue
+        peer_name = tc.name
+        for holder in range(min(world_size, saved)):
+            ctx = _contexts(world_size, ranks_per_node)[holder]
+            tier = standalone_tier(tc, config, host, ctx)
+            held = parity_of(parity_tier(tier, holder), cid)
+            if held is not None and held[0] == token:
+                parity[holder] = held[1]
+                described.setdefault(held[1], (parity_tier(tier, holder)))
+    lost = {r: m for r, m in recoverable(covered, parity, self_held).items()
+            if max(m) < world_size}
+    if not lost:
+        return files
+    rebuilt = []
+    for rank, members in sorted(lost.items()):
+        found = read_members(described[members].backend.read_bytes(f"{cid}/{MEMBERS_FILE}"))
+        rebuilt += [PlannedFile(name, entry.size, entry.rank,
+                                f"{peer_name}:rebuilt-from-parity", node_of[rank], True)
+                    for name, entry in found.files(rank)]
+    names = {f.name for f in rebuilt}
+    return [f for f in files if f.name not in names and f.rank not in lost] + rebuilt
 
 
 def _nodes(world_size: int, ranks_per_node: int) -> int:
