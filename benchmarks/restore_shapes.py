@@ -71,8 +71,8 @@ BUCKET = "restore-shapes"
 
 # -- the job (under torchrun) ------------------------------------------------------------------
 
-def tiers(base: str, source: str, s3_options: dict) -> list[dict]:
-    """The tiers of ``source`` ("all" for the save)."""
+def tiers(base: str, source: str, s3_options: dict | None) -> list[dict]:
+    """The tiers of ``source`` ("all" for the save; no S3 tier without ``s3_options``)."""
     out = []
     if source in ("all", "fast"):
         out += [{"name": "ram", "backend": "memory", "path": base + "/ram/{node}"},
@@ -80,7 +80,7 @@ def tiers(base: str, source: str, s3_options: dict) -> list[dict]:
                  "replication": {"strategy": "clique", "factor": 2, "jump": 2}}]
     if source in ("all", "files"):
         out.append({"name": "files", "backend": "fsspec", "url": f"file://{base}/files"})
-    if source in ("all", "s3"):
+    if source in ("all", "s3") and s3_options is not None:
         out.append({"name": "s3", "backend": "fsspec", "url": f"s3://{BUCKET}/ckpt",
                     "options": s3_options})
     return out
@@ -303,12 +303,15 @@ def main(argv: list[str] | None = None) -> int:
 
     base = tempfile.mkdtemp(prefix="restore-shapes-", dir=args.dir)
     pristine = tempfile.mkdtemp(prefix="restore-shapes-pristine-", dir=args.dir)
-    server = SeaweedS3().start()
+    # The S3 server only when S3 is a source (a machine without seaweedfs measures the rest).
+    server = SeaweedS3().start() if "s3" in args.sources.split(",") else None
     began = time.time()
     try:
-        server.make_bucket(BUCKET)
+        if server is not None:
+            server.make_bucket(BUCKET)
         spec = {"base": base, "size_mib": args.size_mib, "tensors": args.tensors,
-                "s3": server.storage_options(), "io_threads": args.io_threads}
+                "s3": server.storage_options() if server is not None else None,
+                "io_threads": args.io_threads}
         run_job({**spec, "phase": "save", "source": "all"}, 2, 2, args.timeout)
         for name in ("ram", "peer"):
             shutil.copytree(os.path.join(base, name), os.path.join(pristine, name),
@@ -361,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"({result['cpu_seconds']:.3f} s of CPU, all ranks)",
                       file=sys.stderr, flush=True)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(pristine, ignore_errors=True)
     median = {k: statistics.median(v) for k, v in seconds.items()}
