@@ -65,6 +65,11 @@ def test_coordinator_killed_in_finish_leaves_the_previous_checkpoint_loadable(tm
     assert (ram0 / "step-1/tierstore.json").exists()
     assert not (ram0 / "step-2/tierstore.json").exists()
     orphan_token = manifest(ram1 / "step-2")["save_token"]
+    # Node 1 drained its pending part to its disk tier before the coordinator died: the copy
+    # there is pending too (a part of a checkpoint that may never exist, not a committed one).
+    disk1 = tmp_path / "disk/1"
+    assert (disk1 / "step-2/tierstore.json").exists()
+    assert (disk1 / "step-2/.tierstore-part-pending").read_text() == orphan_token
 
     # A fresh job loads step-1 bitwise from RAM, collects the orphan part and saves step-2
     # again (on every rank: no rank refuses the id while the others go on).
@@ -74,6 +79,8 @@ def test_coordinator_killed_in_finish_leaves_the_previous_checkpoint_loadable(tm
     assert "RANK 2 COLLECTED ORPHAN step-2" in out
     part0, part1 = manifest(ram0 / "step-2"), manifest(ram1 / "step-2")
     assert part1["save_token"] == part0["save_token"] != orphan_token
+    # The orphan on node 1's disk tier was collected, and the new save drained there.
+    assert manifest(disk1 / "step-2")["save_token"] == part0["save_token"]
 
 
 @pytest.mark.timeout(600)

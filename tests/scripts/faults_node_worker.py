@@ -319,6 +319,8 @@ def check_parity(root: str) -> list[str]:
 
     problems = []
     held: dict[tuple[str, str], dict[int, tuple]] = {}
+    if not os.path.isdir(os.path.join(root, "peer")):
+        return problems  # nothing reached the peer tier
     nodes = sorted(os.listdir(os.path.join(root, "peer")))
     for node in nodes:
         top = os.path.join(root, "peer", node, ".parity")

@@ -27,6 +27,7 @@ from tierstore.engine.context import StoreContext
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
 from tierstore.engine.manifests import build_manifest
+from tierstore.engine.parts import PENDING_PART, is_pending
 from tierstore.engine.retention import Retention
 from tierstore.errors import DrainError, IntegrityError
 from tierstore.events import Event, EventKind, Phase
@@ -339,6 +340,11 @@ class Drainer(BackgroundJobs[DrainJob]):
                     copy = self._target_manifest(job, source, target, manifest, gathering)
                 if gathering:
                     self._wait_for_parts(job, target, staging, source, manifest)
+                elif is_pending(source, cid):
+                    # A node's part whose checkpoint's commit is not known yet: pending on the
+                    # node's slower tier too, never visible unmarked (a coordinator that failed
+                    # leaves an orphan the next save removes, not a copy in its way).
+                    target.write_bytes(f"{staging}/{PENDING_PART}", manifest.save_token.encode())
                 host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
                 target.commit_save(cid, staging, copy,
                                    lambda phase: host.phase(phase, cid, target.name, rank))

@@ -9,7 +9,8 @@ neither counts it nor evicts anything for it (:meth:`Publisher.unconfirmed`), so
 coordinator failing in ``finish`` never costs a node its last loadable part. The next save
 settles pending parts on every rank (``TierstoreWriter.reset``): a part whose coordinator's part
 holds the same save token is confirmed (the marker goes); any other is an orphan, which gc
-removes.
+removes. A pending part drained to a slower node-local tier is pending there too (the drain
+copies the marker in before its commit), and is settled the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Collection
 from tierstore.engine.context import StoreContext
 from tierstore.engine.drain import DrainJob, Drainer
 from tierstore.engine.manifests import build_manifest
+from tierstore.engine.parts import PENDING_PART, is_pending
 from tierstore.engine.retention import Retention
 from tierstore.errors import CommitError
 from tierstore.events import Event, EventKind, Phase
@@ -31,8 +33,6 @@ __all__ = ["Publisher", "PENDING_PART"]
 
 log = logging.getLogger("tierstore.publish")
 
-#: in the directory of a node-local part published before its checkpoint's commit was known
-PENDING_PART = ".tierstore-part-pending"
 
 
 class Publisher:
@@ -62,7 +62,7 @@ class Publisher:
     @staticmethod
     def is_pending(tier: Tier, checkpoint_id: str) -> bool:
         """Whether ``checkpoint_id`` on ``tier`` is a pending part."""
-        return tier.stored_size(f"{checkpoint_id}/{PENDING_PART}") is not None
+        return is_pending(tier, checkpoint_id)
 
     @staticmethod
     def confirm(tier: Tier, checkpoint_id: str) -> None:
