@@ -102,13 +102,20 @@ def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, capsys, nodes, pe
 @pytest.mark.timeout(900)
 def test_two_lost_nodes_of_a_set_are_named_or_read_from_a_shared_tier(tmp_path):
     run(tmp_path, 3, 4, 1, "obj", "save")
-    # (The reference decoder notices one flipped bit of one member's parity.)
+    # One flipped bit of one member's parity: the reference decoder notices it, and so does
+    # store.verify_parity (on that member only), which repairs it from the members' files.
     parity = tmp_path / "peer/3/.parity/held-by-3/step-3/parity"
     kept = parity.read_bytes()
     parity.write_bytes(kept[:100] + bytes([kept[100] ^ 1]) + kept[101:])
     assert any("decodes rank 0's __0_0.distcp to wrong bytes" in p
                for p in check_parity(str(tmp_path)))
-    parity.write_bytes(kept)
+    out = run(tmp_path, 3, 4, 1, "obj", "verify-parity", "step-3")
+    assert "RANK 3 PARITY mismatch (0, 1, 2, 3) its parity chunk" in out, out[-5000:]
+    assert all(f"RANK {r} PARITY ok (0, 1, 2, 3)" in out for r in range(3)), out[-5000:]
+    assert parity.read_bytes() != kept  # only found
+    out = run(tmp_path, 3, 4, 1, "obj", "repair-parity", "step-3")
+    assert "RANK 3 PARITY repaired" in out, out[-5000:]
+    assert parity.read_bytes() == kept and check_parity(str(tmp_path)) == []
     lose_node(tmp_path, 1)
     lose_node(tmp_path, 2)
     out = run(tmp_path, 3, 4, 1, "noobj", "load-missing", "step-3")

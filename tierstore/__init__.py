@@ -17,6 +17,7 @@ from tierstore.errors import (CheckpointNotFound, CommitError, ConfigError, Drai
 from tierstore.events import Event, EventKind, Phase
 from tierstore.plugin.host import hookimpl
 from tierstore.store import Store, open
+from tierstore.engine.parity import ParityCheck
 from tierstore.tiers.reports import CheckpointInfo, VerifyReport
 from tierstore.version import __version__
 
@@ -27,6 +28,7 @@ __all__ = [
     "hookimpl",
     "CheckpointInfo",
     "VerifyReport",
+    "ParityCheck",
     "Event",
     "EventKind",
     "Phase",

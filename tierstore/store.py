@@ -29,6 +29,7 @@ from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.health import TierHealth
 from tierstore.engine.interval import IntervalChooser
+from tierstore.engine.parity import ParityCheck, verify_parity
 from tierstore.engine.publish import Publisher
 from tierstore.engine.recovery import queue_missing_copies
 from tierstore.engine.replication import Replicator
@@ -199,6 +200,26 @@ class Store:
         file's size and checksum against the manifest."""
         self._check_open()
         return self._catalog.verify(checkpoint_id, tier)
+
+    def verify_parity(self, checkpoint_id: str, *, repair: bool = False) -> ParityCheck | None:
+        """Collective (a ``peer`` tier with the ``erasure`` strategy): encode the parity of
+        ``checkpoint_id`` again from every member's files (each checked against its digest
+        first) and compare it with the parity each member holds; with ``repair``, a chunk that
+        differs is rewritten. Returns what this rank found (``ok``, ``mismatch``,
+        ``repaired``, ``unchecked``, ``missing``), None when no rank holds parity of it. Call
+        it after ``store.wait()``, as every rank calls ``latest()``."""
+        self._check_open()
+        if repair:
+            self._check_writable("repair parity")
+        cid = validate_checkpoint_id(checkpoint_id)
+        self._ledger.slot.wait_idle()
+        ctx = self._ctx
+        tier = ctx.tiers.parity_tier
+        own = [(t, m) for t in ctx.tiers.read_order() for m in [t.read_manifest(cid)]
+               if m is not None]
+        return verify_parity(ctx.groups.main, ctx.rank, cid, own, tier, str(ctx.tiers.strategy),
+                             lambda phase: ctx.host.phase(phase, cid, tier.name, ctx.rank),
+                             ctx.copy_chunk_bytes, repair)
 
     def pending(self) -> list[PendingCopy]:
         """Copies to slower tiers not finished yet (checkpoint and tier), oldest first. A

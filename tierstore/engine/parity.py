@@ -42,7 +42,8 @@ from tierstore.transport.collectives import all_gather_object
 from tierstore.transport.ends import TransferEnd
 from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
 
-__all__ = ["PARITY_FILE", "MEMBERS_FILE", "ParitySet", "protect", "parity_held", "parity_of",
+__all__ = ["PARITY_FILE", "MEMBERS_FILE", "ParitySet", "ParityCheck", "protect", "verify_parity",
+           "parity_held", "parity_of",
            "recoverable", "rebuild_lost", "read_members"]
 
 log = logging.getLogger("tierstore.replication")
@@ -194,21 +195,31 @@ def protect(group: Any, rank: int, members: list[int], header: dict, cid: str, s
     headers[rank] = header
     found = ParitySet.of(members, headers)
     transfers = [t for t in found.encode_transfers() if rank in (t.src, t.dst)]
+
+    def open_source(t: Transfer) -> TransferEnd:
+        return open_to_send(source.backend, f"{cid}/{t.key}", header["files"][t.key].size)
+
+    received = []
+    _write_parity(parity_tier, cid, found, rank, strategy, announce, lambda parity: received.append(
+        _xor_from_peers(group, rank, found, transfers, parity, open_source, piece_bytes)))
+    return sum(t.size for t in transfers if t.src == rank), received[0]
+
+
+def _write_parity(parity_tier: Tier, cid: str, found: ParitySet, rank: int, strategy: str,
+                  announce: Callable[[str], None], fill: Callable[[torch.Tensor], None]) -> None:
+    """Commit ``rank``'s parity chunk of ``found`` for ``cid`` on ``parity_tier`` (replacing
+    one there): ``fill`` XORs it into a zeroed chunk in the file's own pages where the tier
+    recycles them, else into a buffer written after; ``members.json`` beside it."""
+    header = found.headers[rank]
     token = header["token"]
     staging = parity_tier.begin_save(cid, token)
     try:
         end = parity_tier.backend.receiving_end(f"{staging}/{PARITY_FILE}", found.chunk)
         try:
-            parity = (end.piece(0, found.chunk) if end.in_place
+            parity = (end.piece(0, found.chunk) if end.in_place and found.chunk
                       else torch.empty(found.chunk, dtype=torch.uint8))
             parity.zero_()  # (recycled pages hold an older chunk)
-
-            def open_source(t: Transfer) -> TransferEnd:
-                return open_to_send(source.backend, f"{cid}/{t.key}",
-                                    header["files"][t.key].size)
-
-            received = _xor_from_peers(group, rank, found, transfers, parity, open_source,
-                                       piece_bytes)
+            fill(parity)
             if not end.in_place and found.chunk:
                 end.write_at(0, parity)
             digest = parity_tier.keyring.new_hasher()
@@ -222,7 +233,7 @@ def protect(group: Any, rank: int, members: list[int], header: dict, cid: str, s
                                          rank)}
         manifest = build_manifest(
             parity_tier, cid, files,
-            plugins={"replication": strategy, "parity_set": ",".join(map(str, members))},
+            plugins={"replication": strategy, "parity_set": ",".join(map(str, found.ranks))},
             world_size=header["world_size"], codecs=[], step=header["step"], part=0, parts=1,
             ranks=[rank], save_token=token, created=header["created"],
             committed=header["committed"])
@@ -230,8 +241,90 @@ def protect(group: Any, rank: int, members: list[int], header: dict, cid: str, s
     except BaseException:
         parity_tier.abort_save(cid, staging)
         raise
-    sent = sum(t.size for t in transfers if t.src == rank)
-    return sent, received
+
+
+# -- checking parity against its members ------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParityCheck:
+    """What checking one rank's parity of one save against its set's files found (plain
+    data): ``state`` is ``ok``, ``mismatch`` (found, not repaired), ``repaired`` (rewritten
+    from the members' files), ``unchecked`` (a member's files or parity are not there, or do
+    not match their digests: nothing to check against) or ``missing`` (this rank holds none of
+    a save other ranks hold parity of)."""
+
+    checkpoint_id: str
+    rank: int
+    members: tuple[int, ...]
+    state: str
+    detail: str = ""
+
+
+def verify_parity(group: Any, rank: int, cid: str, own: list[tuple[Tier, Manifest]],
+                  parity_tier: Tier | None, strategy: str, announce: Callable[[str], None],
+                  piece_bytes: int, repair: bool = False) -> ParityCheck | None:
+    """Collective on ``group``: encode each set's parity of ``cid`` again from its members'
+    files (each checked against its digest first, from ``own``: this rank's copies) and
+    compare it with the parity the members hold; with ``repair``, a chunk that differs is
+    rewritten. None when no rank holds parity of ``cid``."""
+    held = parity_of(parity_tier, cid)
+    views = all_gather_object(held, group)
+    if held is None:
+        if all(v is None for v in views):
+            return None
+        return ParityCheck(cid, rank, (), "missing", "this rank holds no parity of it")
+    token, members = held
+    absent = [m for m in members if m >= len(views) or views[m] != held]
+    if absent:
+        return ParityCheck(cid, rank, members, "unchecked",
+                           f"rank(s) {absent} of its set hold no parity of this save")
+    raw = parity_tier.backend.read_bytes(f"{cid}/{MEMBERS_FILE}")
+    found = read_members(raw)
+    files = found.headers[rank]["files"]
+    copies = {rel: _own_copy(own, cid, rel, entry) for rel, entry in files.items()}
+    bad = sorted(rel for rel, copy in copies.items() if copy is None)
+    others = [m for m in members if m != rank]
+    ready = exchange_objects(group, {m: not bad for m in others}, others)
+    if bad or not all(ready.values()):
+        who = [rank] if bad else [m for m, ok in ready.items() if not ok]
+        return ParityCheck(cid, rank, members, "unchecked",
+                           f"the files of rank(s) {who} are not all here with the digests of "
+                           f"their save" + (f" ({', '.join(bad)})" if bad else ""))
+
+    def open_own(t: Transfer) -> TransferEnd:
+        return open_to_send(copies[t.key].backend, f"{cid}/{t.key}", files[t.key].size)
+
+    fresh = torch.zeros(found.chunk, dtype=torch.uint8)
+    transfers = [t for t in found.encode_transfers() if rank in (t.src, t.dst)]
+    _xor_from_peers(group, rank, found, transfers, fresh, open_own, piece_bytes)
+    stored = parity_tier.backend.read_bytes(f"{cid}/{PARITY_FILE}")
+    if len(stored) == found.chunk and torch.equal(
+            torch.frombuffer(bytearray(stored), dtype=torch.uint8) if stored else fresh, fresh):
+        return ParityCheck(cid, rank, members, "ok")
+    what = (f"its parity chunk ({len(stored)} bytes) differs from the XOR of its set's files "
+            f"({found.chunk} bytes)")
+    if not repair:
+        return ParityCheck(cid, rank, members, "mismatch", what)
+    _write_parity(parity_tier, cid, found, rank, strategy, announce, lambda p: p.copy_(fresh))
+    return ParityCheck(cid, rank, members, "repaired", what)
+
+
+def _own_copy(own: list[tuple[Tier, Manifest]], cid: str, rel: str,
+              entry: FileEntry) -> Tier | None:
+    """The first tier of ``own`` whose copy of ``rel`` has the size and digest ``entry``
+    records (read whole and hashed), or None."""
+    for tier, manifest in own:
+        listed = manifest.files.get(rel)
+        if listed is None or listed.checksum != entry.checksum:
+            continue
+        try:
+            with tier.backend.open_read(f"{cid}/{rel}") as f:
+                got = hash_stream(f, hasher=tier.keyring.hasher_for(entry.checksum))
+        except OSError:
+            continue
+        if got == (entry.size, entry.checksum):
+            return tier
+    return None
 
 
 # -- what is held, and what can be rebuilt ---------------------------------------------------
