@@ -195,7 +195,7 @@ class ReplicationStrategyTests:
         uneven sizes, rebuilds any one lost member bit for bit from the others."""
         import torch
 
-        from tierstore.engine.parity import ParitySet
+        from tierstore.tiers.parity_sets import ParitySet
         from tierstore.format.manifest import FileEntry
 
         world = world_sizes[0]

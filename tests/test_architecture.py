@@ -24,7 +24,9 @@ CONTRACT_API = {"writer", "reader", "latest", "list", "verify", "pin", "unpin", 
                 # goodput: the training code's steps, beside the store's own events
                 "record_step",
                 # every = "auto": whether a save at this step would go to some tier
-                "should_save"}
+                "should_save",
+                # erasure strategy: checking parity needs every member of a set (a collective)
+                "verify_parity"}
 
 
 def _lint_imports() -> subprocess.CompletedProcess:

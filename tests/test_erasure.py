@@ -25,7 +25,7 @@ from tierstore_plugins.replication import ErasureStrategy
 
 import tierstore
 from tierstore.cli import main as tierstore_cli
-from tierstore.engine.parity import ParitySet, read_members
+from tierstore.tiers.parity_sets import ParitySet, read_members
 
 sys.path.insert(0, str(SCRIPTS))
 from faults_node_worker import check_parity  # noqa: E402  (the fault matrix's decoder)

@@ -313,7 +313,7 @@ def check_parity(root: str) -> list[str]:
     """Decode every save's parity in this one process, independently of the store's transfer
     path (tierstore.format.parity's reference XOR over packed streams), for each member lost in
     turn, and compare with the digests the set's headers record."""
-    from tierstore.engine.parity import MEMBERS_FILE, PARITY_FILE, read_members, recoverable
+    from tierstore.tiers.parity_sets import MEMBERS_FILE, PARITY_FILE, read_members, recoverable
     from tierstore.format.checksum import checksum_of
     from tierstore.format.parity import chunk_index, pack
 

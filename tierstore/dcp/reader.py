@@ -28,7 +28,7 @@ from tierstore.dcp.peer_fetch import (FetchedFile, PeerFetchPlan, Servable, fetc
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
-from tierstore.engine.parity import parity_of, rebuild_lost
+from tierstore.engine.parity import rebuild_lost
 from tierstore.engine.retention import Retention
 from tierstore.engine.watchdog import Watchdog
 from tierstore.engine.saves import SaveSlot
@@ -41,6 +41,7 @@ from tierstore.format.item_io import (BufferReader, FileReadError, LoadUndo, Map
                                       read_runs, runs_bytes)
 from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
+from tierstore.tiers.parity_sets import parity_of
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object, broadcast_object
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
-from tierstore.engine.parity import parity_held, recoverable
 from tierstore.engine.retention import Retention
 from tierstore.errors import CheckpointNotFound
 from tierstore.events import Phase
 from tierstore.format.ids import validate_checkpoint_id
 from tierstore.format.manifest import MANIFEST_NAME, Manifest
+from tierstore.tiers.parity_sets import parity_held, recoverable
 from tierstore.tiers.reports import CheckpointInfo, StoreStatus, TierStatus, VerifyReport
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object

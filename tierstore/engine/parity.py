@@ -22,8 +22,6 @@ against the digest its header records, and commits it. The load then reads it as
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -36,106 +34,16 @@ from tierstore.engine.manifests import build_manifest
 from tierstore.errors import IntegrityError
 from tierstore.format.checksum import hash_stream
 from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.format.parity import chunk_index, common_length
+from tierstore.tiers.parity_sets import (MEMBERS_FILE, PARITY_FILE, ParitySet, header_of,
+                                         parity_of, plain_header, read_members, recoverable)
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_object
 from tierstore.transport.ends import TransferEnd
 from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
 
-__all__ = ["PARITY_FILE", "MEMBERS_FILE", "ParitySet", "ParityCheck", "protect", "verify_parity",
-           "parity_held", "parity_of",
-           "recoverable", "rebuild_lost", "read_members"]
+__all__ = ["ParityCheck", "protect", "verify_parity", "rebuild_lost"]
 
 log = logging.getLogger("tierstore.replication")
-
-#: the parity chunk a member keeps, and the set's headers, in its parity tier's checkpoint
-PARITY_FILE = "parity"
-MEMBERS_FILE = "members.json"
-_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class ParitySet:
-    """One parity set of one save, as plain data: its members (ranks, in rank order), each
-    member's replication header (its files and the save's fields) and the chunk length."""
-
-    ranks: tuple[int, ...]
-    headers: dict[int, dict]
-    chunk: int
-
-    @classmethod
-    def of(cls, ranks: list[int], headers: dict[int, dict]) -> "ParitySet":
-        """The set of ``ranks`` with their ``headers``, its chunk length computed."""
-        lengths = [sum(e.size for e in headers[r]["files"].values()) for r in ranks]
-        return cls(tuple(ranks), headers, common_length(lengths, len(ranks)) // (len(ranks) - 1))
-
-    def position(self, rank: int) -> int:
-        """Where ``rank`` is in the set."""
-        return self.ranks.index(rank)
-
-    def files(self, rank: int) -> list[tuple[str, FileEntry]]:
-        """Member ``rank``'s files in stream order."""
-        return sorted(self.headers[rank]["files"].items())
-
-    def pieces(self, member: int, holder: int) -> list[tuple[str, int, int, int]]:
-        """The pieces of ``member``'s stream in ``holder``'s parity chunk: ``(file, offset in
-        the file, bytes, offset in the chunk)``."""
-        n = len(self.ranks)
-        c = chunk_index(self.position(holder), self.position(member), n)
-        lo, hi = c * self.chunk, (c + 1) * self.chunk
-        out, at = [], 0
-        for rel, entry in self.files(member):
-            start, end = max(lo, at), min(hi, at + entry.size)
-            if start < end:
-                out.append((rel, start - at, end - start, start - lo))
-            at += entry.size
-        return out
-
-    def encode_transfers(self, skip: int | None = None) -> list[Transfer]:
-        """Every piece each member sends each other member for its parity (none from or to
-        ``skip``), in one order all ranks compute alike."""
-        out = []
-        for member in self.ranks:
-            for holder in self.ranks:
-                if member == holder or skip in (member, holder):
-                    continue
-                out += [Transfer(member, holder, rel, size, offset)
-                        for rel, offset, size, _ in self.pieces(member, holder)]
-        return out
-
-    def to_json(self) -> bytes:
-        """``members.json``: plain data (entries as their fields)."""
-        return json.dumps({"format": _FORMAT, "ranks": list(self.ranks), "chunk": self.chunk,
-                           "headers": {str(r): _plain_header(h) for r, h in self.headers.items()}},
-                          sort_keys=True).encode()
-
-
-def _plain_header(header: dict) -> dict:
-    return {**header, "files": {rel: dataclasses.asdict(e) for rel, e in header["files"].items()}}
-
-
-def _header_of(plain: dict) -> dict:
-    return {**plain, "files": {rel: FileEntry(**f) for rel, f in plain["files"].items()}}
-
-
-def read_members(raw: bytes) -> ParitySet:
-    """The set described by a ``members.json`` (checked against its manifest by the caller);
-    IntegrityError when it is not one."""
-    try:
-        doc = json.loads(raw)
-        if doc.get("format") != _FORMAT:
-            raise ValueError(f"format {doc.get('format')!r}, this version reads {_FORMAT}")
-        ranks = tuple(int(r) for r in doc["ranks"])
-        headers = {int(r): _header_of(h) for r, h in doc["headers"].items()}
-        if sorted(headers) != sorted(ranks) or len(ranks) < 2:
-            raise ValueError("its headers do not match its members")
-        found = ParitySet.of(list(ranks), headers)
-        if found.chunk != int(doc["chunk"]):
-            raise ValueError("its chunk length does not match its members' files")
-        return found
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise IntegrityError(f"{MEMBERS_FILE} is not a parity set's description "
-                             f"({type(exc).__name__}: {exc})") from None
 
 
 class _XorInto(TransferEnd):
@@ -190,8 +98,8 @@ def protect(group: Any, rank: int, members: list[int], header: dict, cid: str, s
     committed on ``source``, listed in ``header``) and commit it on ``parity_tier``. Every
     member of the set calls it. Returns (bytes sent, bytes received)."""
     others = [r for r in members if r != rank]
-    headers = exchange_objects(group, {r: _plain_header(header) for r in others}, others)
-    headers = {r: _header_of(h) for r, h in headers.items()}
+    headers = exchange_objects(group, {r: plain_header(header) for r in others}, others)
+    headers = {r: header_of(h) for r, h in headers.items()}
     headers[rank] = header
     found = ParitySet.of(members, headers)
     transfers = [t for t in found.encode_transfers() if rank in (t.src, t.dst)]
@@ -328,55 +236,6 @@ def _own_copy(own: list[tuple[Tier, Manifest]], cid: str, rel: str,
 
 
 # -- what is held, and what can be rebuilt ---------------------------------------------------
-
-def _set_of(manifest: Manifest) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(r) for r in manifest.plugins["parity_set"].split(","))
-    except (KeyError, ValueError, AttributeError):
-        return None
-
-
-def parity_held(tier: Tier | None) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The saves ``tier`` (a parity tier) holds complete parity of: id -> (save token, the
-    set's ranks, as its manifest records them)."""
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    if tier is None:
-        return out
-    for cid, manifest in tier.complete().items():
-        members = _set_of(manifest)
-        if members:
-            out[cid] = (manifest.save_token, members)
-    return out
-
-
-def parity_of(tier: Tier | None, cid: str) -> tuple[str, tuple[int, ...]] | None:
-    """(save token, the set's ranks) of the parity ``tier`` holds of ``cid`` (its manifest
-    checked, its files present), or None."""
-    if tier is None:
-        return None
-    manifest, _ = tier.checked_manifest(cid)
-    if manifest is None or len(tier.present_files(cid, manifest)) != len(manifest.files):
-        return None
-    members = _set_of(manifest)
-    return (manifest.save_token, members) if members else None
-
-
-def recoverable(covered: set[int], parity: dict[int, tuple[int, ...]],
-                self_held: set[int] | None = None) -> dict[int, tuple[int, ...]]:
-    """Ranks whose files are covered by nobody but can be rebuilt: lost member -> its set,
-    for each set (``parity``: holder rank -> the set it holds parity of, for one save) where
-    exactly one member is not in ``covered`` and every other member holds its parity and its
-    own files (``self_held``: the ranks that hold their own files themselves, where the
-    rebuild reads them; default ``covered``)."""
-    own = covered if self_held is None else self_held
-    out = {}
-    for members in set(parity.values()):
-        lost = [r for r in members if r not in covered]
-        if len(lost) == 1 and all(parity.get(r) == members and r in own
-                                  for r in members if r != lost[0]):
-            out[lost[0]] = members
-    return out
-
 
 def rebuild_lost(group: Any, rank: int, world: int, cid: str, mine: dict[str, Any],
                  own: list[tuple[Tier, Manifest]], parity_tier: Tier | None,

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from tierstore.engine.context import StoreContext
 from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
 from tierstore.engine.manifests import build_manifest
-from tierstore.engine.parity import PARITY_FILE, protect
+from tierstore.engine.parity import protect
 from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveLedger
 from tierstore.errors import DrainError, ReplicationError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import Hasher
 from tierstore.format.manifest import METADATA_NAME, FileEntry
+from tierstore.tiers.parity_sets import PARITY_FILE
 from tierstore.transport.collectives import all_gather_object
 from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
 

@@ -23,6 +23,7 @@ from tierstore.errors import CheckpointNotFound
 from tierstore.format.manifest import Manifest
 from tierstore.plugin.host import PluginHost
 from tierstore.tiers.build import parity_tier, replica_tier, standalone_tier
+from tierstore.tiers.parity_sets import MEMBERS_FILE, parity_of, read_members, recoverable
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import RankContext
 
@@ -161,8 +162,6 @@ def _rebuilt_from_parity(config: StoreConfig, host: PluginHost, cid: str, token:
     (tierstore.engine.parity) planned from ``<peer tier>:rebuilt-from-parity`` on the lost
     rank's node: no copy holds them, and every other member of the set holds its own files and
     its parity of this save on its node in the new job."""
-    from tierstore.engine.parity import MEMBERS_FILE, parity_of, read_members, recoverable
-
     node_of = {r: r // ranks_per_node for r in range(world_size)}
     covered = {r for c in usable for r in c.manifest.ranks
                 if all(n in c.present for n, e in c.manifest.files.items() if e.rank == r)}
