@@ -95,6 +95,9 @@ def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, capsys, nodes, pe
         assert manifest["ranks"] == [rank] and manifest["plugins"]["replication"] == \
             "rebuilt from parity"
         assert f"RANK {rank} READ __{rank}_0.distcp FROM peer:rank-{rank}" in out, out[-8000:]
+        assert re.search(rf"RANK {rank} REBUILT step-3 INTO peer:rank-{rank} FILES \[.*"
+                         rf"'__{rank}_0.distcp'", out), out[-8000:]
+    assert len(re.findall(r"REBUILT", out)) == per_node, out[-8000:]  # the lost ranks only
     if lost == 0:  # the coordinator's .metadata came back with its files
         assert (tmp_path / "peer/0/.replicas/0-held-by-0/step-3/.metadata").exists()
 

@@ -50,6 +50,9 @@ class EventKind:
                                  # (detail: operations); every thread's stack is logged
     REPAIRED = "repaired"        # scrub replaced a bad copy on a tier from a good one
                                  # (detail: files, source)
+    REBUILT = "rebuilt"          # a load rebuilt this rank's lost files from its parity set
+                                 # (erasure strategy; tier: the rebuilt replica set; detail:
+                                 # files, from_parity)
 
     OPENED = "opened"            # a training process opened the store (seconds: how long
                                  # the open took; detail: pid, world_size); each restart of
@@ -60,7 +63,8 @@ class EventKind:
                                  # interval_s, cost_s, mtbf_s, step_s and their sources)
     ALL = (STAGED, WRITTEN, COMMITTED, LOADED, EVICTED, COLLECTED, FELL_BACK, FAILED,
            DRAIN_STARTED, DRAIN_FINISHED, EMERGENCY_SAVED, REPLICATED, PEER_FETCHED,
-           RESTORE_PLANNED, UNREACHABLE, REJECTED, STALLED, REPAIRED, OPENED, STEP, INTERVAL)
+           RESTORE_PLANNED, UNREACHABLE, REJECTED, STALLED, REPAIRED, REBUILT, OPENED, STEP,
+           INTERVAL)
 
 
 class Phase:

@@ -35,7 +35,7 @@ class Observer:
     """Records which tier each file was read from, peer fetches and parity events."""
 
     def __init__(self):
-        self.reads, self.fetched, self.protected = [], [], []
+        self.reads, self.fetched, self.protected, self.rebuilt = [], [], [], []
 
     kill_step3 = False
 
@@ -52,6 +52,8 @@ class Observer:
     def tierstore_event(self, event):
         if event.kind == EventKind.PEER_FETCHED:
             self.fetched.append((event.detail["file"], event.detail["from"]))
+        elif event.kind == EventKind.REBUILT:
+            self.rebuilt.append((event.checkpoint_id, event.tier, event.detail["files"]))
         elif event.kind == EventKind.REPLICATED:
             self.protected.append((event.checkpoint_id, event.detail.get("parity_set"),
                                    event.detail.get("parity_bytes")))
@@ -94,6 +96,8 @@ def main() -> int:
             print(f"RANK {rank} READ {file} FROM {tier}", flush=True)
         for file, src in sorted(set(seen.fetched)):
             print(f"RANK {rank} FETCHED {file} FROM RANK {src}", flush=True)
+        for cid, tier, files in seen.rebuilt:
+            print(f"RANK {rank} REBUILT {cid} INTO {tier} FILES {files}", flush=True)
     elif phase in ("verify-parity", "repair-parity"):
         found = store.verify_parity(sys.argv[5], repair=phase == "repair-parity")
         print(f"RANK {rank} PARITY {found.state} {found.members} {found.detail}", flush=True)

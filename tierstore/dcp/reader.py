@@ -230,7 +230,14 @@ class TierstoreReader(StorageReader):
             tiers.parity_tier, rebuilt,
             lambda phase: ctx.host.phase(phase, cid, rebuilt.name, ctx.rank),
             ctx.copy_chunk_bytes)
-        return got is not None
+        if got is None:
+            return False
+        # The rebuilt set keeps what the peer tier keeps (this load's id is spared).
+        self._services.retention.apply_quietly(rebuilt)
+        ctx.host.event(Event(EventKind.REBUILT, cid, rebuilt.name, ctx.rank,
+                             nbytes=got[1].size_bytes,
+                             detail={"files": sorted(got[1].files), "from_parity": True}))
+        return True
 
     def _manifests(self, cid: str, tiers: list[Tier]
                    ) -> tuple[list[tuple[Tier, Manifest]], list[str]]:
