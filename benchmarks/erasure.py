@@ -93,12 +93,11 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
-def _state(rank: int, mib: int, zero: bool = False) -> dict:
+def _state(rank: int, mib: int) -> dict:
     gen = torch.Generator().manual_seed(rank)
     numel = (mib << 20) // 4 // 16
     # Keys of this rank's own: DCP writes a tensor every rank has under one name once.
-    return {f"rank{rank}.t{i}": (torch.zeros(numel) if zero else torch.randn(numel, generator=gen))
-            for i in range(16)}
+    return {f"rank{rank}.t{i}": torch.randn(numel, generator=gen) for i in range(16)}
 
 
 def _dir_bytes(path: str) -> int:
@@ -139,6 +138,20 @@ def _copy(payload: torch.Tensor) -> float:
     return _slowest(time.perf_counter() - t0)
 
 
+def _timed_load(store, cid: str, sd: dict, who: str) -> float:
+    """``dcp.load`` of ``cid`` into zeroed tensors like ``sd``: the slowest rank's seconds;
+    the run stops when the bytes differ from ``sd``."""
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.load(out, storage_reader=store.reader(), checkpoint_id=cid,
+             process_group=store.process_group)
+    seconds = _slowest(time.perf_counter() - t0)
+    if not all(torch.equal(out[k], sd[k]) for k in sd):
+        raise SystemExit(f"{who} loaded wrong bytes")
+    return seconds
+
+
 def worker(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -161,28 +174,14 @@ def worker(args: argparse.Namespace) -> int:
         own, extra = _held_for(os.path.join(root, str(rank)), cid)
         memory = torch.tensor([(own + extra) / own], dtype=torch.float64)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-        out = _state(rank, args.mib, zero=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.load(out, storage_reader=store.reader(), checkpoint_id=cid,
-                 process_group=store.process_group)
-        intact = _slowest(time.perf_counter() - t0)
-        if not all(torch.equal(out[k], sd[k]) for k in sd):
-            raise SystemExit(f"{name}: rank {rank} loaded wrong bytes")
+        intact = _timed_load(store, cid, sd, f"{name}: rank {rank}")
         store.close()
         dist.barrier()
         if rank == LOST:
             shutil.rmtree(os.path.join(root, str(rank)))
         dist.barrier()
         store = tierstore.open(config)
-        out = _state(rank, args.mib, zero=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.load(out, storage_reader=store.reader(), checkpoint_id=cid,
-                 process_group=store.process_group)
-        lost = _slowest(time.perf_counter() - t0)
-        if not all(torch.equal(out[k], sd[k]) for k in sd):
-            raise SystemExit(f"{name}: rank {rank} loaded wrong bytes after rank {LOST} was lost")
+        lost = _timed_load(store, cid, sd, f"{name}: rank {rank}, after rank {LOST} was lost,")
         store.close()
         rows.append({"protect_s": protect, "memory_x": float(memory.item()), "intact_s": intact,
                      "lost_s": lost, "raw_gloo_s": _raw_gloo(payload),

@@ -24,7 +24,8 @@ from torch.distributed.tensor import init_device_mesh
 import tierstore
 from tierstore import EventKind
 from tierstore.events import Phase
-from worker_common import check_node_checkpoint, node_state, run_worker
+from worker_common import (check_node_checkpoint, load_expecting_not_found, node_state,
+                           run_worker)
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
@@ -102,13 +103,8 @@ def main() -> int:
         found = store.verify_parity(sys.argv[5], repair=phase == "repair-parity")
         print(f"RANK {rank} PARITY {found.state} {found.members} {found.detail}", flush=True)
     elif phase == "load-missing":
-        out = node_state(3, rank, mesh, OWN_NUMEL, zero=True)
-        try:
-            dcp.load(out, storage_reader=store.reader(), checkpoint_id=sys.argv[5],
-                     process_group=store.process_group)
-            problems.append("the load succeeded")
-        except tierstore.CheckpointNotFound as exc:
-            print(f"RANK {rank} NOTFOUND {exc}", flush=True)
+        load_expecting_not_found(store, problems, rank,
+                                 node_state(3, rank, mesh, OWN_NUMEL, zero=True), sys.argv[5])
     store.close()
     return 0
 

@@ -22,8 +22,8 @@ from torch.distributed.tensor import init_device_mesh
 import tierstore
 from tierstore import EventKind
 from tierstore.events import Phase
-from worker_common import (check_equal, check_node_checkpoint, local_shards, node_state,
-                           run_worker)
+from worker_common import (check_equal, check_node_checkpoint, load_expecting_not_found,
+                           local_shards, node_state, run_worker)
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
@@ -149,13 +149,8 @@ def main() -> int:
         for file, src in sorted(set(seen.fetched)):
             print(f"RANK {rank} REPLANNED FETCHED {file} FROM RANK {src}", flush=True)
     elif phase == "load-missing":
-        out = state(3, rank, mesh, zero=True)
-        try:
-            dcp.load(out, storage_reader=store.reader(), checkpoint_id=sys.argv[5],
-                     process_group=store.process_group)
-            problems.append("the load succeeded")
-        except tierstore.CheckpointNotFound as exc:
-            print(f"RANK {rank} NOTFOUND {exc}", flush=True)
+        load_expecting_not_found(store, problems, rank, state(3, rank, mesh, zero=True),
+                                 sys.argv[5])
     store.close()
     return 0
 

@@ -122,6 +122,18 @@ def check_node_checkpoint(store, problems: list[str], rank: int, mesh, expected:
                 cid)
 
 
+def load_expecting_not_found(store, problems: list[str], rank: int, out: dict,
+                             checkpoint_id: str) -> None:
+    """Load ``checkpoint_id`` into ``out``, expecting ``CheckpointNotFound``: print ``RANK <r>
+    NOTFOUND <message>``, or note the problem when the load succeeds."""
+    try:
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id=checkpoint_id,
+                 process_group=store.process_group)
+        problems.append("the load succeeded")
+    except tierstore.CheckpointNotFound as exc:
+        print(f"RANK {rank} NOTFOUND {exc}", flush=True)
+
+
 def make_async_state(seed: int = 0) -> dict:
     """The state test_async.py and async_process_worker.py save while training changes it: an
     optimizer-like nested dict with an int key, a non-contiguous view, a 0-d tensor, several
