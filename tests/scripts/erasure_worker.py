@@ -6,8 +6,9 @@ Tiers: "ram" (node-local RAM) and "peer" (node-local, ``erasure`` with DATA data
 parity 1), no shared tier unless argv's OBJ is "obj" ("objects": an fsspec ``file://`` tier).
 argv: ROOT DATA OBJ PHASE [EXPECTED]. PHASE "save" saves step-1..3 and waits for the parity;
 "load" checks latest() == EXPECTED and loads it bitwise, printing where each file came from;
-"load-missing" loads EXPECTED and prints the CheckpointNotFound it expects; "verify-parity" and
-"repair-parity" print what ``store.verify_parity(EXPECTED)`` finds on each rank; "save-killed" saves
+"load-missing" loads EXPECTED and prints the CheckpointNotFound it expects; "verify-parity"
+prints what ``store.verify_parity(EXPECTED)`` finds on each rank, then what it finds with
+``repair=True``; "save-killed" saves
 step-1 and step-2, then the job is killed while step-3's parity is encoded: ranks 1 and 2 as they
 publish their parity, the others once theirs is committed (a mix of complete and missing parity
 of step-3 is left behind, beside step-2's complete parity).
@@ -99,9 +100,11 @@ def main() -> int:
             print(f"RANK {rank} FETCHED {file} FROM RANK {src}", flush=True)
         for cid, tier, files in seen.rebuilt:
             print(f"RANK {rank} REBUILT {cid} INTO {tier} FILES {files}", flush=True)
-    elif phase in ("verify-parity", "repair-parity"):
-        found = store.verify_parity(sys.argv[5], repair=phase == "repair-parity")
-        print(f"RANK {rank} PARITY {found.state} {found.members} {found.detail}", flush=True)
+    elif phase == "verify-parity":
+        for repair in (False, True):
+            found = store.verify_parity(sys.argv[5], repair=repair)
+            print(f"RANK {rank} {'REPAIR' if repair else 'VERIFY'} {found.state} "
+                  f"{found.members} {found.detail}", flush=True)
     elif phase == "load-missing":
         load_expecting_not_found(store, problems, rank,
                                  node_state(3, rank, mesh, OWN_NUMEL, zero=True), sys.argv[5])
