@@ -118,7 +118,15 @@ def test_two_lost_nodes_of_a_set_are_named_or_read_from_a_shared_tier(tmp_path):
     assert "RANK 3 REPAIR repaired" in out, out[-5000:]
     assert all(f"RANK {r} REPAIR ok" in out for r in range(3)), out[-5000:]
     assert parity.read_bytes() == kept and check_parity(str(tmp_path)) == []
+    # A parity chunk that does not match its digest is never decoded: with node 1 lost and
+    # rank 3's chunk flipped, rank 1's files are missing, not rebuilt wrong.
+    parity.write_bytes(kept[:100] + bytes([kept[100] ^ 1]) + kept[101:])
     lose_node(tmp_path, 1)
+    out = run(tmp_path, 3, 4, 1, "noobj", "load-missing", "step-3")
+    assert "RANK 1 NOTFOUND checkpoint 'step-3' cannot be loaded by this job: the files of " \
+           "rank(s) [1] are on no tier" in out, out[-5000:]
+    assert not (tmp_path / "peer/1/.replicas").exists()
+    parity.write_bytes(kept)
     lose_node(tmp_path, 2)
     out = run(tmp_path, 3, 4, 1, "noobj", "load-missing", "step-3")
     for rank in range(4):

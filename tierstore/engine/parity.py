@@ -264,6 +264,19 @@ def rebuild_lost(group: Any, rank: int, world: int, cid: str, mine: dict[str, An
                 plan.append((lost, members, token))
     if not plan:
         return None
+    # A survivor offers its parity only once its chunk and members.json match their digests
+    # (read now, when a rebuild needs them: an intact load reads no parity): a bad chunk would
+    # rebuild wrong bytes, which the lost rank would find only after both exchanges.
+    mine_ok = all(_parity_sound(parity_tier, cid)
+                  for lost, members, _ in plan if rank in members and rank != lost)
+    sound = all_gather_object(mine_ok, group)
+    unsound = [(lost, [r for r in members if r != lost and not sound[r]])
+               for lost, members, _ in plan]
+    for lost, bad in unsound:
+        if bad:
+            log.warning("checkpoint %s: the files of rank %d are not rebuilt from parity: the "
+                        "parity of rank(s) %s does not match its digests", cid, lost, bad)
+    plan = [p for p, (_, bad) in zip(plan, unsound) if not bad]
     started = time.perf_counter()
     result = None
     for lost, members, token in plan:  # every rank walks the same plan
@@ -274,6 +287,26 @@ def rebuild_lost(group: Any, rank: int, world: int, cid: str, mine: dict[str, An
     log.info("checkpoint %s: rebuilt the files of rank(s) %s from parity in %.3f s", cid,
              [p[0] for p in plan], time.perf_counter() - started)
     return result
+
+
+def _parity_sound(tier: Tier | None, cid: str) -> bool:
+    """Whether the parity ``tier`` holds of ``cid`` matches its manifest (both files read and
+    hashed)."""
+    if tier is None:
+        return False
+    manifest = tier.read_manifest(cid)
+    if manifest is None:
+        return False
+    for name in (PARITY_FILE, MEMBERS_FILE):
+        entry = manifest.files.get(name)
+        try:
+            with tier.backend.open_read(f"{cid}/{name}") as f:
+                got = hash_stream(f, hasher=tier.keyring.hasher_for(entry.checksum))
+        except (OSError, AttributeError):
+            return False
+        if got != (entry.size, entry.checksum):
+            return False
+    return True
 
 
 def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int, ...],
@@ -287,13 +320,7 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
     found = None
     if rank != lost:
         assert parity_tier is not None
-        raw = parity_tier.backend.read_bytes(f"{cid}/{MEMBERS_FILE}")
-        manifest = parity_tier.read_manifest(cid)
-        entry = manifest.files[MEMBERS_FILE]
-        if parity_tier.keyring.digest(raw, entry.checksum) != entry.checksum:
-            raise IntegrityError(f"checkpoint '{cid}': {MEMBERS_FILE} on tier "
-                                 f"'{parity_tier.name}' does not match its manifest")
-        found = read_members(raw)
+        found = read_members(parity_tier.backend.read_bytes(f"{cid}/{MEMBERS_FILE}"))
     # The lowest survivor tells the lost member's rank (which has nothing) what its set is.
     told = exchange_objects(group, {lost: found.to_json().decode()} if rank == survivors[0]
                             else {}, [survivors[0]] if rank == lost else [])
@@ -352,9 +379,9 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
                         entry.checksum))
                 if (size, digest) != (entry.size, entry.checksum):
                     raise IntegrityError(
-                        f"checkpoint '{cid}': {rel} of rank {lost}, rebuilt from the parity of "
-                        f"ranks {survivors}, does not match its digest: a parity chunk or a "
-                        f"member's file changed since the save")
+                        f"{rel} of rank {lost}, rebuilt from the parity of ranks "
+                        f"{survivors}, does not match its digest: a member's file changed "
+                        f"since the save")
             manifest = build_manifest(
                 rebuilt_tier, cid, header["files"],
                 plugins={"replication": "rebuilt from parity"},
@@ -362,6 +389,13 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
                 part=0, parts=1, ranks=[lost], save_token=header["token"],
                 created=header["created"], committed=header["committed"])
             rebuilt_tier.commit_save(cid, staging, manifest, announce)
+        except IntegrityError as exc:
+            # Nothing is published: the load goes on as if the set could not rebuild (its
+            # collective decides on every rank alike: a slower tier, or CheckpointNotFound).
+            rebuilt_tier.abort_save(cid, staging)
+            log.warning("checkpoint %s: rebuilding the files of rank %d from parity failed: "
+                        "%s", cid, lost, exc)
+            return None
         except BaseException:
             rebuilt_tier.abort_save(cid, staging)
             raise
