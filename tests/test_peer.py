@@ -152,7 +152,7 @@ def test_a_world_size_the_strategy_cannot_serve_opens_and_saves_unreplicated(tmp
 def test_replication_table_errors_name_the_strategies(tmp_path):
     config = {"tier": [{"name": "peer", "backend": "peer", "path": str(tmp_path / "peer"),
                         "replication": {"strategy": "cliq"}}]}
-    with pytest.raises(tierstore.ConfigError, match="clique, ring"):
+    with pytest.raises(tierstore.ConfigError, match="clique, erasure, ring"):
         tierstore.open(config)
     config["tier"][0]["replication"] = {"strategy": "ring", "ofset": 1}
     with pytest.raises(tierstore.ConfigError, match="Did you mean 'offset'"):

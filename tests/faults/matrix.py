@@ -70,9 +70,9 @@ KINDS = ("classic", "keep1", "spoil", "cli", "stall", "ops", "ops-s3", "multinod
 #: ``.metadata``, the other node's part already published), and a gathered drain whose
 #: source part on the other node goes bad under it.
 MULTINODE_SAMPLE = ("node/write_metadata@0:sigkill:3:1", "node/drain_file@2:corrupt-source:2:2")
-#: The parity trials of the CI sample: a member killed as its parity of the second save is
-#: published (the others' committed), and one whose encoding raises as it begins.
-PARITY_SAMPLE = ("parity/publish@1:sigkill:2:1", "parity/replicate@2:raise:2:2")
+#: The parity trial of the CI sample: a member killed as its parity of the second save is
+#: published (the others' committed); ``make faults`` strikes every rank at every point.
+PARITY_SAMPLE = ("parity/publish@1:sigkill:2:1",)
 #: Faults of the ``ops-s3`` trials.
 OPS_S3_FAULTS = ("raise", "eio", "slow", "flaky", "server-death")
 #: Drain rows where a ``cli`` trial holds the drain (no copy thread is running then).

@@ -4,8 +4,9 @@ jump is that, so a set's members are on different nodes.
 
 Tiers: "ram" (node-local RAM) and "peer" (node-local, ``erasure`` with DATA data members and
 parity 1), no shared tier unless argv's OBJ is "obj" ("objects": an fsspec ``file://`` tier).
-argv: ROOT DATA OBJ PHASE [EXPECTED]. PHASE "save" saves step-1..3 and waits for the parity;
-"load" checks latest() == EXPECTED and loads it bitwise, printing where each file came from;
+argv: ROOT DATA OBJ PHASE [EXPECTED [MISSING]]. PHASE "save" saves step-1..3 and waits for the
+parity; "load" checks latest() == EXPECTED and loads it bitwise, printing where each file came
+from, then, given MISSING, loads that and prints the CheckpointNotFound it expects;
 "load-missing" loads EXPECTED and prints the CheckpointNotFound it expects; "verify-parity"
 prints what ``store.verify_parity(EXPECTED)`` finds on each rank, then what it finds with
 ``repair=True``; "save-killed" saves
@@ -100,6 +101,9 @@ def main() -> int:
             print(f"RANK {rank} FETCHED {file} FROM RANK {src}", flush=True)
         for cid, tier, files in seen.rebuilt:
             print(f"RANK {rank} REBUILT {cid} INTO {tier} FILES {files}", flush=True)
+        if len(sys.argv) > 6:
+            load_expecting_not_found(store, problems, rank,
+                                     node_state(3, rank, mesh, OWN_NUMEL, zero=True), sys.argv[6])
     elif phase == "verify-parity":
         for repair in (False, True):
             found = store.verify_parity(sys.argv[5], repair=repair)
