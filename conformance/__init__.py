@@ -85,6 +85,9 @@ fails saying what is missing, optional ones with defaults; see each class's docs
   ``bad_world_sizes``): ``check_world_size`` accepts and refuses; ``holders`` are other ranks,
   in range, once each, deterministic, and cover every rank (class attribute
   ``covers_every_rank``); ``str()`` shows the options.
+- :class:`ParityStrategyTests` (those fixtures and ``ranks_per_node``), for a strategy that keeps
+  parity instead of replicas: its sets split the ranks and every member agrees, no two members
+  share a node, and any one lost member rebuilds bitwise through the core's layout.
 - :class:`CommitProtocolTests` (fixtures ``backend`` and ``protocol``): ``begin`` / ``commit`` /
   ``abort`` / ``update_manifest`` through the protocol alone: published files and manifest,
   ``Phase.PUBLISH`` announced before the manifest is visible, nothing visible before commit,
@@ -108,11 +111,12 @@ from .backend import BackendTests, RenameBackendTests
 from .codec import CodecTests
 from .commit import CommitProtocolTests
 from .observer import ObserverTests
-from .replication import ReplicationStrategyTests
+from .replication import ParityStrategyTests, ReplicationStrategyTests
 from .roundtrip import (RoundTripTests, StockLoadableRoundTripTests, assert_state_dicts_equal,
                         make_state_dict)
 from .staging import StagerTests
 
 __all__ = ["BackendTests", "RenameBackendTests", "RoundTripTests", "StockLoadableRoundTripTests",
-           "CodecTests", "StagerTests", "ReplicationStrategyTests", "CommitProtocolTests",
+           "CodecTests", "StagerTests", "ReplicationStrategyTests", "ParityStrategyTests",
+           "CommitProtocolTests",
            "ObserverTests", "assert_state_dicts_equal", "make_state_dict"]

@@ -20,7 +20,7 @@ from tierstore.plugin import ReplicationStrategy
 
 from ._helpers import assert_options_declared
 
-__all__ = ["ReplicationStrategyTests"]
+__all__ = ["ReplicationStrategyTests", "ParityStrategyTests"]
 
 
 class ReplicationStrategyTests:
@@ -41,10 +41,6 @@ class ReplicationStrategyTests:
             @pytest.fixture
             def bad_world_sizes(self):       # optional: sizes it must refuse (default none)
                 return [1, 3]
-
-            @pytest.fixture
-            def ranks_per_node(self):        # optional: parity sets must span nodes of this size
-                return 8
 
     Set ``covers_every_rank = False`` for a strategy that deliberately leaves some ranks
     without a holder (the kit then checks that some rank really has none).
@@ -70,12 +66,6 @@ class ReplicationStrategyTests:
     def bad_world_sizes(self) -> list[int]:
         """World sizes the strategy must refuse (default: none)."""
         return []
-
-    @pytest.fixture
-    def ranks_per_node(self) -> int | None:
-        """Ranks per node the strategy is configured for: a parity set's members must then be
-        on different nodes (default None: not checked)."""
-        return None
 
     # -- tests ---------------------------------------------------------------------------------
     def test_options_are_declared_with_descriptions(self, strategy):
@@ -152,14 +142,34 @@ class ReplicationStrategyTests:
                 assert value in text, \
                     f"str(strategy) = {text!r} does not show option {opt.name} = {value}"
 
-    # -- parity strategies ---------------------------------------------------------------------
-    def _sets(self, strategy, world: int) -> dict[int, list[int]] | None:
+    def test_replicas_or_parity_for_every_rank_alike(self, strategy, world_sizes):
+        """parity_set is None for every rank (a replica strategy) or for none."""
+        for world in world_sizes:
+            sets = [strategy.parity_set(r, world) for r in range(world)]
+            assert all(v is None for v in sets) or all(v is not None for v in sets), \
+                f"{strategy}: parity_set is None for some ranks only at world size {world}: " \
+                f"{sets}"
+
+
+class ParityStrategyTests(ReplicationStrategyTests):
+    """Conformance tests for a strategy that keeps parity instead of replicas
+    (``parity_set``): everything :class:`ReplicationStrategyTests` checks, and that its sets
+    split the ranks with every member agreeing, sit on different nodes of
+    ``ranks_per_node`` ranks (a fixture to provide, with ``strategy`` and ``world_sizes``),
+    and rebuild any one lost member bitwise through the core's layout.
+    """
+
+    @pytest.fixture
+    def ranks_per_node(self) -> int:
+        """Ranks per node the strategy is configured for. Subclasses must override it."""
+        pytest.fail(f"{type(self).__name__} must provide a 'ranks_per_node' fixture: the "
+                    f"ranks per node its strategy is configured for (see ParityStrategyTests)")
+
+    def _sets(self, strategy, world: int) -> dict[int, list[int]]:
         sets = {r: strategy.parity_set(r, world) for r in range(world)}
-        if all(v is None for v in sets.values()):
-            return None
         missing = [r for r, v in sets.items() if v is None]
-        assert not missing, f"{strategy}: parity_set is None for ranks {missing} only, at " \
-                            f"world size {world}: every rank has a set or none has"
+        assert not missing, f"{strategy}: parity_set is None for ranks {missing} at world " \
+                            f"size {world}: a parity strategy gives every rank its set"
         return sets
 
     def test_parity_sets_split_the_ranks_and_every_member_agrees(self, strategy, world_sizes):
@@ -167,8 +177,6 @@ class ReplicationStrategyTests:
         distinct ranks in range, the same list from every member."""
         for world in world_sizes:
             sets = self._sets(strategy, world)
-            if sets is None:
-                continue
             for rank, members in sets.items():
                 where = f"{strategy}: parity_set({rank}, {world}) = {members!r}"
                 assert rank in members, f"{where} does not contain the rank"
@@ -180,11 +188,9 @@ class ReplicationStrategyTests:
     def test_parity_sets_span_nodes(self, strategy, world_sizes, ranks_per_node):
         """With ``ranks_per_node``, no two members of a set are on one node (one lost node
         costs a set one member)."""
-        if ranks_per_node is None:
-            pytest.skip("no ranks_per_node fixture: placement on nodes not checked")
         for world in world_sizes:
             sets = self._sets(strategy, world)
-            for members in (sets or {}).values():
+            for members in sets.values():
                 nodes = [m // ranks_per_node for m in members]
                 assert len(set(nodes)) == len(nodes), \
                     f"{strategy}: set {members} puts two members on one node of " \
@@ -200,8 +206,6 @@ class ReplicationStrategyTests:
 
         world = world_sizes[0]
         sets = self._sets(strategy, world)
-        if sets is None:
-            pytest.skip(f"{strategy} keeps replicas, not parity")
         gen = torch.Generator().manual_seed(7)
         for members in {tuple(v) for v in sets.values()}:
             data = {m: [torch.randint(0, 256, (int(n),), dtype=torch.uint8, generator=gen)

@@ -20,11 +20,10 @@ from helpers import SCRIPTS, run_torchrun
 
 from tierstore.format.manifest import FileEntry
 from tierstore.format.parity import common_length
-from tierstore_conformance import ReplicationStrategyTests
+from tierstore_conformance import ParityStrategyTests
 from tierstore_plugins.replication import ErasureStrategy
 
 import tierstore
-from tierstore.cli import main as tierstore_cli
 from tierstore.tiers.parity_sets import ParitySet, read_members
 
 sys.path.insert(0, str(SCRIPTS))
@@ -50,15 +49,17 @@ def checkpoint_bytes(path) -> int:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("nodes,per_node,data,lost", [(4, 1, 3, 2), (4, 2, 3, 3), (3, 1, 2, 0)],
                          ids=["3+1-4x1-node2", "3+1-4x2-node3", "2+1-3x1-node0"])
-def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, capsys, nodes, per_node, data,
-                                                      lost):
-    out = run(tmp_path, data, nodes, per_node, "noobj", "save")
+def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, nodes, per_node, data, lost):
+    # One launch: save step-1..3, close, delete node LOST's directories, open again, plan,
+    # load step-3 bitwise (the worker's check) with no shared tier configured.
+    out = run(tmp_path, data, nodes, per_node, "noobj", "save-lose-load", lost)
     world = nodes * per_node
     for rank in range(world):
         members = list(range(rank % per_node, world, per_node))
         assert f"RANK {rank} PROTECTED step-3 SET {members}" in out, out[-5000:]
-    # Each rank keeps 1/data of a checkpoint of parity, and no replicas.
-    for node in range(nodes):
+    # Each rank keeps 1/data of a checkpoint of parity, and no replicas (the surviving nodes;
+    # the replaced node holds what was rebuilt).
+    for node in set(range(nodes)) - {lost}:
         peer = tmp_path / f"peer/{node}"
         assert not (peer / ".replicas").exists()
         own = checkpoint_bytes(peer / "step-3")
@@ -67,26 +68,16 @@ def test_a_lost_node_is_rebuilt_from_its_sets_parity(tmp_path, capsys, nodes, pe
         assert parity <= own / data + 8 * per_node * data + 4096, (parity, own)
         assert not (peer / f".parity/held-by-{node * per_node}/step-1").exists()  # keep = 2
     # Decoded in one process by the fault matrix's reference decoder (packed streams and
-    # tierstore.format.parity), every member lost in turn: the bytes each header records.
+    # tierstore.format.parity): the lost members, from what the survivors hold, give the bytes
+    # each header records.
     assert check_parity(str(tmp_path)) == []
-
-    lose_node(tmp_path, lost)
-    # `tierstore plan` says beforehand that the lost ranks' files come back from parity, on
-    # their node of the new job, and nothing from a slower tier.
-    config = tmp_path / "tiers.toml"
-    config.write_text(
-        f'[[tier]]\nname = "ram"\nbackend = "memory"\npath = "{tmp_path}/ram/{{node}}"\n'
-        f'[[tier]]\nname = "peer"\nbackend = "peer"\npath = "{tmp_path}/peer/{{node}}"\n'
-        f'replication = {{ strategy = "erasure", data = {data}, jump = {per_node} }}\n')
-    capsys.readouterr()
-    assert tierstore_cli(["plan", str(config), "step-3", "--world-size", str(world),
-                          "--ranks-per-node", str(per_node), "--json"]) == 0
-    planned = json.loads(capsys.readouterr().out)
+    # store.plan (`tierstore plan`) said before the load that the lost ranks' files come back
+    # from parity, on their node of the new job, and nothing from a slower tier.
+    planned = json.loads(re.search(r"^PLAN (.*)$", out, re.M)[1])
     assert planned["missing"] == [] and planned["from_slow_tiers_bytes"] == 0, planned
     rebuilt = {f["name"] for f in planned["files"] if f["tier"] == "peer:rebuilt-from-parity"}
     assert rebuilt >= {f"__{r}_0.distcp" for r in range(lost * per_node, (lost + 1) * per_node)}
     assert all(f["node"] == lost for f in planned["files"] if f["name"] in rebuilt), planned
-    out = run(tmp_path, data, nodes, per_node, "noobj", "load", "step-3")  # bitwise, or fails
     for rank in range(world):
         assert f"RANK {rank} LATEST step-3" in out, out[-5000:]
     for rank in range(lost * per_node, (lost + 1) * per_node):
@@ -128,13 +119,13 @@ def test_two_lost_nodes_of_a_set_are_named_or_read_from_a_shared_tier(tmp_path):
     assert not (tmp_path / "peer/1/.replicas").exists()
     parity.write_bytes(kept)
     lose_node(tmp_path, 2)
-    out = run(tmp_path, 3, 4, 1, "noobj", "load-missing", "step-3")
+    # Without the shared tier, every rank names the two ranks; with it configured, their files
+    # come from it.
+    out = run(tmp_path, 3, 4, 1, "noobj", "missing-then-shared", "step-3")
     for rank in range(4):
         assert re.search(rf"RANK {rank} NOTFOUND checkpoint 'step-3' cannot be loaded by this "
                          rf"job: the files of rank\(s\) \[1, 2\] are on no tier", out), out[-5000:]
     assert not (tmp_path / "peer/1/.replicas").exists()  # nothing half rebuilt
-    # With the shared tier configured, the two ranks' files come from it.
-    out = run(tmp_path, 3, 4, 1, "obj", "load", "step-3")
     assert "RANK 1 READ __1_0.distcp FROM objects" in out, out[-8000:]
     assert "RANK 0 READ __0_0.distcp FROM ram" in out, out[-8000:]
 
@@ -159,7 +150,7 @@ def test_a_job_killed_while_encoding_leaves_the_previous_parity_whole(tmp_path):
 
 # -- one process ------------------------------------------------------------------------------
 
-class TestErasureStrategy(ReplicationStrategyTests):
+class TestErasureStrategy(ParityStrategyTests):
     """The kit's checks, a parity strategy's included: every rank in exactly one set, its
     members on different nodes (``jump`` apart), any one lost member decoded bitwise."""
 

@@ -5,7 +5,10 @@ jump is that, so a set's members are on different nodes.
 Tiers: "ram" (node-local RAM) and "peer" (node-local, ``erasure`` with DATA data members and
 parity 1), no shared tier unless argv's OBJ is "obj" ("objects": an fsspec ``file://`` tier).
 argv: ROOT DATA OBJ PHASE [EXPECTED [MISSING]]. PHASE "save" saves step-1..3 and waits for the
-parity; "load" checks latest() == EXPECTED and loads it bitwise, printing where each file came
+parity; "save-lose-load" (EXPECTED: a node) saves them, closes the store, deletes that node's
+directories (a replaced node), opens the store again, prints ``store.plan`` of step-3 (PLAN
+<json>) and loads step-3 as "load" does; "missing-then-shared" does "load-missing", then "load"
+with the shared tier configured; "load" checks latest() == EXPECTED and loads it bitwise, printing where each file came
 from, then, given MISSING, loads that and prints the CheckpointNotFound it expects;
 "load-missing" loads EXPECTED and prints the CheckpointNotFound it expects; "verify-parity"
 prints what ``store.verify_parity(EXPECTED)`` finds on each rank, then what it finds with
@@ -15,7 +18,9 @@ publish their parity, the others once theirs is committed (a mix of complete and
 of step-3 is left behind, beside step-2's complete parity).
 """
 
+import json
 import os
+import shutil
 import sys
 import warnings
 
@@ -84,7 +89,7 @@ def main() -> int:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     seen = Observer()
     store = tierstore.open(config(root, data, obj, per_node), plugins=[seen])
-    if phase in ("save", "save-killed"):
+    if phase in ("save", "save-killed", "save-lose-load"):
         seen.kill_step3 = phase == "save-killed"
         for step in (1, 2, 3):
             dcp.save(node_state(step, rank, mesh, OWN_NUMEL), storage_writer=store.writer(),
@@ -93,7 +98,26 @@ def main() -> int:
         for cid, members, nbytes in seen.protected:
             print(f"RANK {rank} PROTECTED {cid} SET {members} PARITY {nbytes}", flush=True)
         dist.barrier()
-    elif phase == "load":
+    if phase == "save-lose-load":
+        store.close()
+        dist.barrier()
+        if rank == 0:
+            for tier in ("ram", "peer"):
+                shutil.rmtree(os.path.join(root, tier, sys.argv[5]))
+        dist.barrier()
+        store = tierstore.open(config(root, data, obj, per_node), plugins=[seen])
+        if rank == 0:
+            plan = store.plan("step-3", dist.get_world_size(), per_node)
+            print(f"PLAN {json.dumps(plan.to_json())}", flush=True)
+        sys.argv[5] = "step-3"
+    if phase == "missing-then-shared":
+        # EXPECTED cannot load from the nodes alone; then, with the shared tier configured
+        # (a store opened again), it loads as "load" does.
+        load_expecting_not_found(store, problems, rank,
+                                 node_state(3, rank, mesh, OWN_NUMEL, zero=True), sys.argv[5])
+        store.close()
+        store = tierstore.open(config(root, data, "obj", per_node), plugins=[seen])
+    if phase in ("load", "save-lose-load", "missing-then-shared"):
         check_node_checkpoint(store, problems, rank, mesh, sys.argv[5], OWN_NUMEL)
         for file, tier in sorted(set(seen.reads)):
             print(f"RANK {rank} READ {file} FROM {tier}", flush=True)
