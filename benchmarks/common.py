@@ -271,6 +271,17 @@ def tests_module(name: str) -> ModuleType:
 
 # -- options and rounds ----------------------------------------------------------------------------
 
+def parse_with_cuda(p: argparse.ArgumentParser, argv: list[str] | None,
+                    help: str) -> argparse.Namespace:
+    """Parse ``argv`` with a ``--cuda`` flag (``help`` says what it changes), refused where
+    torch sees no CUDA device."""
+    p.add_argument("--cuda", action="store_true", help=help)
+    args = p.parse_args(argv)
+    if args.cuda and not torch.cuda.is_available():
+        p.error("--cuda needs CUDA, and torch.cuda.is_available() is False here")
+    return args
+
+
 def benchmark_parser(doc: str, repeat: int, warmup_costs: str,
                      dir_help: str, *, size_mib: int = 1024, tensors: int = 64,
                      per_rank: bool = False) -> argparse.ArgumentParser:

@@ -83,6 +83,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 import tierstore
 
 from common import (GB, benchmark_parser, check_equal, disk_parent, finish_report, fs_type,
+                    parse_with_cuda,
                     make_state_dict, nbytes_of, print_verdicts, progress_log, remove, rotated,
                     rounds_text, timing_figures, verdict, warm_page_cache, warmup_then_rounds,
                     write_raw)
@@ -322,13 +323,8 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = benchmark_parser(__doc__, 3, "lazy imports, allocator and page-cache growth",
                          "parent of the temp directory (default: system temp dir); not tmpfs")
-    p.add_argument("--cuda", action="store_true",
-                   help="load into destination tensors on the GPU (saves stay from host "
-                        "tensors); needs CUDA")
-    args = p.parse_args(argv)
-    if args.cuda and not torch.cuda.is_available():
-        p.error("--cuda needs CUDA, and torch.cuda.is_available() is False here")
-    return args
+    return parse_with_cuda(p, argv, "load into destination tensors on the GPU (saves stay from "
+                                    "host tensors); needs CUDA")
 
 
 def main(argv: list[str] | None = None) -> int:

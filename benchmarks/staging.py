@@ -124,6 +124,7 @@ import tierstore
 from tierstore.events import EventKind
 
 from common import (GB, benchmark_parser, finish_report, free_port, fs_type, make_state_dict,
+                    parse_with_cuda,
                     nbytes_of, print_verdicts, progress_log, remove, rotated, rounds_text,
                     warmup_then_rounds)
 
@@ -572,12 +573,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--executor", choices=("thread", "process"), default="thread",
                    help="DCP's AsyncCheckpointerType for both async saves (default thread); "
                         "process starts a 1-rank gloo group and stages tierstore into shm")
-    p.add_argument("--cuda", action="store_true",
-                   help="state dict on the GPU, tierstore staging 'pinned', copy baseline into "
-                        "pinned host memory (needs CUDA)")
-    args = p.parse_args(argv)
-    if args.cuda and not torch.cuda.is_available():
-        p.error("--cuda needs CUDA, and torch.cuda.is_available() is False here")
+    args = parse_with_cuda(p, argv, "state dict on the GPU, tierstore staging 'pinned', copy "
+                                    "baseline into pinned host memory (needs CUDA)")
     if args.size_mib is None:
         args.size_mib = DEFAULT_CUDA_MIB if args.cuda else DEFAULT_MIB
     if args.repeat < MIN_REPEAT:

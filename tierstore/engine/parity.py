@@ -93,10 +93,10 @@ def _xor_from_peers(group: Any, rank: int, found: ParitySet, transfers: list[Tra
 
 def protect(group: Any, rank: int, members: list[int], header: dict, cid: str, source: Tier,
             parity_tier: Tier, strategy: str, announce: Callable[[str], None],
-            piece_bytes: int) -> tuple[int, int]:
+            piece_bytes: int) -> tuple[int, int, int]:
     """Encode this rank's share of its set's parity for the save ``cid`` (this rank's files
     committed on ``source``, listed in ``header``) and commit it on ``parity_tier``. Every
-    member of the set calls it. Returns (bytes sent, bytes received)."""
+    member of the set calls it. Returns (bytes sent, bytes received, bytes of parity kept)."""
     others = [r for r in members if r != rank]
     headers = exchange_objects(group, {r: plain_header(header) for r in others}, others)
     headers = {r: header_of(h) for r, h in headers.items()}
@@ -110,7 +110,7 @@ def protect(group: Any, rank: int, members: list[int], header: dict, cid: str, s
     received = []
     _write_parity(parity_tier, cid, found, rank, strategy, announce, lambda parity: received.append(
         _xor_from_peers(group, rank, found, transfers, parity, open_source, piece_bytes)))
-    return sum(t.size for t in transfers if t.src == rank), received[0]
+    return sum(t.size for t in transfers if t.src == rank), received[0], found.chunk
 
 
 def _write_parity(parity_tier: Tier, cid: str, found: ParitySet, rank: int, strategy: str,

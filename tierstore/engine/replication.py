@@ -32,7 +32,6 @@ from tierstore.errors import DrainError, ReplicationError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import Hasher
 from tierstore.format.manifest import METADATA_NAME, FileEntry
-from tierstore.tiers.parity_sets import PARITY_FILE
 from tierstore.transport.collectives import all_gather_object
 from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
 
@@ -216,7 +215,7 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         (tierstore.engine.parity)."""
         tier = self.parity_tier
         assert tier is not None
-        sent, received = protect(
+        sent, received, kept = protect(
             self.group, self._rank, members, header, job.checkpoint_id, job.source, tier,
             str(self.strategy),
             lambda phase: self._host.phase(phase, job.checkpoint_id, tier.name, self._rank),
@@ -224,8 +223,7 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         self._host.event(Event(EventKind.REPLICATED, job.checkpoint_id, self.peer.name,
                                self._rank, time.perf_counter() - started, sent + received,
                                {"sent": sent, "received": received, "parity_set": members,
-                                "parity_bytes": tier.read_manifest(job.checkpoint_id)
-                                .files[PARITY_FILE].size}))
+                                "parity_bytes": kept}))
         self._retention.apply_quietly(tier)
 
     def _commit_replica(self, job: ReplicationJob, src: int, header: dict, staging: str,

@@ -173,13 +173,13 @@ def _rebuilt_from_parity(config: StoreConfig, host: PluginHost, cid: str, token:
         if not hasattr(host.lookup("backend", tc.backend).factory, "parity_backend"):
             continue
         peer_name = tc.name
+        contexts = _contexts(world_size, ranks_per_node)
         for holder in range(min(world_size, saved)):
-            ctx = _contexts(world_size, ranks_per_node)[holder]
-            tier = standalone_tier(tc, config, host, ctx)
-            held = parity_of(parity_tier(tier, holder), cid)
+            kept = parity_tier(standalone_tier(tc, config, host, contexts[holder]), holder)
+            held = parity_of(kept, cid)
             if held is not None and held[0] == token:
                 parity[holder] = held[1]
-                described.setdefault(held[1], (parity_tier(tier, holder)))
+                described.setdefault(held[1], kept)
     lost = {r: m for r, m in recoverable(covered, parity, self_held).items()
             if max(m) < world_size}
     if not lost:
