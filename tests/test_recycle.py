@@ -173,6 +173,9 @@ def test_transfer_ends_without_recycling(tmp_path):
     source = MappedFile(str(tmp_path / "f"), len(data))
     assert bytes(source.piece(4096, 4106).numpy()) == data[4096:]
     assert source.piece(0, 0).numel() == 0
+    # A range starting anywhere (a parity chunk's piece of a file), not only at a page.
+    assert bytes(source.piece(4090, 100).numpy()) == data[4090:4190]
+    assert bytes(source.piece(8190, 12).numpy()) == data[8190:]
     source.close()
     with pytest.raises(OSError, match="fewer than the 99999 expected"):
         MappedFile(str(tmp_path / "f"), 99999)
