@@ -118,8 +118,10 @@ def test_auto_tiers_choose_their_intervals_from_what_saves_cost(tmp_path):
         assert torch.equal(loaded["w"], torch.full((2_000_000,), float(taken[-1])))
 
 
-def test_every_rank_takes_the_same_saves(tmp_path):
-    out = run_torchrun("auto_interval_worker.py", tmp_path, 40)
+@pytest.mark.parametrize("tiers", ["one-tier", "two-tiers"])
+def test_every_rank_takes_the_same_saves(tmp_path, tiers):
+    out = run_torchrun("auto_interval_worker.py", tmp_path, 40, *(
+        ["two-tiers"] if tiers == "two-tiers" else []))
     taken = {line.split()[1]: line.split()[3] for line in out.splitlines()
              if " TAKEN " in line}
     assert set(taken) == {"0", "1"}, out
@@ -129,3 +131,13 @@ def test_every_rank_takes_the_same_saves(tmp_path):
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     intervals = [e for e in events if e["kind"] == "interval"]
     assert intervals and {e["rank"] for e in intervals} == {0}, intervals  # the coordinator's
+    if tiers == "two-tiers":
+        # Every manifest committed on either tier lists files that are there, whole: a save
+        # paired across ranks that took different steps once committed manifests naming
+        # another rank's file in a directory that does not hold it.
+        manifests = list(tmp_path.glob("*/step-*/tierstore.json"))
+        assert manifests, out
+        for path in manifests:
+            for rel, entry in json.loads(path.read_text())["files"].items():
+                file = path.parent / rel
+                assert file.is_file() and file.stat().st_size == entry["size"], (path, rel)

@@ -162,3 +162,18 @@ def test_an_id_whose_copy_lost_a_file_or_a_node_part_can_be_saved_again(tmp_path
     # Nothing of the damaged copies is left beside the new ones (no staging or trash entry).
     for node in (0, 1):
         assert sorted(os.listdir(tmp_path / f"ram/{node}")) == ["step-1", "step-2", "step-3"]
+
+
+@pytest.mark.timeout(600)
+def test_back_to_back_saves_keep_every_node_part_on_the_slower_node_local_tier(tmp_path):
+    # No fault at all: eight saves back to back over a RAM and a disk tier per node. Each node's
+    # part of a save is pending until the next save settles it; the disk copy of node 1's part
+    # was once judged by rank 0's disk copy, which its drain had often not committed yet, and
+    # collected as an orphan. With the RAM tiers gone, every checkpoint must load from disk.
+    out = run_torchrun(WORKER, str(tmp_path), "backtoback", nproc=1, nnodes=2, timeout=300)
+    assert "COLLECTED ORPHAN" not in out, out
+    for node in (0, 1):
+        for step in range(1, 9):
+            part = tmp_path / "disk" / str(node) / f"step-{step}"
+            assert (part / "tierstore.json").exists(), \
+                f"node {node} lost its disk copy of step-{step}"

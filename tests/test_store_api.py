@@ -90,7 +90,7 @@ def test_every_on_a_single_tier_counts_trailing_integers_or_saves(tmp_path):
         # step-3 goes to the first tier that takes it: ram (every 1); step-4 also to ram first.
         save(store, "step-3")
         assert store.list()[0].tiers == ["ram"]
-        assert store._ctx.tiers.first_for(4).name == "ram"
+        assert store._ctx.tiers.take_save(4)[0].name == "ram"
     config = {"tier": [{"name": "nvme", "backend": "local", "path": str(tmp_path / "c"),
                         "every": 1}]}
     with tierstore.open(config) as store:

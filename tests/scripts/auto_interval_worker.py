@@ -2,7 +2,9 @@
 saves when it says so. The ranks measure different step times on purpose (rank 1's steps are
 slower): only the coordinator's choice counts, so they must still take the same saves.
 
-argv: ROOT STEPS. Prints ``RANK <r> TAKEN <steps, comma-separated>`` and, after loading the
+argv: ROOT STEPS [two-tiers]. ``two-tiers``: two shared ``local`` tiers, both auto, and
+``[store] overwrite = true`` (the Lightning page's setting), where a save's schedule was once
+asked on some ranks only and the ranks then took different steps. Prints ``RANK <r> TAKEN <steps, comma-separated>`` and, after loading the
 newest checkpoint back, ``RANK <r> OK`` (or the problems found)."""
 
 import sys
@@ -20,11 +22,16 @@ problems: list[str] = []
 
 def main() -> int:
     root, steps = sys.argv[1], int(sys.argv[2])
+    two_tiers = sys.argv[3:] == ["two-tiers"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     config = {"store": {"mtbf_hours": 0.0005, "events_log": f"{root}/events.jsonl"},
               "tier": [{"name": "ram", "backend": "memory", "path": f"{root}/ram", "keep": 2,
                         "every": "auto"}]}
+    if two_tiers:
+        config["store"]["overwrite"] = True
+        config["tier"] = [{"name": name, "backend": "local", "path": f"{root}/{name}",
+                           "keep": 2, "every": "auto"} for name in ("fast", "slow")]
     state = {"w": torch.zeros(2_000_000), "step": 0}
     taken = []
     with tierstore.open(config) as store:

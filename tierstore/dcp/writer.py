@@ -88,6 +88,10 @@ class _SaveState:
     step: int
     tier: Tier
     started: float
+    #: the slower tiers that take this save (its drains; the peer tier among them replicates
+    #: it), decided once in ``reset`` on every rank alike: an ``every = "auto"`` schedule
+    #: changes when it takes a save, so it is asked once per save, never again later
+    slower: tuple[Tier, ...] = ()
     token: str | None = None
     staging: str | None = None
     set_up: bool = False
@@ -214,7 +218,11 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         ledger.slot.carried_here()  # waits for another thread's save still in flight
         cid = validate_checkpoint_id(checkpoint_id)
         step = ledger.step_for(cid)
-        tier = ctx.tiers[0] if self._emergency else ctx.tiers.first_for(step)
+        # Which tiers take this save, decided here, once, on every rank (every rank resets
+        # every save with the same step and the same intervals in force): the first one is
+        # saved to, the others drained to. An emergency save goes to the fastest tier only.
+        tier, *slower = ([ctx.tiers[0]] if self._emergency
+                         else ctx.tiers.take_save(step))
         ctx.host.phase(Phase.SAVE_BEGIN, cid, tier.name, ctx.rank)
         held: list[Holding] = []
         if not ctx.config.overwrite:
@@ -222,7 +230,6 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             # remote tier (an object store) is asked by the drain before it copies, so a slow or
             # dead server never stands between training and its fast tier. Only a copy that
             # could load counts (tierstore.engine.existing): a leftover is replaced.
-            slower = [] if self._emergency else ctx.tiers.tiers_for(step)[1:]
             held = holdings([tier, *(s for s in slower if s.backend.local_path("") is not None)],
                             cid, services.publisher.is_pending)
         if ctx.tiers.node_local and ctx.groups.io is not None:
@@ -237,7 +244,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 f"set [store] overwrite = true to replace it")
         ledger.save_running(None)  # a new save on this thread: any earlier one is over
         self._over()
-        self._save = _SaveState(cid, step, tier, time.perf_counter(), drain=not self._emergency,
+        self._save = _SaveState(cid, step, tier, time.perf_counter(), tuple(slower),
+                                drain=not self._emergency,
                                 seq=ledger.save_seq, spill=self._staged_spill,
                                 replaces=frozenset(h.token for h in held if h.tier == tier.name))
         self._staged_spill = None
@@ -247,10 +255,11 @@ class TierstoreWriter(StorageWriter, AsyncStager):
     def _settle_parts(self, cid: str, held: list[Holding]) -> list[str]:
         """Collective (every rank, in ``reset``): settle the pending parts of node-local tiers
         (``tierstore.engine.publish``) and agree whether ``cid`` exists. Each group's leader
-        names its pending parts; the rank holding the coordinator's part says which save token
-        committed each of those ids there; a pending part with that token is confirmed, any
-        other is an orphan of a save whose coordinator failed, and gc removes it now (so that
-        saving its id again succeeds everywhere). Returns where ``cid`` exists, the same list
+        names its pending parts (id and save token); the coordinator's rank says, for each,
+        whether it committed that id under that token (:meth:`Publisher.committed`: yes, no,
+        or unknown); a committed part is confirmed, a part of a save whose coordinator failed
+        is an orphan that gc removes now (so that saving its id again succeeds everywhere), and
+        an unknown one stays pending until a later save. Returns where ``cid`` exists, the same list
         on every rank (:func:`~tierstore.engine.existing.whole_copies` over every rank's
         ``held``, a pending part counting when its save committed)."""
         services = self._services
@@ -266,41 +275,36 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             except Exception:  # noqa: BLE001 - never raise on one rank only: settled next time
                 log.warning("tier '%s': could not list its pending parts", t.name, exc_info=True)
         gathered = all_gather_object((held, mine), group)
-        asked = {(name, pid) for _, pending in gathered for name, parts in pending.items()
-                 for pid in parts}
-        answer = None
-        if ctx.rank == 0 and asked:
-            answer = {}
-            for name, pid in asked:
-                try:
-                    manifest = ctx.tiers.named(name).complete_manifest(pid)
-                except Exception:  # noqa: BLE001 - unknown: the part stays pending
-                    log.warning("tier '%s': could not read the coordinator's part of %s; its "
-                                "other parts stay pending", name, pid, exc_info=True)
-                    continue
-                answer[(name, pid)] = (manifest.save_token if manifest is not None
-                                       and manifest.has_metadata else None)
+        asked = sorted({(pid, token) for _, pending in gathered for parts in pending.values()
+                        for pid, token in parts.items()}
+                       | {(cid, h.token) for found, _ in gathered for h in found
+                          if h.pending})
+        verdicts: list = []
         if asked:
-            answer = broadcast_object(answer, group, 0)
-        for rank, (_, pending) in enumerate(gathered):
-            for name, parts in pending.items():
-                for pid, token in parts.items():
-                    if (name, pid) not in answer:
-                        continue
-                    committed = answer[(name, pid)] == token
-                    if rank == ctx.rank:
-                        tier = ctx.tiers.named(name)
-                        try:
-                            if committed:
-                                services.publisher.confirm(tier, pid)
-                            else:
-                                services.gc.collect_orphan(tier, pid)
-                        except Exception:  # noqa: BLE001 - never raise on one rank only
-                            log.warning("tier '%s': settling the part %s failed; the next save "
-                                        "tries again", name, pid, exc_info=True)
-        answer = answer or {}
+            # The coordinator's rank judges every pending part by its own commits of that id,
+            # wherever they are on this machine: a part's own tier is not enough, since rank
+            # 0's copy on a slower tier may still be on its way there (its drain runs behind
+            # the saves), and "not there yet" is not "never committed".
+            if ctx.rank == 0:
+                verdicts = [services.publisher.committed(pid, token) for pid, token in asked]
+            verdicts = broadcast_object(verdicts, group, 0)
+        answer = dict(zip(asked, verdicts))
+        for name, parts in mine.items():
+            for pid, token in parts.items():
+                committed = answer.get((pid, token))
+                if committed is None:  # unknown: the part stays pending
+                    continue
+                tier = ctx.tiers.named(name)
+                try:
+                    if committed:
+                        services.publisher.confirm(tier, pid)
+                    else:
+                        services.gc.collect_orphan(tier, pid)
+                except Exception:  # noqa: BLE001 - never raise on one rank only
+                    log.warning("tier '%s': settling the part %s failed; the next save "
+                                "tries again", name, pid, exc_info=True)
         return whole_copies([h for found, _ in gathered for h in found],
-                            lambda h: not h.pending or answer.get((h.tier, cid)) == h.token)
+                            lambda h: not h.pending or answer.get((cid, h.token)) is True)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember this rank's role; refuse a save that did not come with a checkpoint id
@@ -517,7 +521,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         """Every rank, once per save the peer tier takes (so that the ranks' replication jobs
         pair up): send this rank's files to its peers once they are committed."""
         replicator = self._services.replicator
-        if replicator is None or not save.drain or not replicator.peer.takes(save.step):
+        if replicator is None or not save.drain or \
+                not any(t is replicator.peer for t in (save.tier, *save.slower)):
             return
         replicator.submit(ReplicationJob(save.checkpoint_id, save.tier, save.step,
                                          save.token or "", wrote, save.seq))
@@ -543,7 +548,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             # Pending: the checkpoint exists only once the coordinator's finish commits it.
             services.publisher.publish(tier, save.checkpoint_id, save.staging, save.token, files,
                                        save.step, seconds=time.perf_counter() - save.started,
-                                       drain=save.drain, pending=True,
+                                       drain=save.slower if save.drain else (), pending=True,
                                        replaces=save.replaces)
         except BaseException:
             tier.abort_save(save.checkpoint_id, save.staging)
@@ -579,7 +584,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 len(raw), tier.keyring.digest(raw), None)
             services.publisher.publish(tier, save.checkpoint_id, save.staging, save.token, files,
                                        save.step, seconds=time.perf_counter() - save.started,
-                                       all_files=all_files, drain=save.drain,
+                                       all_files=all_files,
+                                       drain=save.slower if save.drain else (),
                                        replaces=save.replaces)
         except BaseException:
             tier.abort_save(save.checkpoint_id, save.staging)

@@ -7,17 +7,21 @@ DCP's ``write_data``, before the coordinator's ``finish`` commits the checkpoint
 part is *pending*: it carries the marker :data:`PENDING_PART` in its directory, and ``keep``
 neither counts it nor evicts anything for it (:meth:`Publisher.unconfirmed`), so that a
 coordinator failing in ``finish`` never costs a node its last loadable part. The next save
-settles pending parts on every rank (``TierstoreWriter.reset``): a part whose coordinator's part
-holds the same save token is confirmed (the marker goes); any other is an orphan, which gc
-removes. A pending part drained to a slower node-local tier is pending there too (the drain
-copies the marker in before its commit), and is settled the same way.
+settles pending parts on every rank (``TierstoreWriter.reset``): a part whose save token the
+coordinator committed (:meth:`Publisher.committed`) is confirmed (the marker goes); a part of a
+save the coordinator never committed is an orphan, which gc removes. A pending part drained to
+a slower node-local tier is pending there too (the drain copies the marker in before its
+commit), and is settled the same way: by the coordinator's commit, not by the coordinator's
+copy on that tier, which its own drain may not have brought there yet.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Collection
+from collections import OrderedDict
+from typing import Collection, Sequence
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.drain import DrainJob, Drainer
@@ -33,6 +37,9 @@ __all__ = ["Publisher", "PENDING_PART"]
 
 log = logging.getLogger("tierstore.publish")
 
+#: how many checkpoint ids the coordinator remembers having committed (and under which tokens)
+#: for settling parts; older ones are judged from the tiers' manifests alone
+REMEMBERED_COMMITS = 4096
 
 
 class Publisher:
@@ -45,6 +52,9 @@ class Publisher:
                  in_checkpoint_process: bool = False):
         self._context, self._drainer, self._retention = context, drainer, retention
         self._in_checkpoint_process = in_checkpoint_process
+        # id -> tokens this process committed it under as a whole (the coordinator's commits)
+        self._commits: OrderedDict[str, set[str]] = OrderedDict()
+        self._commits_lock = threading.Lock()
         retention.spare_with(self.unconfirmed)
 
     @staticmethod
@@ -72,6 +82,42 @@ class Publisher:
         except FileNotFoundError:
             pass
 
+    def committed(self, checkpoint_id: str, token: str) -> bool | None:
+        """On the coordinator's rank: whether it committed ``checkpoint_id`` as a whole (with
+        DCP's ``.metadata``) under save ``token``. True when this process made that commit or a
+        complete copy of that save with its metadata is on any tier this rank reads on its own
+        machine (the first tier that took it, or a slower one it was drained to); False when
+        none is; None when a tier could not be read and nothing else answered (the part stays
+        pending). Object-store tiers are not asked: a save's start never waits on a server.
+
+        What is judged False was never committed, or no longer exists on the coordinator's
+        machine (``keep`` evicted every copy there, or the node was lost): a part of it cannot
+        load anyway, and removing it is what ``keep`` would have done."""
+        with self._commits_lock:
+            if token in self._commits.get(checkpoint_id, ()):
+                return True
+        unreadable = False
+        for tier in self._context.tiers:
+            if tier.layout.shared and tier.backend.local_path("") is None:
+                continue
+            try:
+                manifest = tier.complete_manifest(checkpoint_id)
+            except Exception:  # noqa: BLE001 - another tier may still answer
+                log.warning("tier '%s': could not read the manifest of %s to settle its "
+                            "parts", tier.name, checkpoint_id, exc_info=True)
+                unreadable = True
+                continue
+            if manifest is not None and manifest.has_metadata and manifest.save_token == token:
+                return True
+        return None if unreadable else False
+
+    def _remember_commit(self, checkpoint_id: str, token: str) -> None:
+        with self._commits_lock:
+            self._commits.setdefault(checkpoint_id, set()).add(token)
+            self._commits.move_to_end(checkpoint_id)
+            while len(self._commits) > REMEMBERED_COMMITS:
+                self._commits.popitem(last=False)
+
     def unconfirmed(self, tier: Tier) -> set[str]:
         """What ``keep`` must spare on a node-local tier holding pending parts: the pending
         parts themselves (their checkpoint may or may not exist yet) and the newest ``keep``
@@ -88,11 +134,13 @@ class Publisher:
 
     def publish(self, tier: Tier, checkpoint_id: str, staging: str, token: str,
                 files: dict[str, FileEntry], step: int, seconds: float,
-                all_files: dict[str, FileEntry] | None = None, drain: bool = True,
+                all_files: dict[str, FileEntry] | None = None, drain: Sequence[Tier] = (),
                 pending: bool = False, replaces: Collection[str] = ()) -> Manifest:
         """Write the manifest and make the checkpoint (this rank's part of it, on a node-local
         tier) visible on ``tier``, queue drains to slower tiers, then apply ``keep``.
-        ``all_files``: every file of the checkpoint, known on the coordinator. ``pending``: a
+        ``all_files``: every file of the checkpoint, known on the coordinator. ``drain``: the
+        slower tiers that take this save, as its ``reset`` decided (never asked again here:
+        an ``every = "auto"`` tier's schedule must see each save once). ``pending``: a
         node-local part published before the checkpoint's commit (see the module docstring),
         marked so in the same commit; ``keep`` neither counts it nor evicts anything for it.
         ``replaces``: save tokens of copies of this id that the save found here at its start
@@ -120,13 +168,15 @@ class Publisher:
             tier.write_bytes(f"{staging}/{PENDING_PART}", token.encode())
         tier.commit_save(checkpoint_id, staging, manifest,
                          lambda phase: host.phase(phase, checkpoint_id, tier.name, rank))
+        if manifest.has_metadata:
+            self._remember_commit(checkpoint_id, token)
         host.event(Event(EventKind.COMMITTED, checkpoint_id, tier.name, rank, seconds,
                          manifest.size_bytes, {"step": step}))
         log.info("committed %s on tier '%s' (%d bytes in %.2f s)", checkpoint_id, tier.name,
                  manifest.size_bytes, seconds)
         if self._in_checkpoint_process:
             return manifest  # the training process's store drains and applies keep
-        targets = [t for t in ctx.tiers.tiers_for(step) if t is not tier] if drain else []
+        targets = [t for t in drain if t is not tier]
         if targets:
             self._drainer.submit(DrainJob(checkpoint_id, tier, targets, token,
                                           all_files or files))

@@ -29,7 +29,9 @@ def queue_missing_copies(tiers: list[Tier], drainer: Drainer, health: TierHealth
         newest = max((m.committed for m in on_target.values()), default=float("-inf"))
         for i in range(j):
             for cid, manifest in complete[i].items():
-                if (manifest.step is None or not target.takes(manifest.step)
+                # (due, not takes: a resumed drain is not a save and must not move an auto
+                # tier's schedule on this rank alone, which would part it from the others)
+                if (manifest.step is None or not target.due(manifest.step)
                         or cid in on_target or manifest.committed <= newest
                         or PendingCopy(cid, target.name) in queued
                         or target.read_manifest(cid) is not None):

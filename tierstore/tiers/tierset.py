@@ -50,15 +50,17 @@ class TierSet(Sequence):
                 return tier
         raise ValueError(f"no tier named {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
 
-    def tiers_for(self, step: int) -> list[Tier]:
-        """Every tier that takes ``step``: the first one is saved to, the rest get the drain."""
-        return [t for t in self.tiers if t.takes(step)]
+    def take_save(self, step: int) -> list[Tier]:
+        """The tiers that take the save of ``step``, fastest first: the first is saved to, the
+        rest get the drain. Where only ``every = "auto"`` tiers could and none is due, the
+        fastest tier alone: a save the job asked for is never dropped (``store.should_save``
+        says when one is due).
 
-    def first_for(self, step: int) -> Tier:
-        """The fastest tier whose ``every`` takes ``step`` (one with every = 1 always does);
-        where only ``every = "auto"`` tiers could and none is due, the fastest tier: a save the
-        job asked for is never dropped (``store.should_save`` says when one is due)."""
-        return next((t for t in self.tiers if t.takes(step)), self.tiers[0])
+        Call it once per save, on every rank (a save's ``reset``): an auto tier counts the
+        save taken, so its schedule must see the same saves in the same order on every rank;
+        whatever else needs to know (drains, replication) uses the answer, never asks again."""
+        taking = [t for t in self.tiers if t.takes(step)]
+        return taking or [self.tiers[0]]
 
     def due(self, step: int) -> bool:
         """Whether some tier would take the save of ``step`` (asking changes nothing)."""
