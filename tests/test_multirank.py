@@ -38,8 +38,9 @@ def test_two_ranks_save_and_load_bitwise(tmp_path):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("phase,failing_rank", [("write_file", 1), ("publish", 0)],
-                         ids=["rank1-write_file", "rank0-publish"])
+@pytest.mark.parametrize("phase,failing_rank",
+                         [("write_file", 1), ("publish", 0), ("mismatch", 1)],
+                         ids=["rank1-write_file", "rank0-publish", "rank1-another-id"])
 def test_save_failing_on_one_rank(tmp_path, phase, failing_rank):
     """One rank's save of step-2 fails: every rank gets the error, latest() stays step-1 on both,
     step-3 then saves and loads, and no hidden leftover of step-2 stays in the shared root."""

@@ -3,7 +3,8 @@
     torchrun ... multirank_fail_worker.py ROOT PHASE FAILING_RANK
 
 Saves ``step-1``; then ``step-2`` fails on one rank only (a ``tierstore_phase`` hook on
-FAILING_RANK raises before PHASE); every rank must get the error, ``latest()`` must stay ``step-1``; then ``step-3``
+FAILING_RANK raises before PHASE; PHASE ``mismatch``: FAILING_RANK saves under another id, as a
+rank whose schedule parted from the others' would); every rank must get the error, ``latest()`` must stay ``step-1``; then ``step-3``
 saves fine and nothing hidden may stay in the shared root (argv[1]).
 
 Prints one line per problem and exits 1 when there is any; prints "RANK <r> OK" otherwise.
@@ -55,12 +56,15 @@ def main() -> int:
     pg = store.process_group
     dcp.save(state(rank, 1), storage_writer=store.writer(), checkpoint_id="step-1",
              process_group=pg)
+    mismatch = phase == "mismatch" and rank == failing
     try:
-        dcp.save(state(rank, 2), storage_writer=store.writer(), checkpoint_id="step-2",
-                 process_group=pg)
+        dcp.save(state(rank, 2), storage_writer=store.writer(),
+                 checkpoint_id="step-9" if mismatch else "step-2", process_group=pg)
         problems.append("saving step-2 did not raise")
     except CheckpointException as exc:
-        if f"injected failure on rank {failing}" not in str(exc):
+        expected = ("every rank must save the same checkpoint id" if phase == "mismatch"
+                    else f"injected failure on rank {failing}")
+        if expected not in str(exc):
             problems.append(f"the error does not carry rank {failing}'s message: {exc}")
     if store.latest() != "step-1":
         problems.append(f"latest() after the failed save: {store.latest()!r}")

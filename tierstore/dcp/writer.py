@@ -74,12 +74,16 @@ class WriterServices:
 
 @dataclass(frozen=True)
 class _PlanData:
-    """What the coordinator tells every rank in its plan: file prefix, the save's token, and
-    the intervals (in steps) of the ``every = "auto"`` tiers for the saves after this one."""
+    """What the coordinator tells every rank in its plan: file prefix, the save's token, the
+    intervals (in steps) of the ``every = "auto"`` tiers for the saves after this one, and the
+    checkpoint id and first tier of the coordinator's save (every rank checks it saves the
+    same: DCP pairs whatever saves the ranks make)."""
 
     prefix: str
     token: str
     intervals: tuple[tuple[str, int], ...] = ()
+    checkpoint_id: str = ""
+    tier: str = ""
 
 
 @dataclass
@@ -333,10 +337,11 @@ class TierstoreWriter(StorageWriter, AsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: choose the save's token and each rank's file prefix."""
-        self._require_save()
+        save = self._require_save()
         token = uuid.uuid4().hex[:16]
         intervals = self._choose_intervals()
-        return [dataclasses.replace(p, storage_data=_PlanData(f"__{i}_", token, intervals))
+        return [dataclasses.replace(p, storage_data=_PlanData(
+                    f"__{i}_", token, intervals, save.checkpoint_id, save.tier.name))
                 for i, p in enumerate(plans)]
 
     def _choose_intervals(self) -> tuple[tuple[str, int], ...]:
@@ -364,11 +369,13 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 # save's plan back, token included: every save's token comes from the first
                 # rank of the store's group instead (one small broadcast per save).
                 # The auto tiers' intervals go with it, for the same reason.
-                token, intervals = broadcast_object(
+                token, intervals, cid, tier = broadcast_object(
                     (uuid.uuid4().hex[:16],
-                     self._choose_intervals() if self._services.context.rank == 0 else ()),
+                     self._choose_intervals() if self._services.context.rank == 0 else (),
+                     save.checkpoint_id, save.tier.name),
                     self._services.context.groups.main)
-                data = dataclasses.replace(data, token=token, intervals=intervals)
+                data = dataclasses.replace(data, token=token, intervals=intervals,
+                                           checkpoint_id=cid, tier=tier)
             self._adopt_intervals(data.intervals)
             fut = self._write_data(save, dataclasses.replace(plan, storage_data=data), planner)
             wrote = True
@@ -418,6 +425,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         results: list[WriteResult] = []
         failure: BaseException | None = None
         try:
+            self._check_same_save(save, data)
             items = plan.items
             if save.spill is not None:  # a budgeted staging's records
                 if _can_adopt(save.spill, tier):
@@ -456,6 +464,22 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    @staticmethod
+    def _check_same_save(save: _SaveState, data: _PlanData) -> None:
+        """Refuse to write when this rank's save is not the coordinator's: DCP pairs whatever
+        saves the ranks make, and the commit would list files under an id, or on a tier, that
+        this rank never wrote there. Raised inside the write, so that every rank of a node's
+        part still takes part in publishing it (and the save fails on every rank)."""
+        if data.checkpoint_id and (data.checkpoint_id, data.tier) != (save.checkpoint_id,
+                                                                        save.tier.name):
+            raise CommitError(
+                f"this rank saves checkpoint '{save.checkpoint_id}' to tier "
+                f"'{save.tier.name}', but the coordinator (rank 0) saves "
+                f"'{data.checkpoint_id}' to tier '{data.tier}': every rank must save the same "
+                f"checkpoint id at the same step (with every = \"auto\", ask "
+                f"store.should_save(step) on every rank at every step and save when it says "
+                f"so). Nothing of this save was committed")
 
     def _adopt_spill_files(self, save: _SaveState, prefix: str, items: list[WriteItem]
                            ) -> tuple[list[WriteItem], list[WriteResult]]:
