@@ -223,6 +223,88 @@ def test_keep_in_a_process_sharing_the_directory_never_evicts_a_checkpoint_being
     neighbour.close()
 
 
+def _from_another_thread(fn, *args) -> None:
+    """Run ``fn(*args)`` on a thread of its own, as a user's monitoring thread would, and
+    wait for it (a store call that hangs fails the test)."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"{fn.__name__} did not return"
+    if errors:
+        raise errors[0]
+
+
+class _PinWhileDraining:
+    """Pins ``step-1`` from another thread as its drain to tier ``disk`` is about to commit:
+    after the drain read the flag, before the copy there is complete."""
+
+    def __init__(self):
+        self.store = None
+
+    @tierstore.hookimpl
+    def tierstore_phase(self, phase, checkpoint_id, tier, rank, detail):
+        if phase == "drain_commit" and tier == "disk" and checkpoint_id == "step-1":
+            _from_another_thread(self.store.pin, "step-1")
+
+
+def test_a_pin_during_a_drain_pins_the_copy_it_commits(tmp_path):
+    pinner = _PinWhileDraining()
+    config = {"tier": [{"name": "ram", "backend": "memory", "path": str(tmp_path / "ram"),
+                        "keep": 1},
+                       {"name": "disk", "backend": "local", "path": str(tmp_path / "disk"),
+                        "keep": 1}]}
+    with tierstore.open(config, plugins=[pinner]) as store:
+        pinner.store = store
+        save(store, "step-1", value=1.0)
+        store.wait()
+        for step in (2, 3):  # keep = 1 on both tiers: only a pin keeps step-1
+            save(store, f"step-{step}", value=float(step))
+            store.wait()
+        assert store.list()[-1].id == "step-1" and store.list()[-1].pinned
+    for tier in ("ram", "disk"):
+        manifest = json.loads((tmp_path / tier / "step-1" / "tierstore.json").read_text())
+        assert manifest["pinned"] is True, f"step-1 is not pinned on {tier}"
+    with tierstore.open({"tier": [config["tier"][1]]}) as disk_only:
+        assert torch.equal(load(disk_only, "step-1")["w"], torch.full((1000,), 1.0))
+
+
+def test_a_pin_after_keep_chose_its_victims_keeps_the_checkpoint(tmp_path, monkeypatch):
+    from tierstore.tiers.tier import Tier
+
+    config = {"tier": [{"name": "ram", "backend": "memory", "path": str(tmp_path / "ram"),
+                        "keep": 1}]}
+    choose = Tier.retention_victims
+    pinned_late = []
+
+    def slow_listing(self, manifests):
+        victims = choose(self, manifests)
+        if "step-1" in victims and not pinned_late:
+            # A slow listing: the user pins step-1 (its only copy) after the choice.
+            pinned_late.append(True)
+            _from_another_thread(store.pin, "step-1")
+        return victims
+
+    monkeypatch.setattr(Tier, "retention_victims", slow_listing)
+    with tierstore.open(config) as store:
+        save(store, "step-1", value=1.0)
+        save(store, "step-2", value=2.0)  # keep = 1 chooses step-1
+        assert pinned_late
+        assert [(i.id, i.pinned) for i in store.list()] == [("step-2", False), ("step-1", True)]
+        assert torch.equal(load(store, "step-1")["w"], torch.full((1000,), 1.0))
+        save(store, "step-3", value=3.0)  # and the next pass keeps it too
+        assert [i.id for i in store.list()] == ["step-3", "step-1"]
+
+
 def test_pin_unknown_checkpoint(store):
     with pytest.raises(CheckpointNotFound, match="cannot pin 'step-3'"):
         store.pin("step-3")

@@ -203,6 +203,7 @@ class Drainer(BackgroundJobs[DrainJob]):
             host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
             target.commit_save(cid, staging, copy,
                                lambda phase: host.phase(phase, cid, target.name, rank))
+            self._settle_pin(job, source, target, copy)
         finally:
             target.end_writing(staging)  # a failed repair lets go; it deletes nothing
         seconds = time.perf_counter() - started
@@ -348,6 +349,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                 host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
                 target.commit_save(cid, staging, copy,
                                    lambda phase: host.phase(phase, cid, target.name, rank))
+                self._settle_pin(job, source, target, copy)
         except BaseException as exc:
             if commits:
                 self._safely(lambda: target.abort_save(cid, staging),
@@ -491,8 +493,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                          codecs: list[str] | None = None) -> Manifest:
         """The manifest of the copy on ``target``: the source's, with the target's plugins,
         the pin as it is now, and (``gathering``) every part's files as one part."""
-        now = source.read_manifest(job.checkpoint_id)  # the pin may have changed meanwhile
-        fields = {"pinned": job.pin or (now.pinned if now is not None else manifest.pinned)}
+        fields = {"pinned": self._pin_now(job, source, manifest.pinned)}
         if codecs is not None:
             fields["codecs"] = codecs
         if gathering:
@@ -501,6 +502,36 @@ class Drainer(BackgroundJobs[DrainJob]):
         return build_manifest(target, job.checkpoint_id,
                               manifest.files if files is None else files, like=manifest,
                               **fields)
+
+    def _pin_now(self, job: DrainJob, source: Tier, otherwise: bool) -> bool:
+        """Whether the copy of ``job`` is to be pinned, asked now (a pin may have changed
+        since the job began): pinned by the job itself (``promote --pin``), else as this
+        store was last asked (``store.pin``/``unpin``, told to retention before any tier
+        changes), else as the source's manifest says (another process's pin), else
+        ``otherwise``."""
+        if job.pin:
+            return True
+        asked = self._retention.pin_asked(job.checkpoint_id)
+        if asked is not None:
+            return asked
+        now = source.read_manifest(job.checkpoint_id)
+        return now.pinned if now is not None else otherwise
+
+    def _settle_pin(self, job: DrainJob, source: Tier, target: Tier, copy: Manifest) -> None:
+        """Right after a copy's commit: a pin (or unpin) that landed between the read of the
+        flag and the commit found no complete copy on ``target`` to change, and would be lost
+        there (``keep`` then evicting a pinned checkpoint); the flag is asked again and, where
+        it changed, the copy is changed too. A pin landing after this finds the copy
+        complete and changes it itself."""
+        want = self._pin_now(job, source, copy.pinned)
+        if want == copy.pinned:
+            return
+        try:
+            target.set_pinned(job.checkpoint_id, want)
+        except Exception:  # noqa: BLE001 - the copy is committed: never undo it for its flag
+            log.warning("tier '%s': could not %s %s after copying it; call store.%s again",
+                        target.name, "pin" if want else "unpin", job.checkpoint_id,
+                        "pin" if want else "unpin", exc_info=True)
 
     def _wait_for_begin(self, job: DrainJob, target: Tier) -> None:
         """A rank that does not commit a gathered copy: wait until the committing rank has

@@ -3,7 +3,10 @@
 The rule, in one place: on a tier with ``keep = N``, a complete checkpoint is evicted when
 
 1. it is not among the N most recently committed complete checkpoints of that tier,
-2. it is not pinned (``store.pin``),
+2. it is not pinned (``store.pin``): neither its manifest on that tier, read again under the
+   checkpoint's exclusive lock right before the delete, nor what this store was last asked
+   (:meth:`Retention.pin_asked`: a pin is told here before it changes any tier, so a pin that
+   lands after a pass chose its victims still saves them),
 3. nothing in this store still reads it: no drain copying it from that tier, no replication
    sending it, no load reading it (each tells retention what to spare, see :meth:`spare_with`
    and :meth:`loading`), and
@@ -61,6 +64,24 @@ class Retention:
         # inside any lock (this one too), so it only appends here (atomic) and the next
         # retention or load counts it.
         self._loads_released: collections.deque[str] = collections.deque()
+        # checkpoint id -> pinned, as this store's pin()/unpin() last asked (under _lock)
+        self._pins: dict[str, bool] = {}
+
+    def ask_pin(self, checkpoint_id: str, pinned: bool | None) -> None:
+        """``store.pin``/``unpin`` of ``checkpoint_id`` begins: from now on this store's
+        evictions and copies follow it, whatever each tier's manifest says yet. None: forget
+        it (a pin that found no copy to change)."""
+        with self._lock:
+            if pinned is None:
+                self._pins.pop(checkpoint_id, None)
+            else:
+                self._pins[checkpoint_id] = pinned
+
+    def pin_asked(self, checkpoint_id: str) -> bool | None:
+        """Whether this store was last asked to pin (True) or unpin (False) ``checkpoint_id``;
+        None when it was asked neither."""
+        with self._lock:
+            return self._pins.get(checkpoint_id)
 
     def spare_with(self, spared: Callable[[Tier], set[str]]) -> None:
         """Register a source of ids not to evict from a tier yet (a background job's
@@ -133,6 +154,13 @@ class Retention:
                      checkpoint_id, tier.name)
             return False
         try:
+            # Pinned since the pass chose it? A pin rewrites the manifest under the shared
+            # lock, so what is read under the exclusive one is the flag as it now is.
+            if self.pin_asked(checkpoint_id):
+                return False
+            manifest = tier.read_manifest(checkpoint_id)
+            if manifest is not None and manifest.pinned:
+                return False
             tier.delete(checkpoint_id, evicted=True)
         except FileNotFoundError:
             return False  # gone meanwhile (gc, or another process sharing the directory)
