@@ -1,11 +1,13 @@
 """A load is all or nothing: when some file of the checkpoint has no good copy on any tier,
 ``dcp.load`` raises and the state dict holds exactly what it held before, tensors (read in place
-or copied from read windows) and other values alike; a bad copy that another tier's good copy
-replaces still loads bitwise right."""
+or copied from read windows) and other values alike, whatever mix of tier kinds served the
+files (checked local pages, streams); a bad copy that another tier's good copy replaces still
+loads bitwise right."""
 
 from __future__ import annotations
 
 import copy
+import json
 import uuid
 import warnings
 from pathlib import Path
@@ -16,11 +18,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from recording import Recorder
 
 import tierstore
 from tierstore import EventKind
+from tierstore.format.item_io import BufferReader, LoadUndo, needed_ranges, read_items
+from tierstore.format.manifest import FileEntry
+from tierstore.format.metadata import load_metadata
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -40,37 +46,46 @@ def state(seed: int) -> dict:
 
 
 class Tiers:
-    """Two tiers and their data files: ``local`` (files, checked before they are read) or
-    ``stream`` (fsspec's in-memory object store: read once, the old bytes kept)."""
+    """Two tiers and their data files: ``local`` (files, checked before they are read),
+    ``stream`` (fsspec's in-memory object store: read once, the old bytes kept), or ``mixed``
+    (a first tier of files, ``first``: ``local`` or ``memory``, and a streamed slower one: a
+    load reads some files from checked pages and others as streams)."""
 
-    def __init__(self, root: Path, kind: str):
-        self.root, self.kind = root, kind
+    def __init__(self, root: Path, kind: str, first: str = "local"):
+        self.root, self.kind, self.first = root, kind, first
         self.fs = fsspec.filesystem("memory")
         self.bucket = f"atomicity-{uuid.uuid4().hex[:8]}"
 
+    def kind_of(self, tier: str) -> str:
+        """``local`` or ``stream``: the backend of ``tier`` ("fast" or "slow")."""
+        if self.kind == "mixed":
+            return "local" if tier == "fast" else "stream"
+        return self.kind
+
     def config(self, io_threads: int) -> dict:
-        if self.kind == "local":
-            tiers = [{"name": n, "backend": "local", "path": str(self.root / n)}
-                     for n in ("fast", "slow")]
-        else:
-            tiers = [{"name": n, "backend": "fsspec", "url": f"memory://{self.bucket}/{n}"}
-                     for n in ("fast", "slow")]
+        tiers = [{"name": n, "backend": self.first, "path": str(self.root / n)}
+                 if self.kind_of(n) == "local" else
+                 {"name": n, "backend": "fsspec", "url": f"memory://{self.bucket}/{n}"}
+                 for n in ("fast", "slow")]
         return {"store": {"io_threads": io_threads}, "tier": tiers}
 
     def files(self, tier: str) -> list[str]:
         """Paths of the checkpoint's data files on ``tier``, in name order."""
-        if self.kind == "local":
+        if self.kind_of(tier) == "local":
             return [str(p) for p in sorted((self.root / tier / CID).glob("*.distcp"))]
         return sorted(self.fs.glob(f"/{self.bucket}/{tier}/{CID}/*.distcp"))
 
     def path(self, tier: str, name: str) -> str:
         return next(p for p in self.files(tier) if p.endswith("/" + name))
 
+    def _local(self, path: str) -> bool:
+        return not path.startswith(f"/{self.bucket}/")
+
     def read(self, path: str) -> bytes:
-        return Path(path).read_bytes() if self.kind == "local" else self.fs.cat_file(path)
+        return Path(path).read_bytes() if self._local(path) else self.fs.cat_file(path)
 
     def write(self, path: str, data: bytes) -> None:
-        if self.kind == "local":
+        if self._local(path):
             Path(path).write_bytes(data)
         else:
             self.fs.pipe_file(path, data)
@@ -82,6 +97,11 @@ class Tiers:
         for k in range(mid, mid + 64):
             data[k] ^= 0x5A
         self.write(path, bytes(data))
+
+    def remove(self) -> None:
+        """Drop the in-memory object store's copies (the local ones go with tmp_path)."""
+        if self.kind != "local" and self.fs.exists(f"/{self.bucket}"):
+            self.fs.rm(f"/{self.bucket}", recursive=True)
 
 
 def name(path: str) -> str:
@@ -97,17 +117,22 @@ def assert_bitwise_equal(got: dict, want: dict) -> None:
             assert got[key] == value, key
 
 
-@pytest.fixture(params=["local", "stream"])
-def saved(tmp_path, request):
-    """The checkpoint on both tiers, in several data files."""
-    tiers = Tiers(tmp_path, request.param)
+def save_on(tiers: Tiers) -> Tiers:
+    """The checkpoint saved on ``tiers`` (drained to the slow one), in several data files."""
     with tierstore.open(tiers.config(4)) as store:
         dcp.save(state(1), storage_writer=store.writer(), checkpoint_id=CID)
         store.wait()
     names = [name(p) for p in tiers.files("fast")]
     assert len(names) >= 3 and [name(p) for p in tiers.files("slow")] == names
+    return tiers
+
+
+@pytest.fixture(params=["local", "stream", "mixed"])
+def saved(tmp_path, request):
+    """The checkpoint on both tiers, in several data files."""
+    tiers = save_on(Tiers(tmp_path, request.param))
     yield tiers
-    tiers.fs.rm(f"/{tiers.bucket}", recursive=True) if tiers.kind == "stream" else None
+    tiers.remove()
 
 
 @pytest.mark.parametrize("io_threads", [1, 4])
@@ -127,6 +152,80 @@ def test_a_file_with_no_good_copy_leaves_the_state_dict_as_it_was(saved, io_thre
         assert_bitwise_equal(dest, before)
         for p, raw in originals.items():
             saved.write(p, raw)
+
+
+@pytest.fixture(params=["local", "memory"])
+def mixed(tmp_path, request):
+    """The checkpoint on a first tier of files (``local`` or ``memory``) and a streamed
+    (fsspec ``memory://``) slower one."""
+    tiers = save_on(Tiers(tmp_path, "mixed", first=request.param))
+    yield tiers
+    tiers.remove()
+
+
+@pytest.mark.parametrize("io_threads", [1, 4])
+def test_a_failed_load_from_mixed_tiers_leaves_every_destination_as_it_was(mixed, io_threads):
+    """The other files' copies on the first tier are good (checked from their mapped pages),
+    the last file is bad on both tiers (its first copy fails its check, so the load reads it as
+    a stream from the slower tier, where it fails too): what the good files hold must not reach
+    the state dict before that failure is known, nor stay there after it."""
+    bad = name(mixed.files("fast")[-1])
+    for tier in ("fast", "slow"):
+        mixed.corrupt_middle(mixed.path(tier, bad))
+    dest = state(2)
+    before = copy.deepcopy(dest)
+    with tierstore.open(mixed.config(io_threads)) as store:
+        with pytest.raises((tierstore.IntegrityError, CheckpointException)) as info:
+            dcp.load(dest, storage_reader=store.reader(), checkpoint_id=CID)
+    assert f"no tier has a good copy of {bad}" in str(info.value), info.value
+    changed = [k for k, v in before.items() if isinstance(v, torch.Tensor)
+               and not torch.equal(dest[k].view(torch.uint8), v.view(torch.uint8))]
+    assert not changed, f"a failed load changed {len(changed)} tensors: {changed}"
+    assert_bitwise_equal(dest, before)
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_bytes_checked_in_memory_reach_no_destination_before_the_load_is_good(tmp_path, held):
+    """What a load reads from bytes already checked and in memory (a copy's mapped pages, a
+    file peers sent, or with ``held`` only the ranges they sent: the other bytes are garbage)
+    lands only at ``LoadUndo.apply``; a load that fails after them (``restore``) has nothing of
+    theirs to put back, and one that succeeds lands them bitwise."""
+    config = {"tier": [{"name": "t", "backend": "local", "path": str(tmp_path / "t")}]}
+    with tierstore.open(config) as store:
+        dcp.save(state(1), storage_writer=store.writer(), checkpoint_id=CID)
+    directory = tmp_path / "t" / CID
+    metadata = load_metadata((directory / ".metadata").read_bytes(), "test")
+    files = json.loads((directory / "tierstore.json").read_text())["files"]
+
+    def read_all(dest: dict) -> LoadUndo:
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(dest, metadata)
+        reqs = planner.create_local_plan().items
+        undo = LoadUndo()
+        for name in sorted(n for n in files if n.endswith(".distcp")):
+            entry = FileEntry(**files[name])
+            mine = [r for r in reqs if metadata.storage_data[r.storage_index].relative_path == name]
+            data = bytearray((directory / name).read_bytes())
+            ranges = None
+            if held:
+                ranges = needed_ranges(entry, mine, metadata.storage_data, metadata)
+                sent = bytearray(b"\xa5" * len(data))
+                for start, end in ranges:
+                    sent[start:end] = data[start:end]
+                data = sent
+            read_items(BufferReader(data, ranges), entry, mine, metadata.storage_data,
+                       metadata, planner, None, undo=undo)
+        return undo
+
+    dest = state(2)
+    before = copy.deepcopy(dest)
+    undo = read_all(dest)
+    assert_bitwise_equal(dest, before)  # every file read: nothing landed yet
+    undo.restore()
+    assert_bitwise_equal(dest, before)
+    dest = state(2)
+    read_all(dest).apply()
+    assert_bitwise_equal(dest, state(1))
 
 
 @pytest.mark.parametrize("io_threads", [1, 4])

@@ -463,13 +463,16 @@ class TierstoreReader(StorageReader):
             self._unmap()
             self._per_file = per_file
             self._firsts = self._check_local(list(per_file))
-        # A load is all or nothing. Local copies were checked first (prepare_local_plan),
-        # every file of the load before any byte lands (from their mapped pages: no copy;
-        # only the blocks this rank reads, of a file it needs part of), and are read from
-        # those pages without a second pass; a file no tier has a good copy of fails the load
-        # with nothing changed. Copies that cannot be checked that cheaply (streams) are read
-        # once, with the old bytes of their destinations kept: any failure puts back every
-        # tensor the load was read into (LoadUndo).
+        # A load is all or nothing, whatever mix of tiers serves its files. Local copies were
+        # checked first (prepare_local_plan, from their mapped pages: no copy; only the
+        # blocks this rank reads, of a file it needs part of). Their bytes, like those peers
+        # sent and the checked blocks of a copy read in part, are already checked and in
+        # memory: they reach no destination until every file of the load is good (undo.apply
+        # copies them in, the one copy a read makes anyway), so a later file's failure has
+        # nothing of theirs to undo. Copies that cannot be checked before they are read
+        # (streams) are read once, straight into their destinations with the old bytes kept
+        # (holding their bytes back instead would cost the same buffer and copy): any failure
+        # puts those back (LoadUndo).
         undo = LoadUndo()
         pool = self._pool(len(per_file))
 
@@ -493,6 +496,9 @@ class TierstoreReader(StorageReader):
                                            *firsts[relative])
 
             total = sum(each(read_file, list(per_file)))
+            # Every file is good: what was held back lands, files in parallel on the threads
+            # that read them (it restores the state dict itself if a step fails).
+            undo.apply(each)
         except BaseException:
             if pool is not None:
                 # Every reading thread has stopped before the state dict is put back.
@@ -503,7 +509,6 @@ class TierstoreReader(StorageReader):
             self._unmap()
         if pool is not None:
             pool.shutdown(wait=True)
-        undo.apply()
         by_source = self._bytes_by_source(per_file, firsts)
         local = {k: v for k, v in by_source.items() if k != FROM_PEERS}
         # The tier most of this rank's bytes came from; a rank of a replaced node may have no
@@ -672,13 +677,13 @@ class TierstoreReader(StorageReader):
                         tier.name, why)
         return end, problems, False
 
-    def _no_good_copy(self, relative: str, problems: list[str], damaged: str = "") -> None:
+    def _no_good_copy(self, relative: str, problems: list[str]) -> None:
         if not problems:
             problems.append("no tier of this process holds it (node-local tiers hold only their "
                             "node's files: add a shared tier, or a peer tier, to load it here)")
         raise IntegrityError(
             f"checkpoint '{self._checkpoint_id}': no tier has a good copy of {relative}: "
-            + "; ".join(problems) + damaged
+            + "; ".join(problems)
         )
 
     def _read_one_file(self, relative: str, reqs: list[ReadItem], planner: LoadPlanner,
@@ -686,10 +691,9 @@ class TierstoreReader(StorageReader):
                        checked: bool = False) -> int:
         """Read ``relative`` from the sources from ``start`` on; the copy at ``start`` was
         checked already when ``checked`` (its mapped pages, in ``self._mapped``, are read
-        without a second pass, and its destinations' old bytes are not kept)."""
+        without a second pass: their bytes land in the destinations only at ``undo.apply``)."""
         ctx, cid = self._services.context, self._checkpoint_id
         problems = list(problems or [])
-        damaged = ""
         fetched = self._fetched.get(relative)
         if fetched is not None:  # not on this node: peers sent it, or the blocks read (checked)
             self._read_checked(fetched.data, fetched.held, fetched.entry, reqs, planner, undo)
@@ -700,14 +704,11 @@ class TierstoreReader(StorageReader):
                 problems.append(f"tier '{tier.name}': not in its manifest")
                 continue
             mapped = self._mapped.pop(relative, None) if n == start and checked else None
-            keep_old = mapped is None and not damaged
-            landing = False
             try:
                 # Inside the try: a fault announced here falls back like a real read error.
                 ctx.host.phase(Phase.READ_FILE, cid, tier.name, self._rank, file=relative,
                                size=entry.size)
                 if mapped is not None:  # checked from these very pages
-                    landing = True
                     self._read_checked(mapped.data, mapped.held, entry, reqs, planner, undo)
                     nbytes = mapped.nbytes
                 else:
@@ -718,23 +719,17 @@ class TierstoreReader(StorageReader):
                             bad = check_blocks(tier.keyring, entry, data, runs)
                             if bad:
                                 raise FileReadError(bad)
-                            landing = True
                             self._read_checked(data, runs, entry, reqs, planner, undo)
                             nbytes = runs_bytes(runs)
                         else:
-                            landing = True
-                            nbytes = self._read_whole(f, tier, entry, reqs, planner, undo,
-                                                      keep_old)
+                            nbytes = self._read_whole(f, tier, entry, reqs, planner, undo)
             except (FileReadError, OSError, IntegrityError) as exc:
+                # Nothing of a checked copy reached the state dict (its bytes land at
+                # undo.apply), and a stream's destinations had their old bytes kept: the next
+                # copy may be read into the same tensors.
                 if mapped is not None:
                     mapped.close()
                 problems.append(f"tier '{tier.name}': {exc}")
-                if landing and not keep_old and not damaged:
-                    # Checked good, then read otherwise: its bytes landed without their old
-                    # ones kept (only a copy changing under the load does that).
-                    damaged = (f". Its copy on tier '{tier.name}' changed between its check "
-                               f"and its read, after some of its bytes had reached the state "
-                               f"dict: the tensors it holds are partly overwritten")
                 # The message, not the exception: a log handler that keeps records (pytest's,
                 # logging.handlers.MemoryHandler) would keep its traceback's frames alive, and
                 # with them this load's destination tensors.
@@ -746,34 +741,34 @@ class TierstoreReader(StorageReader):
                     mapped.close()
                 raise
             if mapped is not None:
-                undo.close_after(mapped)  # tensors held back until the load is good view it
+                undo.close_after(mapped)  # the bytes held back until the load is good are here
             if n > 0:
                 ctx.host.event(Event(EventKind.FELL_BACK, cid, tier.name, self._rank,
                                        detail={"file": relative, "problems": list(problems)}))
                 log.warning("checkpoint %s: read %s from tier '%s' after: %s", cid, relative,
                             tier.name, "; ".join(problems))
             return nbytes
-        self._no_good_copy(relative, problems, damaged)
+        self._no_good_copy(relative, problems)
 
     def _read_checked(self, data, held: list[tuple[int, int]] | None, entry: FileEntry,
                       reqs: list[ReadItem], planner: LoadPlanner, undo: LoadUndo) -> None:
         """Read ``reqs`` from bytes in memory already checked against ``entry`` (all of the
-        file, or the ranges ``held``): their destinations' old bytes are not kept."""
+        file, or the ranges ``held``): nothing reaches their destinations before
+        ``undo.apply`` (which copies them from ``data``, kept until then), so no old bytes
+        are kept."""
         read_items(BufferReader(data, held), entry, reqs, self._metadata.storage_data,
                    self._metadata, planner, None,
-                   trusted=self._services.context.config.trusted_pickles, undo=undo,
-                   keep_old=False)
+                   trusted=self._services.context.config.trusted_pickles, undo=undo)
 
     def _read_whole(self, f, tier: Tier, entry: FileEntry, reqs: list[ReadItem],
-                    planner: LoadPlanner, undo: LoadUndo, keep_old: bool) -> int:
+                    planner: LoadPlanner, undo: LoadUndo) -> int:
         """Read ``reqs`` from the open copy ``f``, not checked beforehand (a stream, or any
         copy when loads are not verified), front to back, checking all of it against
         ``entry`` on the way when loads are verified."""
         ctx = self._services.context
         verify = tier.keyring.hasher_for(entry.checksum) if ctx.config.verify_on_load else None
         return read_items(f, entry, reqs, self._metadata.storage_data, self._metadata, planner,
-                          verify, trusted=ctx.config.trusted_pickles, undo=undo,
-                          keep_old=keep_old)
+                          verify, trusted=ctx.config.trusted_pickles, undo=undo)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

@@ -334,8 +334,13 @@ class _Part:
     #: ``target`` is a buffer of this load's own, not the destination: the planner's tensor
     #: (on another device, of another dtype or layout) gets its bytes when it is committed
     staged: bool = False
-    #: what owns the memory a staged ``target`` views (kept until it is committed)
+    #: what owns the memory a staged ``target`` views, or ``at`` points into (kept until the
+    #: part is committed)
     source: object = None
+    #: the address of the item's bytes in memory already checked (a mapped copy's pages, what
+    #: peers sent), which ``target`` (the destination) takes when the part is committed; 0 once
+    #: they are in ``target``
+    at: int = 0
 
 
 class FileReadError(Exception):
@@ -349,17 +354,30 @@ _SEEK_GAP = 256 << 10
 
 
 class LoadUndo:
-    """What one load changed in the state dict so far, to put it back if the load fails.
+    """What one load changed in the state dict so far, to put it back if the load fails, and
+    what it holds back until the whole load is known good.
 
-    A load reads large tensors straight into their destinations (and copies small ones there
-    from read windows) before the file's checksum is known: only the end of a file tells. The
-    old bytes of every destination are copied here first, once per load (a fallback to another
-    tier's copy overwrites the same tensors again and must not save the bad copy's bytes as
-    "old"). Everything else a load does to the state dict (values decoded by ``torch.load``,
-    non-tensor values, ``commit_tensor``) is held back until :meth:`apply`, which the reader
-    calls once every file of the load is known good. On any failure :meth:`restore` writes the
-    old bytes back, so a failed load leaves the state dict as it was. Shared by the reading
-    threads of one load."""
+    Two ways to the same rule (a failed load leaves every destination bitwise as it was,
+    whichever mix of tiers served its files):
+
+    - A file read from bytes already checked and in memory (a local copy's mapped pages, what
+      peers sent, the checked blocks of an object store's copy: a :class:`BufferReader`) writes
+      no destination while the load runs. Each tensor keeps where its checked bytes are, and
+      :meth:`apply` copies them in. That copy is the one the read would make anyway, only
+      later: nothing to keep, no old bytes to save, and a later file's failure has nothing of
+      this one to undo. (The memory stays until then: a mapping, what peers sent, the blocks
+      read of a copy read in part, each as large as the old bytes it saves keeping.)
+    - A file read as a stream, unchecked until its end (an object store's copy), lands large
+      tensors straight in their destinations (and small ones from read windows) before its
+      checksum is known. Holding its bytes back would cost a buffer and a copy of every
+      byte; saving the destinations' old bytes costs the same buffer and copy, and only
+      for the tensors such files fill. So their old bytes are copied here first, once per
+      load (a fallback to another tier's copy overwrites the same tensors again and must not
+      save the bad copy's bytes as "old"), and :meth:`restore` writes them back.
+
+    Everything else a load does to the state dict (values decoded by ``torch.load``, non-tensor
+    values, ``commit_tensor``) is held back until :meth:`apply`, which the reader calls once
+    every file of the load is known good. Shared by the reading threads of one load."""
 
     __slots__ = ("_lock", "_saved", "_backups", "_later", "_sources")
 
@@ -396,8 +414,8 @@ class LoadUndo:
 
     def close_after(self, copy: MappedCopy) -> None:
         """Keep ``copy`` (its pages mapped, its directory held against eviction) until what
-        was read from it has landed: a destination that cannot take raw bytes in place (on a
-        GPU, of another dtype or layout) copies them from its pages when committed."""
+        was read from it has landed: its tensors' bytes are copied from its pages into their
+        destinations by :meth:`apply`, once every file of the load is good."""
         with self._lock:
             self._sources.append(copy)
 
@@ -405,11 +423,22 @@ class LoadUndo:
         while self._sources:
             self._sources.pop().close()
 
-    def apply(self) -> None:
-        """Hand the planner what every file brought: tensors decoded by ``torch.load`` and
-        ``commit_tensor`` first, the non-tensor values (which cannot be put back) last, after
-        every step that can fail on a bad item. Restores the state dict if a step fails."""
+    def apply(self, each: Callable[[Callable, list], object] | None = None) -> None:
+        """Hand the planner what every file brought: the bytes held back copied into their
+        destinations (file by file through ``each(fn, items)``, a map over the load's reading
+        threads, when given: the copies the reads would have made), tensors decoded by
+        ``torch.load`` and ``commit_tensor`` next, the non-tensor values (which cannot be put
+        back) last, after every step that can fail on a bad item. Restores the state dict if
+        a step fails (bytes copied in from checked memory have no old bytes kept: only a copy
+        to a device can fail there)."""
         try:
+            held = [(planner, filled) for _, filled, planner in self._later
+                    if any(p.at or p.staged for p in filled)]
+            if each is None:
+                for planner, filled in held:
+                    _land(planner, filled)
+            else:
+                each(lambda job: _land(*job), held)
             for decoded, filled, planner in self._later:
                 for sink, data in decoded:
                     if not sink.byte_io:
@@ -441,8 +470,7 @@ class LoadUndo:
 
 def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_data: dict,
                metadata: Metadata, planner: LoadPlanner, verify: Hasher | None, *,
-               trusted: tuple[str, ...] = (), undo: LoadUndo | None = None,
-               keep_old: bool = True) -> int:
+               trusted: tuple[str, ...] = (), undo: LoadUndo | None = None) -> int:
     """Read the items ``reqs`` of one data file ``f``, hand them to ``planner`` and, when
     ``verify`` (a fresh hasher made for ``entry``'s digest, keyed or not), check the whole file
     against ``entry``. Returns bytes read. Raises
@@ -456,35 +484,46 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     :func:`tierstore.format.values.check_value` (with ``trusted``: ``[store] trusted_pickles``);
     a refused one raises its ``UntrustedValue`` (an IntegrityError) with no value loaded.
 
-    With ``undo`` (one per load, shared by its files), the old bytes of every destination are
-    kept before anything lands in it and nothing reaches the planner until ``undo.apply()``:
-    the caller calls it once every file of the load is good, or ``undo.restore()`` on failure.
-    ``keep_old=False`` skips that copy for a file already checked (:func:`map_checked`).
-    Without ``undo``, a file that fails its checksum leaves the tensors it was read into changed."""
+    A file in memory already (a :class:`BufferReader`: checked bytes) writes no destination
+    here: each tensor keeps where its bytes are, and they are copied in when it is committed.
+    Other files are read into their destinations; with ``undo`` (one per load, shared by its
+    files), the old bytes of those are kept before anything lands in them. With ``undo``,
+    nothing is committed until ``undo.apply()``: the caller calls it once every file of the
+    load is good, or ``undo.restore()`` on failure (see :class:`LoadUndo`). Without ``undo``,
+    a streamed file that fails its checksum leaves the tensors it was read into changed."""
     parts = _plan_parts(entry, reqs, storage_data, metadata, planner, trusted)
     reading = _FileReading(f, entry, verify)
+    # Bytes in memory are not copied now but when committed: a copy made now would reach the
+    # state dict before the rest of the load is known good, with nothing to put back.
+    in_memory = isinstance(f, BufferReader)
     pending: list[tuple[_Decoder, memoryview]] = []
     filled: list[_Part] = []
     for start, end, group in _reads(parts, verify is not None):
         if group is None:  # one large tensor's bytes, straight into its destination
             part = parts[start]
-            if part.staged and isinstance(f, BufferReader):
-                # Checked bytes in memory already (mapped pages, or what peers sent): the
-                # destination copies from them when committed, with no buffer in between.
-                part.target, part.source = f.tensor_at(part.data_start, part.target), f
+            if in_memory:
+                _defer(part, f)
                 filled.append(part)
                 continue
             reading.skip_to(part.data_start)
-            if undo is not None and keep_old and not part.staged:
+            if undo is not None and not part.staged:  # (a staged target is the load's own)
                 undo.save([part.target])
             reading.read_into(tensor_bytes(part.target))
             filled.append(part)
             continue
         keeps_bytes = any(p.sink is not None for p in group)
+        if in_memory:
+            for p in group:
+                if p.sink is None:
+                    _defer(p, f)
+                    filled.append(p)
+            if not keeps_bytes:
+                continue
+            group = [p for p in group if p.sink is not None]
         reading.skip_to(start)
         window, address = reading.read_window(end - start, fresh=keeps_bytes)
         base = address - start
-        if undo is not None and keep_old:  # (a staged target is a buffer of the load's own)
+        if undo is not None and not in_memory:  # (a staged target is a buffer of the load's own)
             undo.save([p.target for p in group if p.sink is None and not p.staged])
         for p in group:
             if p.sink is not None:
@@ -506,16 +545,37 @@ def read_items(f: IO[bytes], entry: FileEntry, reqs: list[ReadItem], storage_dat
     return reading.pos
 
 
-def _commit(planner: LoadPlanner, part: _Part) -> None:
-    """Hand the planner ``part``'s tensor, once its file is known good (a staged one is
-    copied into the planner's tensor first)."""
-    if part.staged:
-        destination = planner.resolve_tensor(part.req).detach()
-        destination.copy_(part.target)
-        part.target = part.source = None  # the load's buffer, or its view of checked pages
-        planner.commit_tensor(part.req, destination)
+def _defer(part: _Part, f: BufferReader) -> None:
+    """Point ``part`` at its bytes in ``f`` (checked, in memory), to be copied into its
+    destination when it is committed (:func:`_land`); ``f`` is kept with it until then."""
+    if part.staged:  # the planner's tensor copies from a view of them (no buffer between)
+        part.target = f.tensor_at(part.data_start, part.target)
     else:
-        planner.commit_tensor(part.req, part.target)
+        part.at = f.address_of(part.data_start, part.target.nbytes)
+    part.source = f
+
+
+def _land(planner: LoadPlanner, filled: list[_Part]) -> None:
+    """Copy into their destinations the bytes of ``filled`` that are not there yet: a staged
+    part's (its buffer, or its view of checked bytes) into the planner's tensor, a deferred
+    one's from the checked bytes in memory. Each part then holds its destination."""
+    for part in filled:
+        if part.staged:
+            destination = planner.resolve_tensor(part.req).detach()
+            destination.copy_(part.target)
+            part.target, part.staged = destination, False
+        elif part.at:
+            # (ctypes.memmove lets go of the GIL: files land in parallel, see LoadUndo.apply)
+            ctypes.memmove(part.target.data_ptr(), part.at, part.target.nbytes)
+            part.at = 0
+        part.source = None  # the load's buffer, or the checked memory it was copied from
+
+
+def _commit(planner: LoadPlanner, part: _Part) -> None:
+    """Hand the planner ``part``'s tensor, once its file (with ``undo``: the whole load) is
+    known good, its bytes copied into the planner's tensor first when they are not there."""
+    _land(planner, [part])
+    planner.commit_tensor(part.req, part.target)
 
 
 def _reads(parts: list[_Part], verify: bool):
@@ -784,6 +844,7 @@ class BufferReader(io.RawIOBase):
         self._view = memoryview(data).cast("B")
         self._pos = 0
         self._held = held
+        self._base: int | None = None  # the address of the bytes (address_of), once asked
 
     def readable(self) -> bool:
         """Always readable."""
@@ -805,11 +866,11 @@ class BufferReader(io.RawIOBase):
         self._pos += n
         return n
 
-    def tensor_at(self, offset: int, like: torch.Tensor) -> torch.Tensor:
-        """A tensor of ``like``'s dtype and shape over the bytes at ``offset``, without a copy
-        (only read from: the bytes may be read-only pages). It does not keep them: the caller
-        keeps this reader, and the pages' mapping (LoadUndo.close_after), until it is used."""
-        n = like.nbytes
+    def address_of(self, offset: int, n: int) -> int:
+        """The address of the ``n`` bytes at ``offset``, to be read from only (they may be
+        read-only pages); FileReadError when they were not fetched or lie past the end. It
+        does not keep them: the caller keeps this reader, and the pages' mapping
+        (LoadUndo.close_after), until it has read them."""
         if self._held is not None and not any(start <= offset and offset + n <= end
                                               for start, end in self._held):
             raise FileReadError(f"bytes {offset}-{offset + n} of the file were not "
@@ -817,10 +878,21 @@ class BufferReader(io.RawIOBase):
         if offset + n > len(self._view):
             raise FileReadError(f"file is shorter than its manifest says (bytes {offset}-"
                                 f"{offset + n} of {len(self._view)})")
+        if self._base is None:
+            # numpy takes the address of read-only memory (ctypes' from_buffer refuses it).
+            self._base = (numpy.frombuffer(self._view, dtype=numpy.uint8).ctypes.data
+                          if len(self._view) else 0)
+        return self._base + offset
+
+    def tensor_at(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``like``'s dtype and shape over the bytes at ``offset``, without a copy
+        (only read from: the bytes may be read-only pages). It does not keep them: the caller
+        keeps this reader, and the pages' mapping (LoadUndo.close_after), until it is used."""
+        n = like.nbytes
+        address = self.address_of(offset, n)
         if n == 0:
             return torch.empty_like(like)
-        # numpy takes the address of read-only memory (torch.frombuffer would warn about it).
-        address = numpy.frombuffer(self._view, dtype=numpy.uint8, count=n, offset=offset).ctypes.data
+        # (torch.frombuffer over the memory itself would warn that it is read-only)
         raw = torch.frombuffer((ctypes.c_char * n).from_address(address), dtype=torch.uint8)
         return raw.view(like.dtype).view(like.shape)
 
