@@ -109,6 +109,13 @@ def test_two_lost_nodes_of_a_set_are_named_or_read_from_a_shared_tier(tmp_path):
     assert "RANK 3 REPAIR repaired" in out, out[-5000:]
     assert all(f"RANK {r} REPAIR ok" in out for r in range(3)), out[-5000:]
     assert parity.read_bytes() == kept and check_parity(str(tmp_path)) == []
+    # A members.json changed after its save (still a set, not the one its manifest seals) is
+    # never re-encoded nor repaired from: every member of the set leaves it unchecked.
+    assert "RANK 3 TAMPERED unchecked (0, 1, 2, 3) the files of rank(s) [3] are not all " \
+           "here with the digests of their save (members.json" in out, out[-5000:]
+    assert all(f"RANK {r} TAMPERED unchecked (0, 1, 2, 3) the files of rank(s) [3]" in out
+               for r in range(3)), out[-5000:]
+    assert parity.read_bytes() == kept
     # A parity chunk that does not match its digest is never decoded: with node 1 lost and
     # rank 3's chunk flipped, rank 1's files are missing, not rebuilt wrong.
     parity.write_bytes(kept[:100] + bytes([kept[100] ^ 1]) + kept[101:])
@@ -118,6 +125,14 @@ def test_two_lost_nodes_of_a_set_are_named_or_read_from_a_shared_tier(tmp_path):
            "rank(s) [1] are on no tier" in out, out[-5000:]
     assert not (tmp_path / "peer/1/.replicas").exists()
     parity.write_bytes(kept)
+    # A survivor that fails inside the rebuild (its set's description unreadable) says so to
+    # its set, which gives up the rebuild on every rank alike (before, the others waited for
+    # it until the collective timeout): rank 1's files are missing, on every rank.
+    out = run(tmp_path, 3, 4, 1, "noobj", "load-survivor-fails", "step-3")
+    for rank in range(4):
+        assert f"RANK {rank} NOTFOUND checkpoint 'step-3' cannot be loaded by this job: the " \
+               f"files of rank(s) [1] are on no tier" in out, out[-5000:]
+    assert not (tmp_path / "peer/1/.replicas/1-held-by-1/step-3").exists()
     lose_node(tmp_path, 2)
     # Without the shared tier, every rank names the two ranks; with it configured, their files
     # come from it.

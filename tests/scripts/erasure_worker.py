@@ -12,7 +12,11 @@ with the shared tier configured; "load" checks latest() == EXPECTED and loads it
 from, then, given MISSING, loads that and prints the CheckpointNotFound it expects;
 "load-missing" loads EXPECTED and prints the CheckpointNotFound it expects; "verify-parity"
 prints what ``store.verify_parity(EXPECTED)`` finds on each rank, then what it finds with
-``repair=True``; "save-killed" saves
+``repair=True``, then with rank 3's ``members.json`` changed (a file's digest in it: still a
+set, no longer the one its manifest seals) what a repair finds (TAMPERED), and puts it back;
+"load-survivor-fails" loads EXPECTED (a node lost) while one survivor of its set, rank 3,
+cannot read its set's description (an error inside the rebuild), and prints the
+CheckpointNotFound every rank must get; "save-killed" saves
 step-1 and step-2, then the job is killed while step-3's parity is encoded: ranks 1 and 2 as they
 publish their parity, the others once theirs is committed (a mix of complete and missing parity
 of step-3 is left behind, beside step-2's complete parity).
@@ -133,6 +137,35 @@ def main() -> int:
             found = store.verify_parity(sys.argv[5], repair=repair)
             print(f"RANK {rank} {'REPAIR' if repair else 'VERIFY'} {found.state} "
                   f"{found.members} {found.detail}", flush=True)
+        dist.barrier()
+        members = os.path.join(root, "peer", "3", ".parity", "held-by-3", sys.argv[5],
+                               "members.json")
+        if rank == 3:
+            kept = open(members, "rb").read()
+            doc = json.loads(kept)
+            entry = next(iter(doc["headers"]["0"]["files"].values()))
+            entry["checksum"] = entry["checksum"][:-1] + ("0" if entry["checksum"][-1] != "0"
+                                                          else "1")
+            with open(members, "w") as f:
+                json.dump(doc, f)
+        dist.barrier()
+        found = store.verify_parity(sys.argv[5], repair=True)
+        print(f"RANK {rank} TAMPERED {found.state} {found.members} {found.detail}", flush=True)
+        dist.barrier()
+        if rank == 3:
+            with open(members, "wb") as f:
+                f.write(kept)
+        dist.barrier()
+    elif phase == "load-survivor-fails":
+        if rank == 3:
+            import tierstore.engine.parity as parity
+
+            def unreadable(raw):
+                raise OSError("injected: the set's description cannot be read")
+
+            parity.read_members = unreadable
+        load_expecting_not_found(store, problems, rank,
+                                 node_state(3, rank, mesh, OWN_NUMEL, zero=True), sys.argv[5])
     elif phase == "load-missing":
         load_expecting_not_found(store, problems, rank,
                                  node_state(3, rank, mesh, OWN_NUMEL, zero=True), sys.argv[5])

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from tierstore.engine.manifests import build_manifest
-from tierstore.errors import IntegrityError
+from tierstore.errors import IntegrityError, TierstoreError
 from tierstore.format.checksum import hash_stream
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.tiers.parity_sets import (MEMBERS_FILE, PARITY_FILE, ParitySet, header_of,
@@ -186,11 +186,17 @@ def verify_parity(group: Any, rank: int, cid: str, own: list[tuple[Tier, Manifes
     if absent:
         return ParityCheck(cid, rank, members, "unchecked",
                            f"rank(s) {absent} of its set hold no parity of this save")
-    raw = parity_tier.backend.read_bytes(f"{cid}/{MEMBERS_FILE}")
-    found = read_members(raw)
-    files = found.headers[rank]["files"]
-    copies = {rel: _own_copy(own, cid, rel, entry) for rel, entry in files.items()}
-    bad = sorted(rel for rel, copy in copies.items() if copy is None)
+    # The set's description is read only once it matches its manifest (a changed one would
+    # re-encode, and with repair rewrite, the parity of some other set of files), and every
+    # member says whether it is ready before any transfer, so that none raises alone.
+    try:
+        found = read_members(_checked_read(parity_tier, cid, MEMBERS_FILE))
+        files = found.headers[rank]["files"]
+    except (OSError, KeyError, IntegrityError) as exc:
+        files, bad = {}, [f"{MEMBERS_FILE} ({exc})"]
+    else:
+        copies = {rel: _own_copy(own, cid, rel, entry) for rel, entry in files.items()}
+        bad = sorted(rel for rel, copy in copies.items() if copy is None)
     others = [m for m in members if m != rank]
     ready = exchange_objects(group, {m: not bad for m in others}, others)
     if bad or not all(ready.values()):
@@ -289,6 +295,35 @@ def rebuild_lost(group: Any, rank: int, world: int, cid: str, mine: dict[str, An
     return result
 
 
+class _Dropped(TransferEnd):
+    """A receiving end that keeps nothing (a rebuild whose target could not be begun)."""
+
+    in_place = False
+
+    def write_at(self, offset: int, data: torch.Tensor) -> None:
+        """Drop the piece."""
+
+
+_DROPPED = _Dropped()
+
+
+def _checked_read(tier: Tier, cid: str, name: str) -> bytes:
+    """File ``name`` of the parity checkpoint ``cid`` on ``tier``, once it matches the size
+    and digest its manifest records; IntegrityError otherwise."""
+    manifest = tier.read_manifest(cid)
+    entry = manifest.files.get(name) if manifest is not None else None
+    if entry is None:
+        raise IntegrityError(f"checkpoint '{cid}': no manifest on tier '{tier.name}' lists "
+                             f"{name}")
+    raw = tier.backend.read_bytes(f"{cid}/{name}")
+    hasher = tier.keyring.hasher_for(entry.checksum)
+    hasher.update(raw)
+    if (len(raw), hasher.hexdigest()) != (entry.size, entry.checksum):
+        raise IntegrityError(f"checkpoint '{cid}': {name} on tier '{tier.name}' does not "
+                             f"match its manifest")
+    return raw
+
+
 def _parity_sound(tier: Tier | None, cid: str) -> bool:
     """Whether the parity ``tier`` holds of ``cid`` matches its manifest (both files read and
     hashed)."""
@@ -309,6 +344,37 @@ def _parity_sound(tier: Tier | None, cid: str) -> bool:
     return True
 
 
+def _survivor_ready(rank: int, lost: int, cid: str, own: list[tuple[Tier, Manifest]],
+                    parity_tier: Tier | None
+                    ) -> tuple[ParitySet, torch.Tensor, Callable[[Transfer], TransferEnd]]:
+    """What a survivor needs to help rebuild ``lost``: its set (``members.json``), a copy of
+    its parity chunk, and how to open its own files of the save (each a copy whose entry has
+    the digest the set records). Raises (IntegrityError, OSError) when it has not all of it."""
+    if parity_tier is None:
+        raise IntegrityError("it holds no parity tier")
+    found = read_members(parity_tier.backend.read_bytes(f"{cid}/{MEMBERS_FILE}"))
+    chunk = torch.frombuffer(bytearray(parity_tier.backend.read_bytes(
+        f"{cid}/{PARITY_FILE}")), dtype=torch.uint8) if found.chunk else \
+        torch.empty(0, dtype=torch.uint8)
+    if chunk.numel() != found.chunk:
+        raise IntegrityError(f"checkpoint '{cid}': the parity on tier '{parity_tier.name}' "
+                             f"is {chunk.numel()} bytes, its set's chunk {found.chunk}")
+    files = found.headers[rank]["files"]
+    sources = {}
+    for rel, want in files.items():
+        sources[rel] = next((tier for tier, manifest in own
+                             if (entry := manifest.files.get(rel)) is not None
+                             and entry.checksum == want.checksum), None)
+        if sources[rel] is None:
+            raise IntegrityError(f"checkpoint '{cid}': rank {rank} holds no copy of its {rel} "
+                                 f"to rebuild rank {lost}'s files with")
+
+    def open_own(t: Transfer) -> TransferEnd:
+        return open_to_send(sources[t.key].backend, f"{cid}/{t.key}", files[t.key].size)
+
+    return found, chunk, open_own
+
+
 def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int, ...],
                  own: list[tuple[Tier, Manifest]], parity_tier: Tier | None,
                  rebuilt_tier: Tier | None,
@@ -317,37 +383,39 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
     survivors = [r for r in members if r != lost]
     if rank not in members:
         return None
-    found = None
+    # Each member first readies what it needs (a survivor: its set's description, its parity
+    # chunk and its own files; the lost member's rank: the set, told by the lowest survivor),
+    # then the set agrees: a member that cannot take part says so, instead of raising while
+    # the others wait for it in the transfers until the collective timeout.
+    found, chunk, problem = None, None, ""
     if rank != lost:
-        assert parity_tier is not None
-        found = read_members(parity_tier.backend.read_bytes(f"{cid}/{MEMBERS_FILE}"))
+        try:
+            found, chunk, open_own = _survivor_ready(rank, lost, cid, own, parity_tier)
+        except (OSError, ValueError, KeyError, IntegrityError) as exc:
+            problem = f"rank {rank}: {exc}"
     # The lowest survivor tells the lost member's rank (which has nothing) what its set is.
-    told = exchange_objects(group, {lost: found.to_json().decode()} if rank == survivors[0]
-                            else {}, [survivors[0]] if rank == lost else [])
+    told = exchange_objects(
+        group, {lost: found.to_json().decode() if found is not None else ""}
+        if rank == survivors[0] else {}, [survivors[0]] if rank == lost else [])
     if rank == lost:
-        found = read_members(told[survivors[0]].encode())
+        try:
+            if not told[survivors[0]]:
+                raise IntegrityError(f"rank {survivors[0]} could not read its set")
+            found = read_members(told[survivors[0]].encode())
+        except (ValueError, KeyError, IntegrityError) as exc:
+            problem = f"rank {rank}: {exc}"
+    others = [r for r in members if r != rank]
+    ready = exchange_objects(group, {r: problem for r in others}, others)
+    problems = [p for p in (problem, *ready.values()) if p]
+    if problems:
+        if rank == lost:
+            log.warning("checkpoint %s: the files of rank %d are not rebuilt from parity: %s",
+                        cid, lost, "; ".join(problems))
+        return None
     assert found is not None
     # 1. Each survivor XORs the other survivors' chunks into a copy of its parity: one chunk
     #    of the lost member's stream.
-    chunk = None
     if rank != lost:
-        chunk = torch.frombuffer(bytearray(parity_tier.backend.read_bytes(
-            f"{cid}/{PARITY_FILE}")), dtype=torch.uint8) if found.chunk else \
-            torch.empty(0, dtype=torch.uint8)
-        if chunk.numel() != found.chunk:
-            raise IntegrityError(f"checkpoint '{cid}': the parity on tier '{parity_tier.name}' "
-                                 f"is {chunk.numel()} bytes, its set's chunk {found.chunk}")
-        files = found.headers[rank]["files"]
-
-        def open_own(t: Transfer) -> TransferEnd:
-            want = files[t.key]
-            for tier, manifest in own:
-                entry = manifest.files.get(t.key)
-                if entry is not None and entry.checksum == want.checksum:
-                    return open_to_send(tier.backend, f"{cid}/{t.key}", want.size)
-            raise IntegrityError(f"checkpoint '{cid}': rank {rank} holds no copy of its "
-                                 f"{t.key} to rebuild rank {lost}'s files with")
-
         transfers = [t for t in found.encode_transfers(skip=lost) if rank in (t.src, t.dst)]
         _xor_from_peers(group, rank, found, transfers, chunk, open_own, piece_bytes)
     # 2. The survivors send the lost member's rank its files' pieces.
@@ -355,8 +423,15 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
              for rel, offset, size, _ in found.pieces(lost, holder)]
     header = found.headers[lost]
     if rank == lost:
-        assert rebuilt_tier is not None
-        staging = rebuilt_tier.begin_save(cid, header["token"])
+        try:
+            staging = rebuilt_tier.begin_save(cid, header["token"])
+        except (OSError, TierstoreError) as exc:
+            # The survivors send all the same (they cannot know): received and dropped.
+            log.warning("checkpoint %s: the files of rank %d are not rebuilt from parity: %s",
+                        cid, lost, exc)
+            run_transfers(group, rank, moves, None, lambda t: _DROPPED, lambda *_: None,
+                          piece_bytes)
+            return None
         try:
             ends = {}
 
