@@ -64,3 +64,17 @@ def test_node_local_ram_tier_with_a_shared_tier_behind_it(tmp_path):
     out = run_two_nodes(str(tmp_path), "load", "step-1")
     for rank in range(4):
         assert f"RANK {rank} LATEST step-1" in out
+
+
+@pytest.mark.timeout(300)
+def test_a_node_local_drain_to_a_tier_with_other_codecs_reencodes_every_nodes_part(tmp_path):
+    """2 nodes x 1 rank: a node-local memory tier, and behind it a node-local tier with
+    ``codecs = ["zstd"]``. Only the coordinator's part holds DCP's ``.metadata``, yet every
+    node re-encodes its own part: ``store.wait()`` raises on no rank, and with the memory tier
+    gone both checkpoints load bitwise from the zstd tier alone."""
+    out = run_torchrun("node_codecs_worker.py", str(tmp_path), nproc=1, nnodes=2, timeout=240)
+    for rank in (0, 1):
+        assert f"RANK {rank} WAITED" in out
+    for cid in ("step-1", "step-2"):
+        assert f"RANK 0 PART {cid} CODECS zstd METADATA yes" in out
+        assert f"RANK 1 PART {cid} CODECS zstd METADATA no" in out

@@ -220,6 +220,17 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         services = self._services
         ctx, ledger = services.context, services.ledger
         ledger.slot.carried_here()  # waits for another thread's save still in flight
+        try:
+            self._begin(checkpoint_id)
+        except BaseException:
+            ledger.slot.over()  # refused: this save is over before it began
+            raise
+
+    def _begin(self, checkpoint_id) -> None:
+        """``reset``'s work, once the save is this thread's: the id, the tiers that take it,
+        whether it exists already (settling node-local parts on the way)."""
+        services = self._services
+        ctx, ledger = services.context, services.ledger
         cid = validate_checkpoint_id(checkpoint_id)
         step = ledger.step_for(cid)
         # Which tiers take this save, decided here, once, on every rank (every rank resets
@@ -322,6 +333,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             self._over()
             self._save = None
             self._services.ledger.save_running(None)
+            self._services.ledger.slot.over()
             raise CommitError(
                 f"checkpoint '{save.checkpoint_id}': dcp.save(..., use_collectives=False) makes "
                 f"every rank commit on its own, which would keep one rank's data under the id "
@@ -457,6 +469,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         finally:
             if failure is not None or not self._is_coordinator:
                 ledger.save_running(None)  # only the coordinator has more to do (finish)
+                ledger.slot.over()  # a dcp.save's thread goes on: other threads may too
                 self._over()
 
         if failure is not None:
@@ -616,6 +629,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             raise
         finally:
             services.ledger.save_running(None)
+            services.ledger.slot.over()
             self._over()
             self._save = None
 

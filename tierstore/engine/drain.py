@@ -21,7 +21,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.gc import GarbageCollector
@@ -36,7 +38,8 @@ from tierstore.format.item_io import HashingWriter, decode_item, encode_to
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.tier import Tier
-from tierstore.transport.collectives import seen_lost
+from tierstore.transport.collectives import drop_posts, post, read_post, seen_lost
+from tierstore.transport.transfer import MessageError, decode_message, encode_message
 
 __all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished", "finish_at_exit"]
 
@@ -262,6 +265,8 @@ class Drainer(BackgroundJobs[DrainJob]):
             log.exception("%s failed", what)
 
     def _target_failed(self, job: DrainJob, target: Tier, exc: BaseException) -> None:
+        if _PartExchange.applies(job.source, target):
+            _PartExchange.withdraw(job, target, exc)  # the other nodes' drains stop waiting
         err = _not_copied(job, target, exc)
         self.record_failure(err)
         log.error("%s", err)
@@ -419,15 +424,57 @@ class Drainer(BackgroundJobs[DrainJob]):
                    staging: str) -> Manifest:
         """Copy a checkpoint to a tier with other codecs: every item is decoded from the
         source's stream transforms and encoded with the target's, and DCP's metadata is
-        rewritten with the new offsets. Every source byte is still checked on the way."""
+        rewritten with the new offsets. Every source byte is still checked on the way.
+
+        A node-local checkpoint is re-encoded part by part, each node's drain its own part
+        (:class:`_PartExchange`): only the coordinator's part holds ``.metadata``, so the
+        coordinator's drain hands each other part the items of its files, and writes the
+        target's ``.metadata`` once every part has said where its items are now."""
         cid = job.checkpoint_id
+        # (A failure is told to the other side by the job's failure: Drainer._target_failed.)
+        exchange = (_PartExchange(self._context, self._part_timeout, job, source, target,
+                                  manifest) if manifest.parts > 1 else None)
+        if manifest.has_metadata:
+            metadata = self._source_metadata(cid, source, target, manifest)
+            if exchange is not None:
+                exchange.hand_out(metadata)
+        elif exchange is not None:
+            metadata = exchange.receive()
+        else:
+            raise DrainError(f"checkpoint '{cid}': its copy on tier '{source.name}' has no "
+                             f"{METADATA_NAME}; it was not copied to '{target.name}'",
+                             cid, target.name)
+        files, infos = self._transcode_files(source, target, cid, staging, manifest, metadata)
+        if exchange is not None and not exchange.coordinates:
+            exchange.answer(infos)
+        elif exchange is not None:
+            infos.update(exchange.collect())
+        codecs = [c.name for c in target.config.codecs]
+        if manifest.has_metadata:
+            metadata.storage_data.update(infos)
+            raw = pickle.dumps(metadata)
+            target.write_bytes(f"{staging}/{METADATA_NAME}", raw)
+            files[METADATA_NAME] = FileEntry(len(raw), target.keyring.digest(raw), None)
+        # (Another node's part: the coordinator's copy holds the .metadata of every part.)
+        return self._target_manifest(job, source, target, manifest, False, files=files,
+                                     codecs=codecs)
+
+    @staticmethod
+    def _source_metadata(cid: str, source: Tier, target: Tier, manifest: Manifest):
+        """The source copy's ``.metadata``, checked against its manifest and unpickled with
+        the allow-list (``load_metadata``)."""
         entry = manifest.files[METADATA_NAME]
         raw = source.backend.read_bytes(f"{cid}/{METADATA_NAME}")
         if len(raw) != entry.size or source.keyring.digest(raw, like=entry.checksum) != entry.checksum:
             raise DrainError(f"checkpoint '{cid}': {METADATA_NAME} on tier '{source.name}' does "
                              f"not match its manifest; it was not copied to '{target.name}'",
                              cid, target.name)
-        metadata = load_metadata(raw, f"tier '{source.name}': {cid}/{METADATA_NAME}")
+        return load_metadata(raw, f"tier '{source.name}': {cid}/{METADATA_NAME}")
+
+    def _transcode_files(self, source: Tier, target: Tier, cid: str, staging: str,
+                         manifest: Manifest, metadata) -> tuple[dict[str, FileEntry], dict]:
+        """Re-encode every data file of ``manifest`` with the items ``metadata`` places in
+        it; the new files' entries and where each of their items is now."""
         by_file: dict[str, list] = {}
         for index, info in metadata.storage_data.items():
             by_file.setdefault(info.relative_path, []).append((index, info))
@@ -436,14 +483,11 @@ class Drainer(BackgroundJobs[DrainJob]):
              sorted(by_file.get(rel, []), key=lambda ii: ii[1].offset))
             for rel in manifest.files if rel != METADATA_NAME])
         files: dict[str, FileEntry] = {}
-        for rel, file_entry, infos in results:
+        infos: dict = {}
+        for rel, file_entry, file_infos in results:
             files[rel] = file_entry
-            metadata.storage_data.update(infos)
-        raw = pickle.dumps(metadata)
-        target.write_bytes(f"{staging}/{METADATA_NAME}", raw)
-        files[METADATA_NAME] = FileEntry(len(raw), target.keyring.digest(raw), None)
-        return self._target_manifest(job, source, target, manifest, False, files=files,
-                                     codecs=[c.name for c in target.config.codecs])
+            infos.update(file_infos)
+        return files, infos
 
     def _transcode_file(self, source: Tier, target: Tier, cid: str, staging: str, rel: str,
                         manifest: Manifest, items: list) -> tuple[str, FileEntry, dict]:
@@ -661,6 +705,238 @@ class Drainer(BackgroundJobs[DrainJob]):
         if partial != dest:
             target.backend.rename(partial, dest, replace=True)
         return copied
+
+
+class _PartExchange:
+    """Re-encoding a node-local checkpoint to a node-local tier with other codecs, each node's
+    drain its own part (as every drain between node-local tiers does).
+
+    An item's place in a file is known only from DCP's ``.metadata``, which only the
+    coordinator's part holds; and the target's ``.metadata``, again only in the coordinator's
+    part, must say where every part's items are once re-encoded. So the coordinator's drain
+    (rank 0) hands each other part the items of that part's files, and each other part's
+    drain answers with where those items are in its re-encoded files; the coordinator writes
+    the target's ``.metadata`` once every part has answered, and fails its copy (never
+    writing a ``.metadata`` that misplaces a part's items) when one does not. Both messages
+    are those items' ``storage_data`` as a typed message (plain data, never a pickle between
+    ranks; under the save's id and token), left in the job's key-value store under the
+    save's token and the target tier's name (drains are not paired across ranks the way
+    collectives are). Each side checks every field of what it reads, and checks it against
+    the save: its id and token, and exactly the files and items it expects. Either side waits at most ``part_timeout``; a part
+    stops waiting when rank 0 is seen lost, or when its own source part went (collected as an
+    orphan: the coordinator never committed the save), and the coordinator when a part's ranks
+    are seen lost. A side whose drain fails says so at once (:meth:`withdraw`), so that the
+    other does not wait its time out."""
+
+    _ITEMS = "tierstore/transcode/{token}/{tier}/items-{part}"  # rank 0 -> part
+    _DONE = "tierstore/transcode/{token}/{tier}/done-{part}"  # part -> rank 0
+    _OK, _FAILED = b"M", b"E"  # a post's first byte: a pickled Metadata, or why (UTF-8)
+
+    def __init__(self, context: StoreContext, timeout: float, job: DrainJob, source: Tier,
+                 target: Tier, manifest: Manifest):
+        layout = source.layout
+        self._cid, self._token, self._tier = job.checkpoint_id, job.token, target.name
+        self._job, self._source, self._manifest = job, source, manifest
+        self._group, self._timeout = context.groups.main, timeout
+        if layout.parts != manifest.parts or layout.part != manifest.part \
+                or manifest.save_token != job.token:
+            raise self._error(
+                f"its part on tier '{source.name}' (part {manifest.part} of {manifest.parts}, "
+                f"save {manifest.save_token}) is not this job's part {layout.part} of "
+                f"{layout.parts} of save {job.token}, which the nodes re-encode together")
+        self._all_parts = layout.all_parts
+        #: whether this is the coordinator's part (it holds and writes ``.metadata``)
+        self.coordinates = manifest.has_metadata
+        self._others = [p for p in range(manifest.parts) if p != manifest.part]
+        self._handed: dict[int, dict] = {}
+
+    def _key(self, template: str, part: int) -> str:
+        return template.format(token=self._token, tier=self._tier, part=part)
+
+    def _error(self, message: str) -> DrainError:
+        return DrainError(f"checkpoint '{self._cid}': {message}; it was not copied to tier "
+                          f"'{self._tier}'", self._cid, self._tier)
+
+    def _post(self, key: str, data: bytes) -> None:
+        if not post(key, data):
+            raise self._error("re-encoding a node-local checkpoint part by part needs the "
+                              "job's key-value store (torch.distributed), which is out of reach")
+
+    def _message(self, storage_data: dict) -> bytes:
+        """Items as a typed message (plain data: never a pickle between ranks)."""
+        items = [[index.fqn, None if index.offset is None else list(index.offset), index.index,
+                  info.relative_path, info.offset, info.length,
+                  None if info.transform_descriptors is None
+                  else list(info.transform_descriptors)]
+                 for index, info in storage_data.items()]
+        return self._OK + encode_message({"id": self._cid, "token": self._token,
+                                          "items": items})
+
+    def _read(self, raw: bytes, sender: str) -> dict:
+        """The ``storage_data`` of a message from ``sender``, every field checked; raises a
+        failure."""
+        if raw[:1] == self._FAILED:
+            reason = raw[1:].decode("utf-8", "replace")[:2000]
+            raise self._error(f"{sender} failed to re-encode its part: {reason}")
+        if raw[:1] != self._OK:
+            raise self._error(f"{sender} left a message that is not one of this exchange")
+        try:
+            doc = decode_message(raw[1:], sender)
+        except MessageError as exc:
+            raise self._error(str(exc)) from None
+        if not isinstance(doc, dict) or doc.get("id") != self._cid \
+                or doc.get("token") != self._token:
+            raise self._error(f"{sender} sent items of another save than {self._token}")
+        try:
+            return dict(_item_of(item) for item in doc["items"])
+        except (TypeError, ValueError, KeyError) as exc:
+            raise self._error(f"{sender} sent a malformed item ({exc})") from None
+
+    def _wait(self, keys: dict[int, str], sender: Callable[[int], str],
+              gone: Callable[[int], str | None]) -> dict[int, bytes]:
+        """Poll until every key of ``keys`` (part -> key) holds a message; ``gone(part)``
+        says why one will never come (None: it may still)."""
+        deadline = time.monotonic() + self._timeout
+        delay = 0.02
+        got: dict[int, bytes] = {}
+        while True:
+            for part, key in keys.items():
+                if part not in got:
+                    raw = read_post(key)
+                    if raw is not None:
+                        got[part] = raw
+            waiting = [p for p in keys if p not in got]
+            if not waiting:
+                return got
+            for part in waiting:
+                why = gone(part)
+                if why is not None:
+                    raise self._error(why)
+            if time.monotonic() > deadline:
+                raise self._error(f"{', '.join(sender(p) for p in waiting)} did not answer "
+                                  f"within {self._timeout:.0f} s ([store] part_timeout; see "
+                                  f"its store.wait() errors)")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _part_name(self, part: int) -> str:
+        return f"the part of ranks {list(self._all_parts[part])}"
+
+    # -- the coordinator's side ----------------------------------------------------------------
+    def hand_out(self, metadata) -> None:
+        """Give every other part the items of its files, from the checked source
+        ``metadata`` (their part told by the rank that wrote each file, as the save recorded)."""
+        own = self._manifest.files
+        part_of = {rank: p for p, ranks in enumerate(self._all_parts) for rank in ranks}
+        handed: dict[int, dict] = {p: {} for p in self._others}
+        for index, info in metadata.storage_data.items():
+            rel = info.relative_path
+            if rel in own:
+                continue
+            entry = self._job.all_files.get(rel)
+            part = part_of.get(entry.rank) if entry is not None and entry.rank is not None \
+                else None
+            if part not in handed:
+                raise self._error(f"its {METADATA_NAME} places an item in {rel}, which no other "
+                                  f"node's part of the save holds")
+            handed[part][index] = info
+        self._handed = handed
+        for part, items in handed.items():
+            self._post(self._key(self._ITEMS, part), self._message(items))
+
+    def collect(self) -> dict:
+        """Every other part's answer: where the items handed to it are now, checked to be
+        exactly those items, in the same files."""
+        group = self._group
+        keys = {p: self._key(self._DONE, p) for p in self._others}
+        got = self._wait(
+            keys, self._part_name,
+            lambda p: (f"{self._part_name(p)} will not answer: a rank of it was lost"
+                       if seen_lost(group, list(self._all_parts[p])) else None))
+        infos: dict = {}
+        for part, raw in got.items():
+            items = self._read(raw, self._part_name(part))
+            handed = self._handed[part]
+            if set(items) != set(handed) or any(
+                    items[i].relative_path != handed[i].relative_path for i in handed):
+                raise self._error(f"{self._part_name(part)} answered for other items than "
+                                  f"those of its files")
+            infos.update(items)
+        drop_posts([*keys.values(), *(self._key(self._ITEMS, p) for p in self._others)])
+        return infos
+
+    # -- another part's side -------------------------------------------------------------------
+    def receive(self):
+        """The items of this part's files, from the coordinator's drain: a Metadata whose
+        ``storage_data`` places items in exactly this part's data files."""
+        key = self._key(self._ITEMS, self._manifest.part)
+        group, source, cid, token = self._group, self._source, self._cid, self._token
+
+        def gone(_: int) -> str | None:
+            if seen_lost(group, [0]):
+                return ("rank 0, whose part holds its metadata, was lost (it did not answer a "
+                        "collective of the store)")
+            now = source.read_manifest(cid)
+            if now is None or now.save_token != token:
+                return (f"its part on tier '{source.name}' is gone (the coordinator never "
+                        f"committed save {token})")
+            return None
+
+        raw = self._wait({0: key}, lambda _: "the coordinator's drain (rank 0)", gone)[0]
+        storage_data = self._read(raw, "the coordinator's drain (rank 0)")
+        data_files = {rel for rel in self._manifest.files if rel != METADATA_NAME}
+        placed = {info.relative_path for info in storage_data.values()}
+        if placed != data_files:
+            raise self._error(
+                f"the coordinator's drain placed items in {sorted(placed - data_files)[:5]} "
+                f"and none in {sorted(data_files - placed)[:5]} of this part's files")
+        return Metadata(state_dict_metadata={}, storage_data=storage_data)
+
+    def answer(self, infos: dict) -> None:
+        """Tell the coordinator's drain where this part's items are now."""
+        self._post(self._key(self._DONE, self._manifest.part), self._message(infos))
+
+    # -- either side ---------------------------------------------------------------------------
+    @staticmethod
+    def applies(source: Tier, target: Tier) -> bool:
+        """Whether a drain from ``source`` to ``target`` re-encodes part by part: between
+        node-local tiers of several parts, with other codecs."""
+        return (source.layout.parts > 1 and not target.layout.shared
+                and [c.name for c in source.config.codecs]
+                != [c.name for c in target.config.codecs])
+
+    @classmethod
+    def withdraw(cls, job: DrainJob, target: Tier, exc: BaseException) -> None:
+        """This node's drain of ``job`` to ``target`` failed: tell the other side now (the
+        coordinator's drain: every other part; another part's: the coordinator), so that it
+        fails at once rather than when its wait times out. Never raises."""
+        layout = job.source.layout
+        why = cls._FAILED + f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")[:4000]
+        keys = [cls._ITEMS.format(token=job.token, tier=target.name, part=p)
+                for p in range(layout.parts) if p != layout.part] \
+            if layout.part == layout.part_of(0) else \
+            [cls._DONE.format(token=job.token, tier=target.name, part=layout.part)]
+        try:
+            for key in keys:
+                post(key, why)
+        except Exception:  # noqa: BLE001 - the other side waits its time out instead
+            log.warning("could not tell the other nodes' drains of %s that this one failed",
+                        job.checkpoint_id, exc_info=True)
+
+
+def _item_of(item) -> tuple[MetadataIndex, _StorageInfo]:
+    """One item of a :class:`_PartExchange` message, checked field by field (ValueError,
+    TypeError: not one)."""
+    fqn, offset, index, rel, start, length, transforms = item
+    ints = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+    if not isinstance(fqn, str) or not isinstance(rel, str) or not ints(start) \
+            or not ints(length) or not (index is None or ints(index)) \
+            or not (offset is None or (isinstance(offset, list) and all(map(ints, offset)))) \
+            or not (transforms is None or (isinstance(transforms, list)
+                                           and all(isinstance(t, str) for t in transforms))):
+        raise ValueError(f"an item of fields {item!r:.200}")
+    return (MetadataIndex(fqn, None if offset is None else torch.Size(offset), index),
+            _StorageInfo(rel, start, length, None if transforms is None else list(transforms)))
 
 
 def _check_source(cid: str, rel: str, source: Tier, target: Tier, entry: FileEntry,

@@ -9,13 +9,22 @@ A save is *carried* by a thread: for ``dcp.save`` the caller's; for ``async_save
 thread executor, DCP's executor thread (known when it calls ``writer.reset``); with the process
 executor, the thread that hands the writer to the checkpoint process and waits for its answer
 (known when the writer is pickled). Between staging and that moment the save is *pending*.
+
+When a carried save is over depends on its carrier. DCP's executor thread ends with the save it
+carries (after DCP's last collectives of it), so its end is the save's. The caller's thread of a
+``dcp.save`` lives on: that save is over when its writer's last call returns or fails (``finish``
+on the coordinator, ``write_data`` on the other ranks: :meth:`SaveSlot.over`), or, where DCP
+gives up on it without calling the writer again (another rank failed), when the carrier has
+left DCP's save call (its stack says so), whichever comes first.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+from types import CodeType
 from typing import Any, Callable
 
 from tierstore.format.ids import step_of
@@ -34,6 +43,11 @@ class SaveSlot:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._carrier: threading.Thread | None = None
+        # Whether the carrier ends with its save (DCP's executor thread of a staged async
+        # save); otherwise it is the caller of a dcp.save, which lives on (see the module).
+        self._ends_with_thread = False
+        # Where the carrier entered DCP's save call (see _dcp_entry), None: not found
+        self._entry: tuple[int, CodeType] | None = None
         self._pending_since: float | None = None  # staged, carrier not known yet
         self._staging = False  # a staging still copying (no grace runs out meanwhile)
         # The thread that staged the pending save (training's): it never carries it (DCP
@@ -52,7 +66,16 @@ class SaveSlot:
                 return False
             return True
         carrier = self._carrier
-        return carrier is not None and carrier is not me and carrier.is_alive()
+        if carrier is None or carrier is me:
+            return False
+        if not carrier.is_alive():
+            return False
+        if not self._ends_with_thread and self._entry is not None \
+                and not _still_inside(carrier, self._entry):
+            # dcp.save returned (or raised) without a last call to the writer: over.
+            self._carrier, self._entry = None, None
+            return False
+        return True
 
     def wait_idle(self) -> float:
         """Block until no save is in flight (the caller's own thread does not count); return
@@ -81,15 +104,29 @@ class SaveSlot:
             me = threading.current_thread()
             waited = 0.0
             staged_save = self._staging or self._pending_since is not None
-            if not staged_save or me is self._staged_by:
+            new_save = not staged_save or me is self._staged_by
+            if new_save:
                 # A new save (not the staged one: its stager's thread never carries it) waits
                 # for the one in flight, staged or carried (a lazy staging takes a while).
                 waited = self.wait_idle()
             self._staging = False
             self._pending_since = None
             self._carrier = me
+            # The staged save is carried by DCP's thread, which ends with it; a new save by
+            # the caller of dcp.save, whose thread goes on once the save is over.
+            self._ends_with_thread = not new_save
+            self._entry = None if self._ends_with_thread else _dcp_entry()
             self._cond.notify_all()
             return waited
+
+    def over(self) -> None:
+        """The save this thread carries is over: its writer's last call of it returned or
+        failed. Nothing for a save carried by DCP's executor thread, which is over when that
+        thread ends (DCP's last collectives of the save come after the writer's last call)."""
+        with self._cond:
+            if self._carrier is threading.current_thread() and not self._ends_with_thread:
+                self._carrier, self._entry = None, None
+                self._cond.notify_all()
 
     def staging_done(self) -> None:
         """The staging finished: the save is pending until a thread carries it, and the grace
@@ -107,6 +144,48 @@ class SaveSlot:
             self._staging = False
             self._pending_since = None
             self._cond.notify_all()
+
+
+#: the module of DCP's save calls (``dcp.save``, the deprecated ``save_state_dict``)
+_DCP_SAVER = "torch.distributed.checkpoint.state_dict_saver"
+
+
+def _dcp_entry() -> tuple[int, CodeType] | None:
+    """Where this thread entered DCP's save call: the depth (from the thread's first frame)
+    and code of its outermost frame in DCP's saver module; None when the writer was called
+    from elsewhere. Kept as depth and code, not the frame, whose locals (the state dict) must
+    not outlive the save."""
+    frames = _stack(sys._getframe(1))  # not this frame: the list would hold it in a cycle
+    try:
+        for depth, frame in enumerate(frames):
+            if frame.f_globals.get("__name__") == _DCP_SAVER:
+                return depth, frame.f_code
+        return None
+    finally:
+        del frames
+
+
+def _still_inside(thread: threading.Thread, entry: tuple[int, CodeType]) -> bool:
+    """Whether ``thread`` is still in the call it entered DCP's save by (``entry``). When in
+    doubt (no stack to look at), yes: the save stays in flight until its writer says so."""
+    top = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
+    if top is None:
+        return True
+    depth, code = entry
+    frames = _stack(top)
+    # Another dcp.save of the same thread at the same depth reads as the same one: harmless,
+    # that thread is in a save again.
+    return len(frames) > depth and frames[depth].f_code is code
+
+
+def _stack(top: Any) -> list[Any]:
+    """The frames from a thread's first to ``top``."""
+    frames = []
+    while top is not None:
+        frames.append(top)
+        top = top.f_back
+    frames.reverse()
+    return frames
 
 
 class SaveLedger:

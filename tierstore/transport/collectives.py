@@ -20,7 +20,8 @@ import torch.distributed as dist
 from tierstore.errors import RanksLostError
 
 __all__ = ["RankContext", "rank_context", "make_store_group", "all_gather_object",
-           "broadcast_object", "barrier", "all_reduce_max", "peers_lost", "seen_lost"]
+           "broadcast_object", "barrier", "all_reduce_max", "peers_lost", "seen_lost",
+           "post", "read_post", "drop_posts"]
 
 log = logging.getLogger("tierstore.collectives")
 T = TypeVar("T")
@@ -218,3 +219,53 @@ def barrier(group: Any) -> None:
     """Wait for every rank of ``group`` (nothing without a group)."""
     if group is not None:
         _collective(group, "waiting for every rank", lambda: dist.barrier(group=group))
+
+
+# -- posts: bytes one rank leaves for another in the job's key-value store ----------------------
+#
+# For work that is not paired across ranks the way collectives are (background drains, which
+# each rank runs on its own schedule): the reader polls for the key, and gives up on its own
+# terms (a deadline, a rank seen lost). Values are small (a few MB at most) and removed by the
+# rank that consumes them last.
+
+def _job_store() -> Any:
+    """The job's key-value store (torchrun's, or the one init_process_group made); None
+    without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store to reach: the caller says what that means
+        log.debug("the job's key-value store is out of reach", exc_info=True)
+        return None
+
+
+def post(key: str, data: bytes) -> bool:
+    """Leave ``data`` under ``key`` for another rank (:func:`read_post`), replacing what was
+    there; False when there is no job key-value store to leave it in."""
+    store = _job_store()
+    if store is None:
+        return False
+    store.set(key, data)
+    return True
+
+
+def read_post(key: str) -> bytes | None:
+    """What a rank left under ``key``; None while nothing is there (or without a store).
+    Never blocks for it: the caller polls, with its own deadline."""
+    store = _job_store()
+    if store is None or not store.check([key]):
+        return None
+    return bytes(store.get(key))
+
+
+def drop_posts(keys: list[str]) -> None:
+    """Remove ``keys`` (consumed: nobody reads them again); best effort."""
+    store = _job_store()
+    if store is None:
+        return
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except Exception:  # noqa: BLE001 - a store without deletes keeps a few small values
+            log.debug("could not remove %s from the job's key-value store", key, exc_info=True)
