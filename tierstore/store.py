@@ -26,6 +26,7 @@ from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import Groups, StoreContext
 from tierstore.engine.events_log import EventsLog
 from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_unfinished
+from tierstore.engine.parts import KnownCommits
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.health import TierHealth
 from tierstore.engine.interval import IntervalChooser
@@ -103,7 +104,8 @@ class Store:
         self._ledger = SaveLedger()
         self._retention = Retention(host, job.rank)
         gc = GarbageCollector(host, job.rank, self._ledger)
-        self._drainer = Drainer(ctx, self._retention, gc)
+        commits = KnownCommits()
+        self._drainer = Drainer(ctx, self._retention, gc, commits)
         self._replicator = (Replicator(ctx, self._retention, self._ledger)
                             if tiers.strategy is not None else None)
         self._gc, self._stager = gc, stager
@@ -118,7 +120,8 @@ class Store:
                                                      host, job.rank)
         self._hand_off = HandOff(spec, tiers, job.rank, self._drainer, self._retention, health,
                                  _checkpoint_process_services)
-        publisher = Publisher(ctx, self._drainer, self._retention, in_checkpoint_process=hand_off)
+        self._publisher = publisher = Publisher(ctx, self._drainer, self._retention, commits,
+                                                in_checkpoint_process=hand_off)
         self._writer_services = WriterServices(ctx, self._ledger, stager, publisher, gc,
                                                self._replicator, self._hand_off.reopen_callable,
                                                self._hand_off.adopt_later, watchdog,
@@ -335,6 +338,8 @@ class Store:
             finally:
                 if self._replicator is not None:
                     self._replicator.wait(left())
+                if self._publisher.notices is not None:  # nodes learn of the last commits
+                    self._publisher.notices.wait(left())
         except (DrainError, TimeoutError) as exc:
             if not all_ranks:
                 raise
@@ -394,6 +399,8 @@ class Store:
             self._drainer.close(timeout=_THREADS_END_S if wait else 0)
             if self._replicator is not None:
                 self._replicator.close(timeout=None if wait else 0)
+            if self._publisher.notices is not None:
+                self._publisher.notices.close(timeout=_THREADS_END_S if wait else 0)
             staging = self._ledger.staging
             if staging is not None:  # a lazy copy still running reads the buffers
                 futures.wait([staging.future])

@@ -29,7 +29,7 @@ from tierstore.engine.context import StoreContext
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
 from tierstore.engine.manifests import build_manifest
-from tierstore.engine.parts import PENDING_PART, is_pending
+from tierstore.engine.parts import PENDING_PART, KnownCommits, is_pending, unmark
 from tierstore.engine.retention import Retention
 from tierstore.errors import DrainError, IntegrityError
 from tierstore.events import Event, EventKind, Phase
@@ -124,8 +124,10 @@ class Drainer(BackgroundJobs[DrainJob]):
 
     what = "drains"
 
-    def __init__(self, context: StoreContext, retention: Retention, gc: GarbageCollector):
+    def __init__(self, context: StoreContext, retention: Retention, gc: GarbageCollector,
+                 commits: KnownCommits | None = None):
         self._context, self._retention, self._gc = context, retention, gc
+        self._commits = commits if commits is not None else KnownCommits()
         self._host, self._rank = context.host, context.rank
         self._chunk = context.copy_chunk_bytes
         self._part_timeout = context.config.part_timeout
@@ -329,6 +331,7 @@ class Drainer(BackgroundJobs[DrainJob]):
             # ranks could each find it unprepared and each clear the other's uploads.
             self._wait_for_begin(job, target)
         staging = target.begin_save(cid, token)
+        marked = False  # the copy carries the part's pending marker
         try:
             if transcode:
                 copy = self._transcode(job, source, target, manifest, staging)
@@ -346,15 +349,21 @@ class Drainer(BackgroundJobs[DrainJob]):
                     copy = self._target_manifest(job, source, target, manifest, gathering)
                 if gathering:
                     self._wait_for_parts(job, target, staging, source, manifest)
-                elif is_pending(source, cid):
+                elif is_pending(source, cid) and \
+                        not self._commits.knows(cid, manifest.save_token):
                     # A node's part whose checkpoint's commit is not known yet: pending on the
                     # node's slower tier too, never visible unmarked (a coordinator that failed
                     # leaves an orphan the next save removes, not a copy in its way).
                     target.write_bytes(f"{staging}/{PENDING_PART}", manifest.save_token.encode())
+                    marked = True
                 host.phase(Phase.DRAIN_COMMIT, cid, target.name, rank)
                 target.commit_save(cid, staging, copy,
                                    lambda phase: host.phase(phase, cid, target.name, rank))
                 self._settle_pin(job, source, target, copy)
+                if marked and self._commits.knows(cid, manifest.save_token):
+                    # The commit's notice came while this copy was made: confirmed here too
+                    # (the node settled the tiers it found the part on before this commit).
+                    unmark(target, cid)
         except BaseException as exc:
             if commits:
                 self._safely(lambda: target.abort_save(cid, staging),

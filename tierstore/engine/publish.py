@@ -18,15 +18,14 @@ copy on that tier, which its own drain may not have brought there yet.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from typing import Collection, Sequence
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.drain import DrainJob, Drainer
 from tierstore.engine.manifests import build_manifest
-from tierstore.engine.parts import PENDING_PART, is_pending
+from tierstore.engine.notices import CommitNotices, NoticeJob
+from tierstore.engine.parts import PENDING_PART, KnownCommits, is_pending, unmark
 from tierstore.engine.retention import Retention
 from tierstore.errors import CommitError
 from tierstore.events import Event, EventKind, Phase
@@ -37,9 +36,6 @@ __all__ = ["Publisher", "PENDING_PART"]
 
 log = logging.getLogger("tierstore.publish")
 
-#: how many checkpoint ids the coordinator remembers having committed (and under which tokens)
-#: for settling parts; older ones are judged from the tiers' manifests alone
-REMEMBERED_COMMITS = 4096
 
 
 class Publisher:
@@ -48,13 +44,14 @@ class Publisher:
     ``in_checkpoint_process``: this store runs in DCP's checkpoint process, whose saves leave
     drains and retention to the training process's store (``tierstore.handoff``)."""
 
-    def __init__(self, context: StoreContext, drainer: Drainer, retention: Retention, *,
-                 in_checkpoint_process: bool = False):
+    def __init__(self, context: StoreContext, drainer: Drainer, retention: Retention,
+                 commits: KnownCommits, *, in_checkpoint_process: bool = False):
         self._context, self._drainer, self._retention = context, drainer, retention
+        self._commits = commits
         self._in_checkpoint_process = in_checkpoint_process
-        # id -> tokens this process committed it under as a whole (the coordinator's commits)
-        self._commits: OrderedDict[str, set[str]] = OrderedDict()
-        self._commits_lock = threading.Lock()
+        #: the coordinator's word to the nodes that a save committed (node-local tiers only)
+        self.notices = (CommitNotices(self.settle_committed, context.config.collective_timeout)
+                        if context.tiers.node_local else None)
         retention.spare_with(self.unconfirmed)
 
     @staticmethod
@@ -77,10 +74,7 @@ class Publisher:
     @staticmethod
     def confirm(tier: Tier, checkpoint_id: str) -> None:
         """The checkpoint of the pending part ``checkpoint_id`` on ``tier`` is committed."""
-        try:
-            tier.backend.delete(f"{checkpoint_id}/{PENDING_PART}")
-        except FileNotFoundError:
-            pass
+        unmark(tier, checkpoint_id)
 
     def committed(self, checkpoint_id: str, token: str) -> bool | None:
         """On the coordinator's rank: whether it committed ``checkpoint_id`` as a whole (with
@@ -93,9 +87,8 @@ class Publisher:
         What is judged False was never committed, or no longer exists on the coordinator's
         machine (``keep`` evicted every copy there, or the node was lost): a part of it cannot
         load anyway, and removing it is what ``keep`` would have done."""
-        with self._commits_lock:
-            if token in self._commits.get(checkpoint_id, ()):
-                return True
+        if self._commits.knows(checkpoint_id, token):
+            return True
         unreadable = False
         for tier in self._context.tiers:
             if tier.layout.shared and tier.backend.local_path("") is None:
@@ -111,12 +104,31 @@ class Publisher:
                 return True
         return None if unreadable else False
 
-    def _remember_commit(self, checkpoint_id: str, token: str) -> None:
-        with self._commits_lock:
-            self._commits.setdefault(checkpoint_id, set()).add(token)
-            self._commits.move_to_end(checkpoint_id)
-            while len(self._commits) > REMEMBERED_COMMITS:
-                self._commits.popitem(last=False)
+    def settle_committed(self, checkpoint_id: str, token: str) -> None:
+        """This node learned that the save ``token`` of ``checkpoint_id`` committed (a notice,
+        ``tierstore.engine.notices``): its pending part of that save is confirmed on every
+        node-local tier this rank leads (the part, and its copies drained to slower tiers
+        meanwhile), and ``keep`` applies there at once."""
+        self._commits.record(checkpoint_id, token)
+        ctx = self._context
+        for tier in ctx.tiers:
+            if tier.layout.shared or tier.layout.leader != ctx.rank:
+                continue
+            if not is_pending(tier, checkpoint_id):
+                continue
+            manifest = tier.read_manifest(checkpoint_id)
+            if manifest is None or manifest.save_token != token:
+                continue
+            self.confirm(tier, checkpoint_id)
+            self._retention.apply_quietly(tier)
+
+    def tell_failed(self, tier: Tier, checkpoint_id: str, token: str) -> None:
+        """The coordinator: the save ``token`` of ``checkpoint_id`` on ``tier`` failed; unless
+        it committed before it failed, the nodes stop waiting for it (their parts stay pending
+        for the next save's settle)."""
+        if self.notices is not None and tier.layout.parts > 1 \
+                and not self._commits.knows(checkpoint_id, token):
+            self.notices.tell(token, committed=False)
 
     def unconfirmed(self, tier: Tier) -> set[str]:
         """What ``keep`` must spare on a node-local tier holding pending parts: the pending
@@ -169,7 +181,11 @@ class Publisher:
         tier.commit_save(checkpoint_id, staging, manifest,
                          lambda phase: host.phase(phase, checkpoint_id, tier.name, rank))
         if manifest.has_metadata:
-            self._remember_commit(checkpoint_id, token)
+            self._commits.record(checkpoint_id, token)
+            if self.notices is not None and layout.parts > 1:
+                self.notices.tell(token, committed=True)  # every node, in this save
+        elif pending and self.notices is not None:
+            self.notices.expect(NoticeJob(checkpoint_id, tier, token=token))
         host.event(Event(EventKind.COMMITTED, checkpoint_id, tier.name, rank, seconds,
                          manifest.size_bytes, {"step": step}))
         log.info("committed %s on tier '%s' (%d bytes in %.2f s)", checkpoint_id, tier.name,
