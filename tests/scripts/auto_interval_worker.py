@@ -4,7 +4,8 @@ slower): only the coordinator's choice counts, so they must still take the same 
 
 argv: ROOT STEPS [two-tiers]. ``two-tiers``: two shared ``local`` tiers, both auto, and
 ``[store] overwrite = true`` (the Lightning page's setting), where a save's schedule was once
-asked on some ranks only and the ranks then took different steps. Prints ``RANK <r> TAKEN <steps, comma-separated>`` and, after loading the
+asked on some ranks only and the ranks then took different steps. Prints
+``RANK <r> TAKEN <steps, comma-separated>`` and, after loading the
 newest checkpoint back, ``RANK <r> OK`` (or the problems found)."""
 
 import sys

@@ -4,8 +4,8 @@ tier with ``erasure`` 3+1, a ``peer`` tier with ``clique`` factor 2, and a ``mem
 each with ``keep = 1`` and a directory per node.
 
 argv: ROOT. Prints, for each store and rank, ``RANK <r> <store> HOLDS <bytes> OWN <bytes>
-CHECKPOINTS <ids>``: the bytes under its node's directory (recycle bins apart), the size of its own data file of the
-newest save, and the checkpoint ids of its own part there."""
+CHECKPOINTS <ids>``: the bytes under its node's directory (recycle bins apart), the size of
+its own data file of the newest save, and the checkpoint ids of its own part there."""
 
 import os
 import sys

@@ -4,7 +4,8 @@
 
 Saves ``step-1``; then ``step-2`` fails on one rank only (a ``tierstore_phase`` hook on
 FAILING_RANK raises before PHASE; PHASE ``mismatch``: FAILING_RANK saves under another id, as a
-rank whose schedule parted from the others' would); every rank must get the error, ``latest()`` must stay ``step-1``; then ``step-3``
+rank whose schedule parted from the others' would); every rank must get the error,
+``latest()`` must stay ``step-1``; then ``step-3``
 saves fine and nothing hidden may stay in the shared root (argv[1]).
 
 Prints one line per problem and exits 1 when there is any; prints "RANK <r> OK" otherwise.

@@ -626,7 +626,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                                        replaces=save.replaces)
         except BaseException:
             tier.abort_save(save.checkpoint_id, save.staging)
-            services.publisher.tell_failed(tier, save.checkpoint_id, save.token)  # the nodes stop waiting for it
+            # the nodes stop waiting for word of its commit
+            services.publisher.tell_failed(tier, save.checkpoint_id, save.token)
             raise
         finally:
             services.ledger.save_running(None)

@@ -731,7 +731,8 @@ class _PartExchange:
     ranks; under the save's id and token), left in the job's key-value store under the
     save's token and the target tier's name (drains are not paired across ranks the way
     collectives are). Each side checks every field of what it reads, and checks it against
-    the save: its id and token, and exactly the files and items it expects. Either side waits at most ``part_timeout``; a part
+    the save: its id and token, and exactly the files and items it expects. Either side waits
+    at most ``part_timeout``; a part
     stops waiting when rank 0 is seen lost, or when its own source part went (collected as an
     orphan: the coordinator never committed the save), and the coordinator when a part's ranks
     are seen lost. A side whose drain fails says so at once (:meth:`withdraw`), so that the
