@@ -211,14 +211,14 @@ class Catalog:
         cid = validate_checkpoint_id(checkpoint_id)
         # Retention and drains learn it first: a pass that already chose this checkpoint as
         # a victim, or a copy about to commit unpinned, then follows it (see Retention).
-        self._retention.ask_pin(cid, pinned)
-        done = [t.name for t in self._context.tiers if t.set_pinned(cid, pinned)]
-        if not done:
-            self._retention.ask_pin(cid, None)
-            raise CheckpointNotFound(
-                f"cannot {'pin' if pinned else 'unpin'} '{cid}': it is not complete on any tier; "
-                f"store.list() shows what is stored"
-            )
+        with self._retention.pinning():
+            self._retention.ask_pin(cid, pinned)
+            done = [t.name for t in self._context.tiers if t.set_pinned(cid, pinned)]
+            if not done:
+                self._retention.ask_pin(cid, None)
+                raise CheckpointNotFound(
+                    f"cannot {'pin' if pinned else 'unpin'} '{cid}': it is not complete on any "
+                    f"tier; store.list() shows what is stored")
 
 
 def _holdings(tier) -> list[tuple[str, Manifest, set[str]]]:

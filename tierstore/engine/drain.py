@@ -9,6 +9,7 @@ source copy is never propagated. ``Store.wait()`` waits for the drain and raises
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -128,6 +129,9 @@ class Drainer(BackgroundJobs[DrainJob]):
                  commits: KnownCommits | None = None):
         self._context, self._retention, self._gc = context, retention, gc
         self._commits = commits if commits is not None else KnownCommits()
+        # (checkpoint id, tier name) -> (lock, users): see _copying
+        self._copy_locks: dict[tuple[str, str], tuple[threading.Lock, int]] = {}
+        self._copy_locks_guard = threading.Lock()
         self._host, self._rank = context.host, context.rank
         self._chunk = context.copy_chunk_bytes
         self._part_timeout = context.config.part_timeout
@@ -163,7 +167,8 @@ class Drainer(BackgroundJobs[DrainJob]):
         for target in job.targets:
             try:
                 if job.replace and target.replaces_in_place:
-                    self._repair_in_place(job, target)
+                    with self._copying(job.checkpoint_id, target):
+                        self._repair_in_place(job, target)
                 else:  # a new copy, or one staged beside the old and swapped in at commit
                     self._drain_one(job, target)
             except Exception as exc:
@@ -296,13 +301,40 @@ class Drainer(BackgroundJobs[DrainJob]):
             return target.complete_manifest(cid) is not None
         return target.read_manifest(cid) is not None
 
+    @contextlib.contextmanager
+    def _copying(self, checkpoint_id: str, target: Tier):
+        """Held while this process copies ``checkpoint_id`` to ``target``: a drain and a
+        ``promote`` of the same checkpoint to the same tier (or two promotes) copy one after
+        the other, never side by side, where each would find the other's copy in its way or
+        replace its directory under it."""
+        key = (checkpoint_id, target.name)
+        with self._copy_locks_guard:
+            lock, users = self._copy_locks.get(key, (threading.Lock(), 0))
+            self._copy_locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._copy_locks_guard:
+                lock, users = self._copy_locks[key]
+                if users == 1:
+                    del self._copy_locks[key]
+                else:
+                    self._copy_locks[key] = (lock, users - 1)
+
     def _drain_one(self, job: DrainJob, target: Tier) -> None:
+        with self._copying(job.checkpoint_id, target):
+            self._copy_one(job, target)
+
+    def _copy_one(self, job: DrainJob, target: Tier) -> None:
         source, cid = job.source, job.checkpoint_id
         host, rank = self._host, self._rank
         manifest = self._source_manifest(job, target)
         # A node-local checkpoint going to a shared tier: every group copies its part into one
         # staging directory (named by the save), and rank 0 commits once all parts are there.
         gathering = target.layout.shared and not source.layout.shared
+        if not gathering and not job.replace and self._already_there(job, target, manifest):
+            return
         commits = not gathering or rank == 0
         started = time.perf_counter()
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
@@ -556,6 +588,21 @@ class Drainer(BackgroundJobs[DrainJob]):
                               manifest.files if files is None else files, like=manifest,
                               **fields)
 
+    def _already_there(self, job: DrainJob, target: Tier, manifest: Manifest) -> bool:
+        """Whether ``target`` holds a complete copy of this very save already (a promote, or
+        the drain it raced, made it while this copy waited its turn): nothing to copy. Its
+        flag is the one its own copy settled (a promote may have pinned it); only a
+        ``promote --pin`` pins it."""
+        there = target.complete_manifest(job.checkpoint_id)
+        if there is None or there.save_token != manifest.save_token:
+            return False
+        log.info("%s is on tier '%s' already (save %s): not copied again", job.checkpoint_id,
+                 target.name, manifest.save_token)
+        if job.pin and not there.pinned:
+            with self._retention.pinning():
+                self._set_copy_pin(job, target, True)
+        return True
+
     def _pin_now(self, job: DrainJob, source: Tier, otherwise: bool) -> bool:
         """Whether the copy of ``job`` is to be pinned, asked now (a pin may have changed
         since the job began): pinned by the job itself (``promote --pin``), else as this
@@ -576,9 +623,13 @@ class Drainer(BackgroundJobs[DrainJob]):
         there (``keep`` then evicting a pinned checkpoint); the flag is asked again and, where
         it changed, the copy is changed too. A pin landing after this finds the copy
         complete and changes it itself."""
-        want = self._pin_now(job, source, copy.pinned)
-        if want == copy.pinned:
-            return
+        with self._retention.pinning():  # a pin or unpin now in progress ends first
+            want = self._pin_now(job, source, copy.pinned)
+            if want != copy.pinned:
+                self._set_copy_pin(job, target, want)
+
+    @staticmethod
+    def _set_copy_pin(job: DrainJob, target: Tier, want: bool) -> None:
         try:
             target.set_pinned(job.checkpoint_id, want)
         except Exception:  # noqa: BLE001 - the copy is committed: never undo it for its flag

@@ -66,6 +66,14 @@ class Retention:
         self._loads_released: collections.deque[str] = collections.deque()
         # checkpoint id -> pinned, as this store's pin()/unpin() last asked (under _lock)
         self._pins: dict[str, bool] = {}
+        # Held by a pin or unpin from its ask to its last tier's rewrite, and by a drain from
+        # its reading of the flag to its rewrite of its copy's: a drain never writes a flag it
+        # read before a pin that has finished since (see Drainer._settle_pin).
+        self._pinning = threading.RLock()
+
+    def pinning(self) -> threading.RLock:
+        """The lock that orders pins, unpins and the flags drains give their copies."""
+        return self._pinning
 
     def ask_pin(self, checkpoint_id: str, pinned: bool | None) -> None:
         """``store.pin``/``unpin`` of ``checkpoint_id`` begins: from now on this store's
