@@ -5,13 +5,16 @@ a tiny MLP sharded with FSDP2, Adam): killed with SIGKILL in the middle of a sav
 ``ckpt_path="last"``, it ends bitwise equal to the same job run without interruption, and to the
 same job with Lightning's own checkpointing. FSDP1 (FSDPStrategy) and Fabric's strategies run in
 a second job. The rest is this process: the path <-> id mapping both ways, and the order of what
-follows a commit (a pointer file only for a committed checkpoint, pins, release).
+follows a commit (a pointer file only for a committed checkpoint, pins, release), and what the
+strategies decide from paths (which checkpoint a path loads, ``ckpt_path="last"`` in a store
+several runs share, which removal unpins), with Lightning's callbacks but no Trainer.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -22,8 +25,9 @@ import tierstore
 from tierstore.format.ids import is_valid_checkpoint_id
 from tierstore.integrations.lightning import checkpoint_id, checkpoint_path
 from tierstore.integrations.lightning.checkpointing import Checkpoints, CheckpointSaveFailed
-from tierstore.integrations.lightning.paths import MAX_ID_LENGTH
-from tierstore.integrations.lightning.pointers import pointed_id
+from tierstore.errors import CheckpointNotFound
+from tierstore.integrations.lightning.paths import MAX_ID_LENGTH, directory_digest
+from tierstore.integrations.lightning.pointers import pointed_id, write_pointer
 from tierstore.integrations.lightning.record import KEY, pack
 
 # --------------------------------------------------------------------------- paths <-> ids
@@ -44,24 +48,39 @@ NAMES = [
 ]
 
 
-@pytest.mark.parametrize("name,cid", NAMES, ids=[n for n, _ in NAMES])
-def test_a_lightning_path_maps_to_a_valid_id_and_back(tmp_path, name, cid):
+@pytest.mark.parametrize("name,escaped", NAMES, ids=[n for n, _ in NAMES])
+def test_a_lightning_path_maps_to_a_valid_id_and_back(tmp_path, name, escaped):
+    """The id is the directory's digest, ``_.``, and the file name escaped."""
     path = os.path.join(tmp_path, "checkpoints", name)
-    assert checkpoint_id(path) == cid
+    cid = checkpoint_id(path)
+    assert cid == f"{directory_digest(tmp_path / 'checkpoints')}_.{escaped}"
+    assert re.fullmatch(r"[0-9a-f]{12}_\..+", cid)
     assert is_valid_checkpoint_id(cid)  # the core's own rule
     assert checkpoint_path(cid, tmp_path / "checkpoints") == path
+    # An id of the rule before (the name alone) still reads, in any directory.
+    assert checkpoint_path(escaped, tmp_path / "old") == os.path.join(tmp_path, "old", name)
 
 
-def test_the_id_depends_on_the_file_name_only(tmp_path):
-    assert checkpoint_id("/a/b/epoch=1-step=2.ckpt") == checkpoint_id("epoch=1-step=2.ckpt")
-    assert checkpoint_id(tmp_path / "last.ckpt") == "last"
+def test_the_id_depends_on_the_whole_path_and_keeps_the_step(tmp_path, monkeypatch):
+    """Two directories, one file name: two ids; the step stays last, for ``every``; a
+    relative path is the same file as its absolute one."""
+    one = checkpoint_id("/a/b/epoch=1-step=20.ckpt")
+    two = checkpoint_id("/a/c/epoch=1-step=20.ckpt")
+    assert one != two and one.endswith("-step_3D20") and two.endswith("-step_3D20")
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_id("checkpoints/last.ckpt") == checkpoint_id(tmp_path / "checkpoints"
+                                                                    / "last.ckpt")
+    with pytest.raises(ValueError, match="saved in another directory"):
+        checkpoint_path(one, "/a/c")
 
 
 @pytest.mark.parametrize("cid", ["step-100_", "_41", "a_4", "a_zz", "_", "", "a_3d", "_FF",
-                                 "last_2"])
+                                 "last_2", "0123456789ab_.", "0123456789ab_._41",
+                                 "0123456789AB_.last"])
 def test_an_id_the_mapping_does_not_make_is_refused(cid):
-    """Every '_' of an id starts an escape; another spelling of a name (``_41`` for ``A``,
-    lower-case hex), a broken escape or bytes that are not UTF-8 are not ids of this mapping."""
+    """Every '_' of a name's part starts an escape; another spelling of a name (``_41`` for
+    ``A``, lower-case hex), a broken escape or bytes that are not UTF-8 are not ids of this
+    mapping (a digest in upper case is no digest: the whole id is read as a name's part)."""
     if cid == "step-100_":  # but a valid one: a name without the extension
         assert checkpoint_path(cid, "/d") == "/d/step-100"
         return
@@ -70,10 +89,11 @@ def test_an_id_the_mapping_does_not_make_is_refused(cid):
 
 
 def test_a_name_whose_id_would_be_too_long_is_refused():
-    assert len(checkpoint_id("a" * MAX_ID_LENGTH + ".ckpt")) == MAX_ID_LENGTH
-    with pytest.raises(ValueError, match=r"makes a tierstore id of 201 characters, and at most "
+    room = MAX_ID_LENGTH - len(checkpoint_id("/d/x.ckpt")) + 1  # 14: the digest and '_.'
+    assert len(checkpoint_id("/d/" + "a" * room + ".ckpt")) == MAX_ID_LENGTH
+    with pytest.raises(ValueError, match=r"makes a tierstore id of 203 characters, and at most "
                                          r"200 are allowed .*shorter ModelCheckpoint"):
-        checkpoint_id("=" * 67 + ".ckpt")
+        checkpoint_id("/d/" + "=" * 63 + ".ckpt")
     with pytest.raises(ValueError, match="no file name"):
         checkpoint_id("")
 
@@ -98,19 +118,20 @@ def test_a_save_that_never_commits_leaves_no_pointer_and_is_never_resumed(tmp_pa
     save raises the failure, and the newest checkpoint is still the one before."""
     dirpath = tmp_path / "checkpoints"
     paths = [str(dirpath / f"epoch=0-step={s}.ckpt") for s in (2, 4)]
-    monkeypatch.setenv("LIGHTNING_WORKER_FAIL_AT", checkpoint_id(paths[1]))
+    ids = [checkpoint_id(p) for p in paths]
+    monkeypatch.setenv("LIGHTNING_WORKER_FAIL_AT", ids[1])
     checkpoints = Checkpoints(_store_config(tmp_path))
     checkpoints.open()
     try:
-        checkpoints.save(_state(2), checkpoint_id(paths[0]), paths[0], pointer=True, pin=False)
+        checkpoints.save(_state(2), ids[0], paths[0], pointer=True, pin=False)
         checkpoints.settle()
-        assert pointed_id(paths[0]) == "epoch_3D0-step_3D2"
-        checkpoints.save(_state(4), checkpoint_id(paths[1]), paths[1], pointer=True, pin=False)
-        with pytest.raises(CheckpointSaveFailed, match=r"epoch=0-step=4.ckpt \(tierstore id "
-                                                       r"'epoch_3D0-step_3D4'\) was not saved"):
+        assert pointed_id(paths[0]) == ids[0]
+        checkpoints.save(_state(4), ids[1], paths[1], pointer=True, pin=False)
+        with pytest.raises(CheckpointSaveFailed, match=rf"epoch=0-step=4.ckpt \(tierstore id "
+                                                       rf"'{ids[1]}'\) was not saved"):
             checkpoints.settle()
         assert not os.path.exists(paths[1])
-        assert checkpoints.latest() == "epoch_3D0-step_3D2"
+        assert checkpoints.latest() == ids[0]
         loaded = {"w": torch.zeros(8)}
         record = checkpoints.load(loaded, checkpoints.latest())
         assert record == {"global_step": 2, "loops": {}}  # an empty dict survives, unflattened
@@ -126,26 +147,26 @@ def test_a_pinned_checkpoint_outlives_keep_until_released(tmp_path):
     checkpoints go at close."""
     dirpath = tmp_path / "checkpoints"
     path = {s: str(dirpath / f"step={s}.ckpt") for s in range(1, 6)}
+    cid = {s: checkpoint_id(p) for s, p in path.items()}
     checkpoints = Checkpoints(_store_config(tmp_path))
     checkpoints.open()
     store = checkpoints.store
     for step in (1, 2, 3):
-        checkpoints.save(_state(step), checkpoint_id(path[step]), path[step], pointer=True,
-                         pin=step == 1)
+        checkpoints.save(_state(step), cid[step], path[step], pointer=True, pin=step == 1)
     checkpoints.settle()
     store.wait()
-    assert {c.id: c.pinned for c in store.list()} == {"step_3D1": True, "step_3D2": False,
-                                                      "step_3D3": False}
-    checkpoints.release("step_3D1", path[1], unpin=True)
+    assert {c.id: c.pinned for c in store.list()} == {cid[1]: True, cid[2]: False,
+                                                      cid[3]: False}
+    checkpoints.release(cid[1], path[1], unpin=True)
     assert not os.path.exists(path[1])
-    assert {c.id: c.pinned for c in store.list()}["step_3D1"] is False
-    checkpoints.save(_state(4), "step_3D4", path[4], pointer=True, pin=True)
-    checkpoints.release("step_3D4", path[4], unpin=True)  # before it committed, most likely
-    checkpoints.save(_state(5), "step_3D5", path[5], pointer=True, pin=False)
+    assert {c.id: c.pinned for c in store.list()}[cid[1]] is False
+    checkpoints.save(_state(4), cid[4], path[4], pointer=True, pin=True)
+    checkpoints.release(cid[4], path[4], unpin=True)  # before it committed, most likely
+    checkpoints.save(_state(5), cid[5], path[5], pointer=True, pin=False)
     checkpoints.close()
     with tierstore.open(_store_config(tmp_path)) as reopened:
         held = {c.id: c.pinned for c in reopened.list()}
-    assert held == {"step_3D5": False, "step_3D4": False}
+    assert held == {cid[5]: False, cid[4]: False}
     assert sorted(os.listdir(dirpath)) == ["step=5.ckpt"]  # step 4's pointer never came
 
 
@@ -163,6 +184,141 @@ def test_a_name_saved_again_without_overwrite_says_how_lightning_gets_there(tmp_
                                                    r"ModelCheckpoint\(save_last='link'\)"):
         checkpoints.close()
     assert pointed_id(path) == "last"  # the first one's
+
+
+# --------------------------------------------------------------------------- what a path stands for
+
+@pytest.fixture
+def trainer_strategy(tmp_path):
+    """tierstore's ModelParallelStrategy for the Trainer, without a Trainer: what the Trainer
+    would give it is set by hand. A monitored ModelCheckpoint keeps its best 1 in best/, a
+    periodic one keeps 1 in periodic/, both with Lightning's default names; the store (keep 1
+    on RAM, 2 on disk, overwrite) is open; the module is a Linear(8, 1) without bias."""
+    from types import SimpleNamespace
+
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    from tierstore.integrations.lightning.trainer import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(tiers=_store_config(tmp_path, overwrite=True),
+                                     data_parallel_size=1, tensor_parallel_size=1)
+    best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="loss", save_top_k=1)
+    periodic = ModelCheckpoint(dirpath=tmp_path / "periodic", save_top_k=1)
+    strategy._checkpoint_callbacks = lambda: [best, periodic]
+    strategy._lightning_module = SimpleNamespace(
+        trainer=SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.VALIDATING)),
+        strict_loading=True)
+    strategy.model = torch.nn.Linear(8, 1, bias=False)
+    strategy._checkpoints.open()
+    yield strategy, best, periodic
+    strategy._checkpoints.close()
+
+
+def _module_state(step):
+    """What the Trainer's save gives the store for the fixture's module at ``step``."""
+    return {"state_dict": {"weight": torch.full((1, 8), float(step))},
+            KEY: pack({"global_step": step, "loops": {}})}
+
+
+def _loaded_step(strategy, path):
+    """Load Lightning's ``path`` as the Trainer does; the step its weights were saved at."""
+    record = strategy.load_checkpoint(path)
+    weight = strategy.model.weight.detach()
+    assert torch.equal(weight, torch.full((1, 8), float(record["global_step"])))
+    return record["global_step"]
+
+
+def test_two_callbacks_saving_one_file_name_keep_two_checkpoints(trainer_strategy):
+    """The monitored callback (best/) and the periodic one (periodic/) both name their step-100
+    checkpoint ``epoch=0-step=100.ckpt``: two checkpoints, one pinned. The periodic callback
+    lets its copy go (``save_top_k=1``) and saves on: ``keep`` evicts what is not pinned, and
+    the best checkpoint, which its pointer still names, keeps its pin and loads."""
+    strategy, best, periodic = trainer_strategy
+    checkpoints = strategy._checkpoints
+    name = "epoch=0-step=100.ckpt"
+    kept, let_go = os.path.join(best.dirpath, name), os.path.join(periodic.dirpath, name)
+    best.best_k_models[kept] = torch.tensor(0.5)
+    checkpoints.save(_module_state(100), checkpoint_id(kept), kept, pointer=True, pin=True)
+    other = _module_state(100)
+    other["state_dict"]["weight"] = torch.full((1, 8), -1.0)  # not the best's weights
+    checkpoints.save(other, checkpoint_id(let_go), let_go, pointer=True, pin=False)
+    for step in (200, 300, 400):
+        path = os.path.join(periodic.dirpath, f"epoch=0-step={step}.ckpt")
+        checkpoints.save(_module_state(step), checkpoint_id(path), path, pointer=True, pin=False)
+        strategy.remove_checkpoint(let_go)  # what ModelCheckpoint(save_top_k=1) does
+        let_go = path
+    checkpoints.settle()
+    checkpoints.store.wait()
+    held = {c.id: c.pinned for c in checkpoints.store.list()}
+    assert held.get(pointed_id(kept)) is True, held
+    assert sorted(os.listdir(periodic.dirpath)) == ["epoch=0-step=400.ckpt"]
+    assert _loaded_step(strategy, kept) == 100
+
+
+def test_a_checkpoint_of_the_earlier_id_rule_loads_by_its_pointer_and_keeps_its_pin(
+        trainer_strategy):
+    """Ids made from the file name alone (the rule before the directory's digest) made best/
+    and periodic/'s ``epoch=0-step=100.ckpt`` one checkpoint, pinned for best/. Both pointers
+    name it: removing periodic/'s leaves the pin (best/ still keeps its path), and best/'s path
+    loads it, by its pointer."""
+    strategy, best, periodic = trainer_strategy
+    checkpoints = strategy._checkpoints
+    earlier = "epoch_3D0-step_3D100"
+    name = "epoch=0-step=100.ckpt"
+    kept, let_go = os.path.join(best.dirpath, name), os.path.join(periodic.dirpath, name)
+    best.best_k_models[kept] = torch.tensor(0.5)
+    checkpoints.save(_module_state(100), earlier, kept, pointer=True, pin=True)
+    checkpoints.settle()
+    write_pointer(let_go, earlier)
+    strategy.remove_checkpoint(let_go)
+    assert not os.path.exists(let_go)
+    assert {c.id: c.pinned for c in checkpoints.store.list()} == {earlier: True}
+    assert _loaded_step(strategy, kept) == 100
+
+
+def test_last_is_this_runs_newest_checkpoint_in_a_store_runs_share(trainer_strategy, tmp_path):
+    """Another run shares the store and saved last, into its own directory, under a name this
+    run uses too. ``ckpt_path="last"`` (Lightning hands the strategy this run's ``last.ckpt``)
+    loads this run's newest checkpoint, whichever of its callbacks saved it; Fabric's
+    ``latest_checkpoint(dirpath)`` is that directory's newest, None for a directory whose
+    checkpoints ``keep`` evicted; a last name in a directory this run does not save to chooses
+    from that directory alone, and one with none is refused."""
+    strategy, best, periodic = trainer_strategy
+    checkpoints = strategy._checkpoints
+    other = str(tmp_path / "other-run")
+    for directory, name, step in [(periodic.dirpath, "epoch=0-step=2.ckpt", 2),
+                                  (periodic.dirpath, "last.ckpt", 2),
+                                  (best.dirpath, "epoch=0-step=4.ckpt", 4),
+                                  (other, "epoch=0-step=2.ckpt", 6)]:
+        path = os.path.join(directory, name)
+        checkpoints.save(_module_state(step), checkpoint_id(path), path, pointer=True, pin=False)
+        checkpoints.settle()
+    checkpoints.store.wait()  # keep: 1 on RAM, 2 on disk; periodic/'s are evicted
+    assert checkpoints.latest() == checkpoint_id(os.path.join(other, "epoch=0-step=2.ckpt"))
+    assert _loaded_step(strategy, os.path.join(periodic.dirpath, "last.ckpt")) == 4
+    assert strategy.latest_checkpoint(best.dirpath) == os.path.join(best.dirpath,
+                                                                    "epoch=0-step=4.ckpt")
+    assert strategy.latest_checkpoint(periodic.dirpath) is None
+    assert strategy.latest_checkpoint(other) == os.path.join(other, "epoch=0-step=2.ckpt")
+    assert _loaded_step(strategy, os.path.join(other, "last.ckpt")) == 6
+    with pytest.raises(CheckpointNotFound, match="the store holds none of them"):
+        strategy.load_checkpoint(tmp_path / "elsewhere" / "last.ckpt")
+
+
+def test_last_is_exactly_a_checkpoint_callbacks_last_name(trainer_strategy):
+    """``last``, ``last-v<N>`` with the extension, as ModelCheckpoint makes them (a
+    ``{metric}`` in a custom CHECKPOINT_NAME_LAST stands for its value); not every name that
+    starts with ``last``."""
+    strategy, best, periodic = trainer_strategy
+    periodic.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    last = ["last.ckpt", "last-v1.ckpt", "last-v12.ckpt", "epoch=3-last.ckpt",
+            "epoch=3-last-v2.ckpt"]
+    others = ["lastly.ckpt", "last-1.ckpt", "last-v.ckpt", "last-v1x.ckpt", "last_epoch.ckpt",
+              "last.pt", "last", "last.ckpt.tmp", "my-last.ckpt", "epoch=3-last-1.ckpt"]
+    wrong = [name for name in last + others
+             if strategy._is_last(os.path.join(best.dirpath, name)) != (name in last)]
+    assert not wrong
 
 
 # --------------------------------------------------------------------------- the real trainer
@@ -195,24 +351,29 @@ def _store(root):
 @pytest.mark.timeout(420)
 def test_a_trainer_killed_mid_run_resumes_from_the_newest_checkpoint_bitwise(tmp_path):
     """8 steps, a checkpoint every 2 (``epoch=E-step=S.ckpt``, then ``last.ckpt`` again) into a
-    RAM and a disk tier. Rank 1 is killed with SIGKILL while it writes ``last.ckpt`` at step 6, after
-    ``epoch=2-step=6.ckpt`` committed; torchrun ends the job. Restarted with
-    ``ckpt_path="last"``, the job resumes from step 6 (the store's newest complete checkpoint:
-    not the last.ckpt of step 4, and not the half-written one) and ends with parameters and
-    Adam state bitwise equal to the job run without interruption, which equal those of the same
-    job with Lightning's own checkpointing."""
+    RAM and a disk tier. Rank 1 is killed with SIGKILL while it writes ``last.ckpt`` at step 6,
+    after ``epoch=2-step=6.ckpt`` committed; torchrun ends the job. Another run sharing the store
+    (its own directory) then saves ``epoch=0-step=2.ckpt``, the store's newest. Restarted with
+    ``ckpt_path="last"``, the job resumes from step 6 (its own newest complete checkpoint: not
+    the last.ckpt of step 4, not the half-written one, and not the other run's) and ends with
+    parameters and Adam state bitwise equal to the job run without interruption, which equal
+    those of the same job with Lightning's own checkpointing."""
+    tmp_path = type(tmp_path)(os.path.realpath(tmp_path))  # as Lightning's dirpath sees it
     killed = subprocess.run(torchrun_command("lightning_worker.py", tmp_path, "killed"),
                             env=script_env(), capture_output=True, text=True, timeout=200)
     report = f"--- stdout\n{killed.stdout}\n--- stderr\n{killed.stderr[-6000:]}"
-    assert killed.returncode != 0 and "RANK 1 KILLED writing save 3 of last" in killed.stdout, \
-        report
+    killed_last = checkpoint_id(tmp_path / "killed" / "checkpoints" / "last.ckpt")
+    assert killed.returncode != 0 and \
+        f"RANK 1 KILLED writing save 3 of {killed_last}" in killed.stdout, report
     assert "exitcode  : -9" in killed.stderr, report  # torchrun saw rank 1 die of SIGKILL
+    step_6 = checkpoint_id(tmp_path / "killed" / "checkpoints" / "epoch=2-step=6.ckpt")
     with _store(tmp_path / "killed") as store:
-        assert store.latest() == "epoch_3D2-step_3D6", report
+        assert store.latest() == step_6, report
     assert not (tmp_path / "killed-rank0.pt").exists()
 
-    run_torchrun("lightning_worker.py", tmp_path, "resumed", "tierstore", "default",
+    run_torchrun("lightning_worker.py", tmp_path, "intruder", "resumed", "tierstore", "default",
                  timeout=200)
+    assert _started_at(tmp_path, "intruder") == 0
     assert _started_at(tmp_path, "resumed") == 6
     assert _started_at(tmp_path, "tierstore") == 0
     uninterrupted = _final(tmp_path, "tierstore")
@@ -230,14 +391,17 @@ def test_a_trainer_killed_mid_run_resumes_from_the_newest_checkpoint_bitwise(tmp
         held = {c.id: c for c in store.list()}
     assert len(best) == 2 and best <= set(held), (best, held)
     assert {i for i, c in held.items() if c.pinned} == best
-    assert "epoch_3D3-step_3D8" in held and not {"epoch_3D0-step_3D2", "last"} & set(held)
     checkpoints = root / "checkpoints"
+    ids = {name: checkpoint_id(checkpoints / name)
+           for name in ("epoch=3-step=8.ckpt", "epoch=0-step=2.ckpt", "last.ckpt")}
+    assert ids["epoch=3-step=8.ckpt"] in held
+    assert not {ids["epoch=0-step=2.ckpt"], ids["last.ckpt"]} & set(held)
     assert os.path.islink(checkpoints / "last.ckpt")
-    assert pointed_id(checkpoints / "last.ckpt") == "epoch_3D3-step_3D8"
+    assert pointed_id(checkpoints / "last.ckpt") == ids["epoch=3-step=8.ckpt"]
     pointers = {name: pointed_id(checkpoints / name) for name in os.listdir(checkpoints)
                 if name != "last.ckpt"}
-    assert {checkpoint_id(name) for name in pointers} == set(held)
-    assert all(pointers[n] == checkpoint_id(n) for n in pointers), pointers
+    assert {checkpoint_id(checkpoints / name) for name in pointers} == set(held)
+    assert all(pointers[n] == checkpoint_id(checkpoints / n) for n in pointers), pointers
 
 
 @pytest.mark.timeout(240)

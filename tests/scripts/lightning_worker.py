@@ -13,7 +13,11 @@ per rank and epoch, 8 steps), run one after the other in this process, each from
   checkpoint as ``last.ckpt``) and lazy staging; rank 1 kills itself with SIGKILL while writing
   its file of ``last.ckpt`` at step 6 (a tierstore phase hook of this module, below), after
   ``epoch=2-step=6.ckpt`` committed. The job does not finish.
-- ``resumed``: the same job again into ROOT/killed, with ``ckpt_path="last"``.
+- ``intruder``: another run sharing ROOT/killed's store, with checkpoints of its own
+  (ROOT/intruder/checkpoints): 2 steps, one save, ``epoch=0-step=2.ckpt`` like the killed job's
+  first, and newer than all of the killed job's.
+- ``resumed``: the same job again into ROOT/killed, with ``ckpt_path="last"``: it resumes from
+  its own newest checkpoint, not the intruder's.
 - ``default``: Lightning's own ModelParallelStrategy (DCP to a directory), same callbacks.
 - ``fsdp1-half``, ``fsdp1-resumed``, ``fsdp1-default``: FSDPStrategy (FSDP1, wrapped in
   ``configure_model`` with ``device_id=cpu``, since Lightning's own wrapping needs an accelerator)
@@ -42,6 +46,7 @@ from torch import nn
 
 import tierstore
 from tierstore import Phase
+from tierstore.integrations.lightning.paths import checkpoint_id
 
 STEPS = 8
 EVERY = 2
@@ -230,9 +235,14 @@ def run_one(root: str, run: str) -> None:
             with open(f"{root}/tierstore/best.json", "w") as f:
                 json.dump(sorted(best), f)
     elif run == "killed":
-        os.environ[KILL_ENV] = "last:3"  # last.ckpt's save at step 6
+        # last.ckpt's save at step 6 (Lightning makes the callback's dirpath a real path)
+        last = os.path.join(os.path.realpath(f"{root}/killed/checkpoints"), "last.ckpt")
+        os.environ[KILL_ENV] = f"{checkpoint_id(last)}:3"
         train(root, run, model_parallel(tiers(f"{root}/killed", kill=True, lazy=True)),
               f"{root}/killed/checkpoints")
+    elif run == "intruder":
+        train(root, run, model_parallel(tiers(f"{root}/killed")), f"{root}/intruder/checkpoints",
+              max_steps=EVERY, save_last=False)
     elif run == "resumed":
         train(root, run, model_parallel(tiers(f"{root}/killed", lazy=True)),
               f"{root}/killed/checkpoints",

@@ -17,8 +17,8 @@ and Fabric's, from :mod:`tierstore.integrations.lightning.fabric`. Both modules 
 
 - :mod:`~tierstore.integrations.lightning.trainer`: the Trainer's strategies (exported here).
 - :mod:`~tierstore.integrations.lightning.fabric`: Fabric's strategies.
-- :mod:`~tierstore.integrations.lightning.paths`: Lightning's checkpoint paths and tierstore's
-  ids, one to one (:func:`checkpoint_id`, :func:`checkpoint_path`).
+- :mod:`~tierstore.integrations.lightning.paths`: Lightning's checkpoint paths (directory and
+  file name) and tierstore's ids, one to one (:func:`checkpoint_id`, :func:`checkpoint_path`).
 
 Nothing of Lightning is imported until a strategy is asked for.
 """

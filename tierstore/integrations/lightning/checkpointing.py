@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import weakref
 from typing import Any, Iterable
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -35,12 +37,16 @@ from tierstore.errors import CheckpointNotFound, CommitError
 from tierstore.store import Store
 from tierstore.store import open as open_store
 
+from tierstore.integrations.lightning.paths import is_checkpoint_of
 from tierstore.integrations.lightning.pointers import pointed_id, remove_pointer, write_pointer
 from tierstore.integrations.lightning.record import KEY, unpack
 
 __all__ = ["Checkpoints", "CheckpointSaveFailed"]
 
 log = logging.getLogger("tierstore.integrations.lightning")
+
+# what write_pointer writes before its rename (a leftover of a process killed in between)
+_POINTER_TMP = re.compile(r"\.[0-9a-f]{12}\.tmp$")
 
 
 class CheckpointSaveFailed(RuntimeError):
@@ -223,9 +229,73 @@ class Checkpoints:
 
     # -- loads ---------------------------------------------------------------------------------
     def latest(self) -> str | None:
-        """The newest checkpoint the job can load (a collective)."""
+        """The store's newest checkpoint the job can load, whoever saved it (a collective)."""
         self.settle()
         return self.store.latest()
+
+    def newest_in(self, directories: Iterable[str], *, scan: bool
+                  ) -> tuple[str, str | None] | None:
+        """The newest checkpoint the job can load of those saved into ``directories``
+        (absolute, the same on every rank), as ``(id, path of a pointer file naming it, or
+        None)``; None when the store holds none of them. A collective: every rank calls it,
+        ``scan`` on the rank that sees the directories (rank 0).
+
+        A checkpoint is one of theirs when its id was made for one of them
+        (:func:`~tierstore.integrations.lightning.paths.is_checkpoint_of`) or a pointer file
+        there names it (ids of the adapter's earlier rule say no directory). A store may be
+        shared by several runs: its newest checkpoint, ``store.latest()``, is taken when it is
+        one of theirs, with every rule of the store's (replicas, parity, another world size);
+        when another run saved since, the newest of theirs that every rank of this job holds
+        complete on some tier (``store.list()``) is."""
+        self.settle()
+        store = self.store
+        directories = sorted(set(directories))
+        # rank 0's pointers on every rank, so that every rank takes the same branch below
+        views = self._gather(self._pointers_in(directories) if scan else {})
+        named: dict[str, str] = {}
+        for view in views:
+            for cid, path in view.items():
+                named.setdefault(cid, path)
+
+        def theirs(cid: str) -> bool:
+            return cid in named or any(is_checkpoint_of(cid, d) for d in directories)
+
+        newest = store.latest()
+        if newest is not None and not theirs(newest):
+            held = self._gather({c.id: c.committed for c in store.list() if theirs(c.id)})
+            everywhere = set(held[0]).intersection(*held[1:])
+            newest = max(everywhere, key=lambda c: (held[0][c], c), default=None)
+        return None if newest is None else (newest, named.get(newest))
+
+    def _gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank, in rank order, over the store's group."""
+        group = self.store.process_group
+        if group is None:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    @staticmethod
+    def _pointers_in(directories: Iterable[str]) -> dict[str, str]:
+        """The ids the pointer files in ``directories`` name -> the path of one of them
+        (the first by name). Links (``save_last="link"``) are Lightning's own and name what
+        their target names: skipped."""
+        named: dict[str, str] = {}
+        for directory in directories:
+            try:
+                names = sorted(os.listdir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for name in names:
+                path = os.path.join(directory, name)
+                if (os.path.islink(path) or _POINTER_TMP.search(name)
+                        or not os.path.isfile(path)):
+                    continue
+                cid = pointed_id(path)
+                if cid is not None:
+                    named.setdefault(cid, path)
+        return named
 
     def load(self, state: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
         """Load ``checkpoint_id`` into ``state`` (DCP templates, in place) and return the

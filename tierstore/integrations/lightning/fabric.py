@@ -6,10 +6,12 @@ state-dict API, for FSDP2 and FSDP1 alike), everything else (what Lightning's ow
 pickle into ``meta.pt`` on rank 0) goes into the same checkpoint
 (:mod:`~tierstore.integrations.lightning.record`), all through the store's writer, and
 ``fabric.save`` returns once the state is staged. ``path`` names the checkpoint
-(:mod:`~tierstore.integrations.lightning.paths`), and a pointer file appears there once it has
-committed. The newest complete checkpoint is ``fabric.strategy.store.latest()`` (an id;
-``checkpoint_path(id, dirpath)`` is its path). Call ``fabric.strategy.teardown()`` at the end:
-it waits for the last save and the copies to slower tiers and closes the store.
+(:mod:`~tierstore.integrations.lightning.paths`: its directory and its file name), and a pointer
+file appears there once it has committed; ``fabric.load(path, ...)`` loads the checkpoint that
+pointer names. The newest complete checkpoint saved into a directory is
+``fabric.strategy.latest_checkpoint(dirpath)`` (a path, or None): another run's checkpoints in a
+store it shares are not that directory's. Call ``fabric.strategy.teardown()`` at the end: it
+waits for the last save and the copies to slower tiers and closes the store.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from lightning_fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from tierstore.integrations.lightning.paths import checkpoint_id
 from tierstore.integrations.lightning.record import KEY, pack
 from tierstore.integrations.lightning.strategy import (StoreStrategy, argument, module_state,
                                                        optimizer_state, refuse_gathered_saves)
@@ -58,7 +59,7 @@ class _FabricStrategy(StoreStrategy):
             raise NotImplementedError(
                 f"{type(self).__name__} saves sharded checkpoints, which DCP cannot load "
                 f"filtered, so saving them filtered is disabled (as Lightning's own does)")
-        path = self._agree_on_path(path)
+        path, cid = self._agree_on_path(path)
         module = _the_module(state, "save_checkpoint")
         converted: dict[str, Any] = {}
         rest: dict[str, Any] = {}
@@ -72,25 +73,25 @@ class _FabricStrategy(StoreStrategy):
         if self.global_rank == 0:
             converted[KEY] = pack(rest)
         optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
-        self._save(converted, path, pin=False, optimizers=optimizers)
+        self._save(converted, path, cid, pin=False, optimizers=optimizers)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Restore the module and optimizers in ``state`` from the checkpoint ``path`` names,
-        and the other keys of ``state`` from what was saved with them; return what was saved
-        but not asked for. ``weights_only`` is not used: non-tensor values are always read with
-        the store's rules (torch's ``weights_only`` allow-list and ``[store]
-        trusted_pickles``)."""
+        """Restore the module and optimizers in ``state`` from the checkpoint ``path`` stands
+        for (the one its pointer file names), and the other keys of ``state`` from what was
+        saved with them; return what was saved but not asked for. ``weights_only`` is not
+        used: non-tensor values are always read with the store's rules (torch's
+        ``weights_only`` allow-list and ``[store] trusted_pickles``)."""
         if not state or isinstance(state, (Module, Optimizer)):
             raise ValueError(
                 f"{type(self).__name__}.load_checkpoint needs state={{'model': model, "
                 f"'optimizer': optimizer, ...}} with the keys they were saved under (got "
                 f"{type(state).__name__}): a sharded checkpoint loads into a dict of objects")
-        path = os.fspath(self.broadcast(path))  # type: ignore[attr-defined]
+        path = os.fspath(path)
         module = _the_module(state, "load_checkpoint")
         module_key = next(k for k, v in state.items() if v is module)
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
-        rest = self._load(checkpoint_id(path), module, optimizers, module_key, strict)
+        rest = self._load(self._checkpoint_at(path), module, optimizers, module_key, strict)
         requested = [k for k in state if k != module_key and k not in optimizers]
         missing = [k for k in requested if k not in rest]
         if strict and missing:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict,
@@ -27,9 +27,12 @@ from tierstore.store import Store
 
 from tierstore.integrations.lightning.checkpointing import Checkpoints
 from tierstore.integrations.lightning.paths import checkpoint_id, checkpoint_path
+from tierstore.integrations.lightning.pointers import pointed_id
 
 __all__ = ["StoreStrategy", "argument", "refuse_gathered_saves", "optimizer_key",
            "module_state", "optimizer_state"]
+
+_T = TypeVar("_T")
 
 
 def argument(strategy: type, args: tuple, kwargs: dict, name: str, default: Any) -> Any:
@@ -87,50 +90,105 @@ class StoreStrategy:
             super().teardown()  # type: ignore[misc]
 
     def latest_checkpoint(self, dirpath: str | os.PathLike) -> str | None:
-        """The path in ``dirpath`` of the store's newest complete checkpoint (what
-        ``fabric.load`` takes), or None when it holds none. Waits for the save in flight first.
-        A collective: every rank calls it."""
-        latest = self._checkpoints.latest()
-        return None if latest is None else checkpoint_path(latest, dirpath)
+        """The path in ``dirpath`` of the newest complete checkpoint saved there (what
+        ``fabric.load`` takes), or None when the store holds none of them: another run's
+        checkpoints in a store it shares are not this directory's. Waits for the save in
+        flight first. A collective: every rank calls it."""
+        directory = self._agreed(lambda: os.path.abspath(os.fspath(dirpath)))
+        found = self._checkpoints.newest_in([directory], scan=self.global_rank == 0)
+        if found is None:
+            return None
+        cid, pointer = found
+        name = os.path.basename(pointer if pointer is not None
+                                else checkpoint_path(cid, directory))
+        return os.path.join(os.fspath(dirpath), name)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Lightning no longer keeps ``filepath``: remove its pointer file and unpin its
-        checkpoint if this strategy may have pinned it (the tiers' ``keep`` then removes it
-        in its turn). Every rank calls it."""
+        """Lightning no longer keeps ``filepath``: remove its pointer file and, if this
+        strategy may have pinned its checkpoint and no other path Lightning keeps for a metric
+        names that checkpoint, unpin it (the tiers' ``keep`` then removes it in its turn). A
+        link there (``save_last="link"``) is removed alone: the checkpoint it leads to is
+        another path's. Every rank calls it."""
         path = os.fspath(filepath)
-        self._checkpoints.release(checkpoint_id(path), path if self.global_rank == 0 else None,
-                                  unpin=self._pins())
+
+        def decide() -> tuple[str, bool]:
+            if os.path.islink(path):
+                return checkpoint_id(path), False
+            cid = self._saved_as(path)
+            # Two paths can name one checkpoint (pointers of the adapter's earlier id rule,
+            # made from the file name alone): while one is kept, its pin stays.
+            kept = {self._saved_as(p) for p in self._kept_paths() if p != path}
+            return cid, self._pins() and cid not in kept
+
+        cid, unpin = self._agreed(decide)
+        self._checkpoints.release(cid, path if self.global_rank == 0 else None, unpin=unpin)
 
     def _pins(self) -> bool:
         """Whether this strategy pins checkpoints, so that Lightning's removal must unpin
         them; when it does not, a pin made with ``store.pin`` is left as it is."""
         return False
 
+    def _kept_paths(self) -> set[str]:
+        """The paths Lightning keeps for a metric now (pinned checkpoints); none here."""
+        return set()
+
+    def _checkpoint_dirs(self) -> list[str]:
+        """The directories this run's checkpoint callbacks save into; none here."""
+        return []
+
     # -- helpers of the subclasses --------------------------------------------------------------
-    def _agree_on_path(self, filepath: Any) -> str:
-        """Rank 0's ``filepath`` on every rank, checked there first: a directory where the
-        pointer file goes fails every rank alike (one rank raising alone would leave the others
-        in the save's collectives). Rank 0 creates the checkpoint directory now, as Lightning's
-        own save does: ``save_last="link"`` links ``last.ckpt`` in it at once, while the
-        pointer file comes with the commit."""
-        path = os.fspath(filepath)
-        problem = None
+    def _agreed(self, decide: Callable[[], _T]) -> _T:
+        """``decide()``, run on rank 0 (the rank that sees the checkpoint directory), on every
+        rank; its failure is raised on every rank alike (one rank raising alone would leave
+        the others in the next collective)."""
+        answer: Any = None
+        problem: BaseException | None = None
         if self.global_rank == 0:
+            try:
+                answer = decide()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                problem = exc
+        answer, problem = self.broadcast((answer, problem))  # type: ignore[attr-defined]
+        if problem is not None:
+            raise problem
+        return answer
+
+    def _agree_on_path(self, filepath: Any) -> tuple[str, str]:
+        """Rank 0's ``filepath`` and its checkpoint id on every rank (the id is made from the
+        path made absolute on rank 0: a relative path names one checkpoint whatever each rank's
+        working directory), checked there first: a directory where the pointer file goes fails
+        every rank alike. Rank 0 creates the checkpoint directory now, as Lightning's own save
+        does: ``save_last="link"`` links ``last.ckpt`` in it at once, while the pointer file
+        comes with the commit."""
+        path = os.fspath(filepath)
+
+        def decide() -> tuple[str, str]:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             if os.path.isdir(path) and not os.path.islink(path):
-                problem = (f"{path} is a directory (a checkpoint saved by Lightning's own "
-                           f"strategy?): the tierstore strategy leaves a small pointer file "
-                           f"there instead; give the checkpoints another directory, or remove "
-                           f"that one")
-        path, problem = self.broadcast((path, problem))  # type: ignore[attr-defined]
-        if problem is not None:
-            raise IsADirectoryError(problem)
-        return path
+                raise IsADirectoryError(
+                    f"{path} is a directory (a checkpoint saved by Lightning's own strategy?): "
+                    f"the tierstore strategy leaves a small pointer file there instead; give "
+                    f"the checkpoints another directory, or remove that one")
+            return path, checkpoint_id(path)
 
-    def _save(self, state: dict[str, Any], path: str, *, pin: bool,
+        return self._agreed(decide)
+
+    def _save(self, state: dict[str, Any], path: str, cid: str, *, pin: bool,
               optimizers: Iterable[Optimizer]) -> None:
-        self._checkpoints.save(state, checkpoint_id(path), path,
-                               pointer=self.global_rank == 0, pin=pin, optimizers=optimizers)
+        """Start saving ``state`` as checkpoint ``cid`` for Lightning's ``path``."""
+        self._checkpoints.save(state, cid, path, pointer=self.global_rank == 0, pin=pin,
+                               optimizers=optimizers)
+
+    @staticmethod
+    def _saved_as(path: str) -> str:
+        """(Rank 0) The id the checkpoint at ``path`` was saved as: what the pointer file
+        there names (an id of the adapter's earlier rule included: a pointer names its id),
+        else the id the path maps to (a save whose pointer is yet to come)."""
+        return pointed_id(path) or checkpoint_id(path)
+
+    def _checkpoint_at(self, path: str) -> str:
+        """The id to load for Lightning's ``path`` (a collective: decided on rank 0)."""
+        return self._agreed(lambda: self._saved_as(path))
 
     def _load(self, checkpoint: str, module: Module, optimizers: dict[str, Optimizer],
               module_key: str, strict: bool) -> dict[str, Any]:
@@ -147,14 +205,26 @@ class StoreStrategy:
         return record
 
     def _latest(self, path: str) -> str:
-        """The store's newest checkpoint, for Lightning's ``path`` (a ``last`` checkpoint)."""
-        latest = self._checkpoints.latest()
-        if latest is None:
+        """The id to load for Lightning's ``path``, a ``last`` name (what
+        ``ckpt_path="last"`` resolves to): the newest complete checkpoint of this run, that is
+        of the directories of its checkpoint callbacks when ``path`` is in one of them, else
+        of ``path``'s directory; never one another run sharing the store saved. A collective.
+        """
+        directories = self._agreed(lambda: self._last_directories(path))
+        found = self._checkpoints.newest_in(directories, scan=self.global_rank == 0)
+        if found is None:
             raise CheckpointNotFound(
-                f"{path} names Lightning's last checkpoint, which is the store's newest complete "
-                f"checkpoint, but the store holds none (were its tiers lost?): start without "
-                f"ckpt_path, or remove {path} so that Lightning does not ask for it")
-        return latest
+                f"{path} names Lightning's last checkpoint, which is the newest complete "
+                f"checkpoint saved in {', '.join(directories)}, but the store holds none of "
+                f"them (did the tiers' keep evict them, or were the tiers lost?): start "
+                f"without ckpt_path, or remove {path} so that Lightning does not ask for it")
+        return found[0]
+
+    def _last_directories(self, path: str) -> list[str]:
+        """(Rank 0) Where the checkpoints ``path``, a last name, chooses from (absolute)."""
+        own = os.path.dirname(os.path.abspath(path))
+        run = {os.path.abspath(d) for d in self._checkpoint_dirs()}
+        return sorted(run) if own in run else [own]
 
 
 def module_state(module: Module) -> dict[str, Any]:

@@ -10,13 +10,16 @@ sharded checkpoints is where the bytes go and what waits for them:
   the state is staged. At Lightning's path, a pointer file appears once the checkpoint has
   committed (:mod:`~tierstore.integrations.lightning.pointers`).
 - ``load_checkpoint`` reads through the store's reader. A path Lightning resolved for
-  ``ckpt_path="last"`` (``last.ckpt``, ``last-v1.ckpt``: ``ModelCheckpoint``'s last name) loads
-  the store's newest complete checkpoint, ``store.latest()``; any other path loads the
-  checkpoint its name maps to (:mod:`~tierstore.integrations.lightning.paths`).
+  ``ckpt_path="last"`` (``last.ckpt``, ``last-v1.ckpt``: exactly ``ModelCheckpoint``'s last
+  name, with its version suffix) loads this run's newest complete checkpoint: the newest of those
+  saved into its checkpoint callbacks' directories, never another run's in a store they share;
+  any other path loads the checkpoint its pointer file names, or else the one its path maps to
+  (:mod:`~tierstore.integrations.lightning.paths`).
 - ``ModelCheckpoint``: a checkpoint in the top-k of a checkpoint callback with a ``monitor`` is
   pinned, so that no tier's ``keep`` evicts it; when Lightning removes a checkpoint
-  (``remove_checkpoint``), it is unpinned and its pointer file removed, and ``keep`` evicts it in
-  its turn. Checkpoints kept for recency only are ``keep``'s alone.
+  (``remove_checkpoint``), its pointer file is removed and it is unpinned, unless another path
+  Lightning keeps for a metric names it, and ``keep`` evicts it in its turn. Checkpoints kept
+  for recency only are ``keep``'s alone.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from pytorch_lightning.strategies import FSDPStrategy as _FSDPStrategy
 from pytorch_lightning.strategies import ModelParallelStrategy as _ModelParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 
-from tierstore.integrations.lightning.paths import checkpoint_id
 from tierstore.integrations.lightning.record import KEY, pack
 from tierstore.integrations.lightning.strategy import (StoreStrategy, optimizer_key,
                                                       refuse_gathered_saves)
@@ -56,13 +58,14 @@ class _TrainerStrategy(StoreStrategy):
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` "
                             f"is not supported: checkpoints go to the tierstore store, whose "
                             f"tiers are configured in its TOML")
-        path = self._agree_on_path(filepath)
+        path, cid = self._agree_on_path(filepath)
         state: dict[str, Any] = {self._module_key: checkpoint.pop("state_dict")}
         for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[optimizer_key(index)] = optimizer_state
         if self.global_rank == 0:
             state[KEY] = pack(checkpoint)
-        self._save(state, path, pin=self._kept_for_a_metric(path), optimizers=self.optimizers)
+        self._save(state, path, cid, pin=self._kept_for_a_metric(path),
+                   optimizers=self.optimizers)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
                         ) -> dict[str, Any]:
@@ -70,8 +73,9 @@ class _TrainerStrategy(StoreStrategy):
         ``checkpoint_path`` stands for; return the rest of Lightning's checkpoint.
         ``weights_only`` is not used: non-tensor values are always read with the store's rules
         (torch's ``weights_only`` allow-list and ``[store] trusted_pickles``)."""
-        path = os.fspath(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
-        cid = self._latest(path) if self._is_last(path) else checkpoint_id(path)
+        path = os.fspath(checkpoint_path)
+        cid = (self._latest(path) if self._agreed(lambda: self._is_last(path))
+               else self._checkpoint_at(path))
         module = self.lightning_module
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = ({optimizer_key(i): o for i, o in enumerate(self.optimizers)}
@@ -84,22 +88,50 @@ class _TrainerStrategy(StoreStrategy):
 
     def _is_last(self, path: str) -> bool:
         """Whether ``path`` is a name Lightning resolves ``ckpt_path="last"`` to: a checkpoint
-        callback's last name (the same pattern as ``ModelCheckpoint._find_last_checkpoints``)."""
-        stem, extension = os.path.splitext(os.path.basename(path))
-        if extension != ModelCheckpoint.FILE_EXTENSION:
-            return False
-        names = {cb.CHECKPOINT_NAME_LAST for cb in self._checkpoint_callbacks()}
-        names = names or {ModelCheckpoint.CHECKPOINT_NAME_LAST}
-        return any(re.match(rf"^{re.escape(name)}(-(\d+))?", stem) for name in names if name)
+        callback's last name, exactly as ``ModelCheckpoint`` makes it (``last``, then
+        ``last-v1``, ``last-v2``, ... with its ``CHECKPOINT_JOIN_CHAR``, and its
+        ``FILE_EXTENSION``). ``lastly.ckpt`` is not one, though Lightning's own search for
+        ``last*`` files matches any name starting with ``last``: it is a checkpoint of its own,
+        loaded as any other path."""
+        callbacks = self._checkpoint_callbacks() or [ModelCheckpoint]
+        name = os.path.basename(path)
+        return any(cb.CHECKPOINT_NAME_LAST and _last_name(cb).fullmatch(name)
+                   for cb in callbacks)
 
     def _pins(self) -> bool:
         return any(cb.monitor is not None for cb in self._checkpoint_callbacks())
+
+    def _kept_paths(self) -> set[str]:
+        return {os.fspath(p) for cb in self._checkpoint_callbacks() if cb.monitor is not None
+                for p in cb.best_k_models}
+
+    def _checkpoint_dirs(self) -> list[str]:
+        return [os.fspath(cb.dirpath) for cb in self._checkpoint_callbacks() if cb.dirpath]
 
     def _kept_for_a_metric(self, path: str) -> bool:
         """Whether ``path`` is in the top-k of a checkpoint callback ranking by a ``monitor``
         (Lightning keeps it for its score, whatever its age: it is pinned)."""
         return any(cb.monitor is not None and path in cb.best_k_models
                    for cb in self._checkpoint_callbacks())
+
+
+def _last_name(callback: ModelCheckpoint | type[ModelCheckpoint]) -> re.Pattern[str]:
+    """The file names ``callback`` gives its last checkpoint: ``CHECKPOINT_NAME_LAST`` as
+    ``format_checkpoint_name`` fills it in (a ``{metric}`` in it is any value, after
+    ``metric=`` with ``auto_insert_metric_name``), then an optional version suffix (``-v1``),
+    then ``FILE_EXTENSION``."""
+    template = callback.CHECKPOINT_NAME_LAST
+    insert = getattr(callback, "auto_insert_metric_name", True)  # an instance's setting
+    pattern, end = "", 0
+    for field in re.finditer(r"\{([^{}:]*)(?::[^{}]*)?\}", template):
+        pattern += re.escape(template[end:field.start()])
+        if insert:
+            pattern += re.escape(field.group(1) + callback.CHECKPOINT_EQUALS_CHAR)
+        pattern += ".+"
+        end = field.end()
+    pattern += re.escape(template[end:])
+    version = re.escape(callback.CHECKPOINT_JOIN_CHAR) + r"v\d+"
+    return re.compile(f"{pattern}(?:{version})?{re.escape(callback.FILE_EXTENSION)}")
 
 
 class ModelParallelStrategy(_TrainerStrategy, _ModelParallelStrategy):
