@@ -2,9 +2,10 @@
 an almost full first tier, one S3 server killed under a drain, and one or two trials of each of
 issue 25's kinds: keep = 1 everywhere, a drain's source spoiled, a CLI command beside a live
 drain, retention stalled on the slow tier, scrub and promote under faults on a local and an S3
-tier, 2 nodes x 2 ranks under torchrun) must keep every invariant, and the checks it relies on
-must notice a broken promise. ``make faults`` runs the whole matrix
-(tests/faults/)."""
+tier, 2 nodes x 2 ranks under torchrun; and a few trials of each race kind, one launch of jobs
+and one of checks each: back-to-back saves over two node-local tiers, ``every = "auto"``,
+pins racing drains and ``keep``) must keep every invariant, and the checks it relies on must
+notice a broken promise. ``make faults`` runs the whole matrix (tests/faults/)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 from faults.checks import check
 from faults.inject import FIRST_FULL, GC_ROW, Injector
-from faults.matrix import KINDS, LOCAL_FAULTS
+from faults.matrix import KINDS, LOCAL_FAULTS, RACE_SAMPLE
 from faults.plan import FIRST_FULL_ROW, ROOMS, Trial
+from faults.races import RACE_KINDS, launch, params, plan_races, trial_dict
 from faults.scenario import Place, Scenario
 from faults.table import kind_of
 from faults.workload import Journal, run_job
@@ -79,6 +81,8 @@ def test_the_sample_strikes_every_phase_with_every_fault(sample):
     kinds = {kind_of(r) for r in report["results"]}
     assert set(KINDS) <= kinds, f"kinds the sample did not run: {set(KINDS) - kinds}"
     assert {"node/write_metadata", "node/drain_file"} <= {r["row"] for r in report["results"]}
+    ran = [kind_of(r) for r in report["results"]]
+    assert all(ran.count(kind) >= RACE_SAMPLE for kind in RACE_KINDS), ran
 
 
 def test_the_checks_notice_broken_promises(tmp_path):
@@ -152,3 +156,56 @@ def test_the_checks_notice_broken_promises(tmp_path):
     assert "step-92 failed on a full" not in text, text
     assert "the failed save of step-92 left ['.tierstore-tmp.step-92.0123']" in text, text
     assert "the save of step-91 failed although the first tier had room" in text, text
+
+
+def _race_job(tmp_path, kind: str, shape: tuple[int, int]) -> dict:
+    """One trial of race kind ``kind`` (of ``shape``) run by the worker, its files kept."""
+    trial = plan_races(kind, 1, 1, shapes=(shape,))[0]
+    t = trial_dict(trial, str(tmp_path / kind), str(tmp_path / f"{kind}-ram"))
+    os.makedirs(t["root"])
+    ran = launch(kind, shape, [], [t], str(tmp_path / f"{kind}-job.json"),
+                 str(tmp_path / f"{kind}.log"))
+    assert ran["codes"] == [0] * (shape[0] * shape[1]), (tmp_path / f"{kind}.log").read_text()
+    return t
+
+
+def _race_check(tmp_path, kind: str, shape: tuple[int, int], t: dict) -> str:
+    """What the worker's check says of trial ``t`` (rank 0's violations, one per line)."""
+    ran = launch(kind, shape, [t], [], str(tmp_path / f"{kind}-check.json"),
+                 str(tmp_path / f"{kind}.log"))
+    assert ran["codes"] == [0] * (shape[0] * shape[1]), (tmp_path / f"{kind}.log").read_text()
+    return "\n".join(json.loads(Path(t["root"], "check.r0.json").read_text())["violations"])
+
+
+def test_the_race_checks_notice_lost_parts_and_pins(tmp_path):
+    """The race kinds' checks (tests/scripts/faults_race_worker.py) report a node's part of a
+    checkpoint its tier keeps that is gone (and that it was collected as an orphan), and a
+    pinned copy that was evicted."""
+    shape = (2, 1)
+    bb = _race_job(tmp_path, "backtoback", shape)
+    p = params("backtoback", bb["seed"])
+    newest = f"step-{[s for s in range(1, p['saves'] + 1) if s % p['disk_every'] == 0][-1]}"
+    shutil.rmtree(Path(bb["root"], "disk", "1", newest))
+    job = Path(bb["root"], "job.r1.json")
+    record = json.loads(job.read_text())
+    record["events"].append({"kind": "collected", "cid": newest, "tier": "disk", "rank": 1,
+                             "at": record["t0"] + 0.5, "detail": {"orphan_part": True}})
+    job.write_text(json.dumps(record))
+    text = _race_check(tmp_path, "backtoback", shape, bb)
+    assert f"{newest}: node 1's part on tier 'disk' was collected as an orphan part" in text, text
+    assert f"{newest} on tier 'disk': node 1's part is gone (collected as an orphan part" in text, \
+        text
+    assert f"{newest} from tier 'disk' alone does not load" in text, text
+
+    pins = _race_job(tmp_path, "pins", (1, 1))
+    job = Path(pins["root"], "job.r0.json")
+    record = json.loads(job.read_text())
+    evicted = next(e for e in record["events"] if e["kind"] == "evicted")
+    cid, tier, at = evicted["cid"], evicted["tier"], evicted["at"]
+    record["ops"] = [op for op in record["ops"] if op["cid"] != cid] + [
+        {"op": "pin", "cid": cid, "to": None, "pin": False, "t0": at - 0.002, "t1": at - 0.001,
+         "ok": True, "snap": {tier: "pinned"}}]
+    job.write_text(json.dumps(record))
+    text = _race_check(tmp_path, "pins", (1, 1), pins)
+    assert f"{cid} was evicted from tier '{tier}' at" in text and "although pinned there" in text, \
+        text

@@ -17,12 +17,21 @@ store on the same tiers and checks what a user relies on:
 
 Besides the matrix as it was (``classic``), ``--kinds`` runs issue 25's kinds: ``keep1``,
 ``spoil``, ``cli``, ``stall``, ``ops`` (scrub and promote), ``ops-s3`` and ``multinode`` (2
-simulated nodes x 2 ranks under torchrun, ``multinode`` and tests/scripts/faults_node_worker.py).
+simulated nodes x 2 ranks under torchrun, ``multinode`` and tests/scripts/faults_node_worker.py),
+and three *race* kinds with no fault at all, where the library's own concurrency is the adversary
+(``races`` and tests/scripts/faults_race_worker.py): ``backtoback`` (2 nodes x 1 rank or 3 x 2,
+a node-local RAM tier and a node-local disk tier per node, saves back to back: every checkpoint a
+tier keeps is complete there on every node and loads from that tier alone, nothing is collected
+as an orphan), ``auto`` (``every = "auto"`` with and without ``overwrite``: every rank takes the
+same steps, every committed checkpoint holds its files and loads bitwise) and ``pins`` (pin, unpin
+and promote from a second thread while drains and ``keep`` run: nothing pinned is evicted or
+left unpinned, nothing unpinned stays pinned, ``keep`` holds for the rest).
 
 Run it with ``make faults`` (the whole matrix, with a table) or ``python -m tests.faults --help``;
 ``tests/test_fault_matrix.py`` runs a sample in CI. Modules: ``state`` (state dicts),
 ``scenario`` (a job from a seed), ``inject`` (where and how faults strike), ``workload`` (the
 job a trial runs), ``checks`` (the invariants), ``procs`` (forked children and workers),
 ``places`` (directories, tmpfs, server), ``plan`` (trials and which to run), ``table`` (the
-result), ``multinode`` (the torchrun trials), ``matrix`` (running it all; the command).
+result), ``multinode`` (the torchrun trials), ``races`` (the race kinds, many trials per launch),
+``matrix`` (running it all; the command).
 """

@@ -30,9 +30,11 @@ __all__ = ["BALLAST", "FAULTS", "FIRST_FULL", "FULL_FAULTS", "GC_ROW", "Injector
 #: a ``tierstore`` command run beside a drain held at its fault point (``cli``), the drain's
 #: source file corrupted or removed under it (``corrupt-source``, ``vanish-source``), the S3
 #: server frozen for a few seconds (``flaky``: SIGSTOP, then SIGCONT), a drain's retention on
-#: the slow tier stalled while the job saves (``stall``).
+#: the slow tier stalled while the job saves (``stall``). ``race``: no fault at all, the column of
+#: the race kinds (``backtoback``, ``auto``, ``pins``: tests/faults/races.py), where the library's
+#: own concurrency is the adversary.
 FAULTS = ("raise", "sigkill", "enospc", "tmpfs-full", "first-full", "eio", "slow",
-          "server-death", "cli", "corrupt-source", "vanish-source", "flaky", "stall")
+          "server-death", "cli", "corrupt-source", "vanish-source", "flaky", "stall", "race")
 
 #: How long a ``stall`` holds a drain's retention on the slow tier (seconds): the first
 #: deletion of that retention sleeps this long.

@@ -15,6 +15,8 @@ that runs it again alone.
     python -m tests.faults --faults first-full --no-s3   # the almost full first tier only
     python -m tests.faults --kinds keep1,spoil,cli,stall,ops,ops-s3,multinode  # issue 25's
     python -m tests.faults --trial node/write_metadata@0:sigkill:3:1   # a multi-node trial
+    python -m tests.faults --kinds backtoback,auto,pins --race-trials 300   # the race kinds
+    python -m tests.faults --trial backtoback/3x2-sync:race:1:190001        # one race trial
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from .multinode import dry_counts, plan_multinode, plan_parity, run_chain
 from .places import Env, mount_tmpfs, server_module, unmount
 from .plan import Trial, plan_cells, plan_first_full, row_key
 from .procs import ChildResult, run_child, run_pool
+from .races import RACE_FAULT, RACE_KINDS, kind_of_trial, plan_races, row_of, run_races
 from .scenario import Place, Scenario
 from .table import table
 from .workload import Journal, checkpoint_sizes, run_job
@@ -65,7 +68,11 @@ S3_FAULTS = ("raise", "sigkill", "eio", "slow")
 #: (the same against an S3 server that fails, is slow, freezes or dies).
 #: ``multinode``: 2 simulated nodes x 2 ranks under torchrun (see ``multinode``); ``parity``:
 #: the same job with its saves protected by parity (``erasure`` 3+1), killed while encoding.
-KINDS = ("classic", "keep1", "spoil", "cli", "stall", "ops", "ops-s3", "multinode", "parity")
+#: The race kinds (no fault: the library's own concurrency, see ``races``): ``backtoback``
+#: (node-local RAM and disk per node, saves back to back), ``auto`` (``every = "auto"``, with
+#: and without ``overwrite``) and ``pins`` (pin/unpin/promote racing drains and ``keep``).
+KINDS = ("classic", "keep1", "spoil", "cli", "stall", "ops", "ops-s3", "multinode", "parity",
+         *RACE_KINDS)
 #: The multi-node trials of the CI sample: the coordinator killed in ``finish`` (before its
 #: ``.metadata``, the other node's part already published), and a gathered drain whose
 #: source part on the other node goes bad under it.
@@ -77,6 +84,9 @@ PARITY_SAMPLE = ("parity/publish@1:sigkill:2:1",)
 OPS_S3_FAULTS = ("raise", "eio", "slow", "flaky", "server-death")
 #: Drain rows where a ``cli`` trial holds the drain (no copy thread is running then).
 CLI_ROWS = ("drain/drain_begin", "drain/drain_commit", "drain/publish", "drain/retain")
+#: The race trials of the CI sample, per kind (backtoback: 2 nodes x 1 rank only): each kind one
+#: launch of jobs and one of their checks.
+RACE_SAMPLE = 3
 #: Seconds one forked step of a trial may take before it counts as hung.
 CHILD_TIMEOUT = 120.0
 
@@ -455,6 +465,34 @@ class Matrix:
                 self.say(f"FAILED {r['spec']}: {r['violations'][0]}")
         return results
 
+    def run_races(self, trials: list[Trial] | None = None) -> list[dict[str, Any]]:
+        """Plan and run the race kinds' trials (``races``): ``--race-trials`` of each kind
+        asked for, in launches of ``--race-batch``."""
+        a = self.args
+        if trials is None:
+            trials = []
+            for kind in RACE_KINDS:
+                if kind in a.kinds:
+                    trials += plan_races(kind, a.race_trials, a.seed,
+                                         shapes=((2, 1),) if a.sample and kind == "backtoback"
+                                         else None)
+        kinds = [k for k in RACE_KINDS if any(kind_of_trial(t) == k for t in trials)]
+        self.say(f"{len(trials)} race trials ({', '.join(kinds)}; {a.race_batch} per launch)")
+        started = time.monotonic()
+        results = run_races(trials, os.path.join(self.workdir, "races"),
+                            os.path.join(self.shm, "races"), batch=a.race_batch, say=self.say,
+                            keep=a.keep)
+        for r in results:
+            if not r["passed"]:
+                self.say(f"FAILED {r['spec']}: {r['violations'][0]}")
+        by_kind: dict[str, list[float]] = {}
+        for r in results:
+            by_kind.setdefault(r["row"].split("/")[0], []).append(r["seconds"])
+        self.say(f"race trials: {len(results)} in {time.monotonic() - started:.0f} s ("
+                 + ", ".join(f"{k}: {len(v)}, {sum(v) / len(v):.2f} s of job and check each"
+                             for k, v in by_kind.items()) + ")")
+        return results
+
     def run(self) -> int:
         """Run the matrix; print (and write) the table; 0 when every trial passed."""
         started = time.monotonic()
@@ -462,7 +500,7 @@ class Matrix:
         try:
             if any(f in (*LOCAL_FAULTS, FIRST_FULL, "cli", "corrupt-source", "vanish-source",
                           "stall") for f in self.args.faults) \
-                    and set(self.args.kinds) - {"ops-s3", "multinode", "parity"}:
+                    and set(self.args.kinds) - {"ops-s3", "multinode", "parity", *RACE_KINDS}:
                 results += self.run_local()
             if self.args.s3 and {"classic", "ops-s3"} & set(self.args.kinds):
                 results += self.run_s3()
@@ -472,6 +510,8 @@ class Matrix:
                 results += self.run_multinode()
             if "parity" in self.args.kinds:
                 results += self.run_multinode(parity=True)
+            if set(RACE_KINDS) & set(self.args.kinds) and RACE_FAULT in self.args.faults:
+                results += self.run_races()
         finally:
             if self.server is not None:
                 self.server.stop()
@@ -505,6 +545,19 @@ class Matrix:
     def run_one(self, trial: Trial) -> int:
         """Run one trial and say everything about it; its directories are kept."""
         self.args.keep = True
+        if trial.row.startswith(tuple(f"{k}/" for k in RACE_KINDS)):
+            kind = kind_of_trial(trial)
+            trial = Trial(row_of(kind, trial.seed), RACE_FAULT, 1, trial.seed)  # as the seed says
+            result = self.run_races([trial])[0]
+            print(f"trial {trial.spec}: {'passed' if result['passed'] else 'FAILED'} in "
+                  f"{result['seconds']} s {result['timings']}\njob: {result['scenario']}\n"
+                  f"files: {result['dir']} (launch logs: {os.path.dirname(result['dir'])}/"
+                  f"launches)")
+            for v in result["violations"]:
+                print(f"  VIOLATION: {v}")
+            for n in result.get("details", []):
+                print(f"  note: {n}")
+            return 0 if result["passed"] else 1
         if trial.row.startswith(("node/", "parity/")):
             workdir = os.path.join(self.workdir, "one")
             result = run_chain([trial], workdir, say=self.say)[0]
@@ -600,6 +653,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="multi-node trials per rank, phase and fault (1)")
     p.add_argument("--multinode-seeds", type=int, default=2,
                    help="multi-node jobs (seeds; odd ones wait after each save) (2)")
+    p.add_argument("--race-trials", type=int, default=50,
+                   help="trials of each race kind asked for (backtoback, auto, pins) (50)")
+    p.add_argument("--race-batch", type=int, default=25,
+                   help="race trials per launch of the worker's ranks (25)")
     p.add_argument("--no-s3", dest="s3", action="store_false", help="skip the S3 trials")
     p.add_argument("--seed", type=int, default=1, help="draws the jobs and the points (1)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel workers")
@@ -612,6 +669,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.per_cell, args.s3_per_cell, args.s3_trials, args.server_deaths = 1, 1, 4, 1
         args.seeds, args.s3_seeds = 16, 2
         args.new_per_cell = 1
+        args.race_trials = RACE_SAMPLE
     if set(args.kinds) - set(KINDS):
         p.error(f"unknown kinds {sorted(set(args.kinds) - set(KINDS))}; choose from "
                 f"{', '.join(KINDS)}")

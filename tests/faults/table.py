@@ -13,6 +13,8 @@ __all__ = ["kind_of", "table"]
 def kind_of(result: dict[str, Any]) -> str:
     """Which kind of trial (matrix.KINDS) an outcome is."""
     variant = result.get("variant") or ""
+    if result["row"].startswith(("backtoback/", "auto/", "pins/")):
+        return result["row"].split("/", 1)[0]
     if result["row"].startswith("node/"):
         return "multinode"
     if result["row"].startswith("parity/"):
@@ -61,7 +63,8 @@ def table(results: list[dict[str, Any]], wall_s: float, skipped: list[str]) -> s
         c[0] += r["passed"]
         c[1] += 1
     if set(kinds) - {"classic"}:
-        lines += ["", "by kind (issue 25: keep1, spoil, cli, stall, ops, ops-s3, multinode; parity):",
+        lines += ["", "by kind (issue 25: keep1, spoil, cli, stall, ops, ops-s3, multinode; "
+                      "parity; races: backtoback, auto, pins):",
                   "", "| kind | passed/run |", "|---|---:|"]
         lines += [f"| {k} | {c[0]}/{c[1]} |" for k, c in kinds.items()]
     rooms = sorted({r["room"] for r in results if r.get("room") is not None})
