@@ -3,7 +3,9 @@ simulated nodes (one torchrun per node, ``{node}`` in the tier paths, gloo): eac
 ``data + 1`` ranks on different nodes keeps XOR parity of its members' files, 1/data of a
 checkpoint per rank; after a node is lost (its directories deleted) every rank loads bitwise
 from the fast tiers, the lost ranks' files rebuilt from their sets. Two lost nodes of one set
-cannot be rebuilt: the load names what is missing, or reads it from a shared tier. A job killed
+cannot be rebuilt: the load names what is missing (the lost ranks only, even when .metadata
+went with them), or reads it from a shared tier. A load that fails on one member (a flipped
+byte) fails on every rank and leaves every rank's state as it was. A job killed
 while encoding leaves the previous save's parity whole, and the half-encoded save is never
 decoded. Plus the strategy's placement, config errors and the set's layout, in one process."""
 
@@ -161,6 +163,33 @@ def test_a_job_killed_while_encoding_leaves_the_previous_parity_whole(tmp_path):
     assert "RANK 2 READ __2_0.distcp FROM peer:rank-2" in out, out[-8000:]
     assert "RANK 0 NOTFOUND checkpoint 'step-3' cannot be loaded by this job: the files of " \
            "rank(s) [2]" in out, out[-5000:]
+
+
+@pytest.mark.timeout(900)
+def test_a_load_that_fails_on_one_member_leaves_every_rank_as_it_was_and_names_what_is_gone(
+        tmp_path):
+    # One launch: save step-1, lose node 2, flip a byte of rank 1's data file on both of its
+    # tiers where only rank 1's load and not rank 2's rebuild reads (the rebuild succeeds),
+    # load; then lose node 0 too and load again.
+    out = run(tmp_path, 3, 4, 1, "noobj", "flipped-survivor")
+    bad = re.search(r"^FLIPPED FILE (\S+)$", out, re.M)[1]
+    assert re.fullmatch(r"__1_\d+\.distcp", bad), out[-5000:]  # None: no byte fits
+    # Rank 2's files came back from parity, so every rank read: rank 1 found no good copy of
+    # its file, and the others, whose reads were good, left their state as it was too (the
+    # worker compares it bitwise), each saying why.
+    assert re.search(r"RANK 2 REBUILT step-1 INTO peer:rank-2 FILES", out), out[-8000:]
+    assert f"RANK 1 FLIPPED IntegrityError: checkpoint 'step-1': no tier has a good copy of " \
+           f"{bad}" in out, out[-8000:]
+    for rank in (0, 2, 3):
+        line = next(s for s in out.splitlines() if s.startswith(f"RANK {rank} FLIPPED "))
+        assert line.startswith(f"RANK {rank} FLIPPED IntegrityError: checkpoint 'step-1': the "
+                               f"load failed on rank(s) [1]") and bad in line, line
+    # Node 0 lost as well, with node 2's parity gone: rank 0's files (.metadata among them)
+    # are nowhere; every rank names rank 0 only (before: every rank of the save).
+    for rank in range(4):
+        line = next(s for s in out.splitlines() if s.startswith(f"RANK {rank} NOTFOUND "))
+        assert "the files of rank(s) [0] are on no tier of any rank" in line, line
+        assert "no rank has a good copy of .metadata" in line, line
 
 
 # -- one process ------------------------------------------------------------------------------

@@ -283,3 +283,28 @@ def test_a_load_reads_in_no_more_threads_than_its_share_of_the_cpus(saved, monke
     workers = min(4, share, len(saved.files("fast")))
     # One pool checks the local copies (when DCP's plan is prepared), one reads them.
     assert pools == ([workers, workers] if workers > 1 else []), (pools, share)
+
+
+@pytest.mark.timeout(300)
+def test_a_load_that_fails_on_one_rank_leaves_every_ranks_state_as_it_was(tmp_path):
+    """1 node x 2 ranks, ``memory`` and ``local`` tiers, shared by both ranks and then a
+    directory per rank (a load that may fetch from peers): one byte of rank 1's data file
+    flipped on both tiers. Both ranks' loads raise, naming that file, and neither rank's state
+    changed (rank 0's own files were good: before, it applied them and returned before DCP's
+    last exchange raised); with the byte back, the same stores load bitwise, and one rank alone
+    exports the checkpoint without waiting for the other (the worker's checks); then the file
+    deleted from both of rank 1's tiers is named on every rank. One launch."""
+    from helpers import run_torchrun
+
+    out = run_torchrun("load_atomicity_worker.py", tmp_path, timeout=240)
+    for layout in ("shared", "per-rank"):
+        for rank in range(2):
+            assert f"RANK {rank} {layout} FAILED" in out, out[-5000:]
+        # Rank 0 says why it left its state as it was: rank 1's load failed, on that file.
+        line = next(s for s in out.splitlines() if s.startswith(f"RANK 0 {layout} FAILED"))
+        assert "the load failed on rank(s) [1]" in line and "__1_0.distcp" in line, line
+    # The file deleted from both of rank 1's tiers (a directory per rank): every rank names it.
+    for rank in range(2):
+        assert f"RANK {rank} per-rank DELETED checkpoint 'step-1' cannot be loaded by this " \
+               f"job: the files of rank(s) [1] are on no tier of any rank (__1_0.distcp on " \
+               f"none)" in out, out[-5000:]

@@ -107,7 +107,10 @@ def test_a_2x2_checkpoint_restores_bitwise_at_other_shapes_from_ram_and_replicas
     for rank in (0, 2, 3, 4, 5):
         assert re.search(rf"^RANK {rank} RAISED ", out, re.M), out[-6000:]
         after = float(re.search(rf"^RANK {rank} AFTER ([\d.]+)$", out, re.M)[1])
-        assert after < 2 * KILL_TIMEOUT_S, (rank, after, out[-6000:])
+        # One timeout in the load's closing agreement (every rank learns the load's outcome
+        # before any keeps what it read), the roll call that names the lost rank at most one
+        # more, and the load's own work before it.
+        assert after < 2 * KILL_TIMEOUT_S + 3, (rank, after, out[-6000:])
     for rank in (4, 5):
         assert re.search(rf"^RANK {rank} LOGGED .*the files peers were to send did not arrive"
                          rf".*rank\(s\) \[1\] did not answer", out, re.M), out[-6000:]

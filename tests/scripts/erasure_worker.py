@@ -16,12 +16,19 @@ prints what ``store.verify_parity(EXPECTED)`` finds on each rank, then what it f
 set, no longer the one its manifest seals) what a repair finds (TAMPERED), and puts it back;
 "load-survivor-fails" loads EXPECTED (a node lost) while one survivor of its set, rank 3,
 cannot read its set's description (an error inside the rebuild), and prints the
-CheckpointNotFound every rank must get; "save-killed" saves
+CheckpointNotFound every rank must get; "flipped-survivor" saves step-1, deletes node 2's
+directories and flips one byte of rank 1's data file on both of its tiers (in a block of its own
+tensor that no other rank reads, in a piece rank 2's parity covered: rank 2's rebuild does not
+read it), then loads step-1 into zeroed
+tensors: every rank's load must fail (FLIPPED <its own error>) and leave its state as it was;
+then deletes node 0's directories too (rank 0's files cannot be rebuilt: node 2's parity is
+gone) and prints the CheckpointNotFound every rank must get; "save-killed" saves
 step-1 and step-2, then the job is killed while step-3's parity is encoded: ranks 1 and 2 as they
 publish their parity, the others once theirs is committed (a mix of complete and missing parity
 of step-3 is left behind, beside step-2's complete parity).
 """
 
+import copy
 import json
 import os
 import shutil
@@ -30,17 +37,23 @@ import warnings
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import init_device_mesh
 
 import tierstore
 from tierstore import EventKind
 from tierstore.events import Phase
-from worker_common import (check_node_checkpoint, load_expecting_not_found, node_state,
-                           run_worker)
+from tierstore.format.metadata import load_metadata
+from tierstore.tiers.parity_sets import read_members
+from worker_common import (check_equal, check_node_checkpoint, load_expecting_not_found,
+                           local_shards, node_state, run_worker)
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
 OWN_NUMEL = 50_000  # floats of each rank's own in the state
+#: "flipped-survivor": a tensor of several blocks (128 KiB each), so that one holds nothing
+#: another rank's load reads
+FLIPPED_OWN_NUMEL = 400_000
 
 
 class Observer:
@@ -83,6 +96,76 @@ def config(root, data, obj, per_node):
     if obj == "obj":
         tiers.append({"name": "objects", "backend": "fsspec", "url": f"file://{root}/objects"})
     return {"tier": tiers}
+
+
+def flip_where_only_it_reads(root: str, member: int, lost: int) -> str:
+    """Flip one byte of ``member``'s data file on both of its node's tiers: in a block of the
+    file holding nothing but ``member``'s own tensor (no other rank's load reads that block),
+    and in a piece of the file that ``lost``'s parity chunk covers (a rebuild of ``lost`` does
+    not read it). The file's name, or "" when no byte is both."""
+    with open(os.path.join(root, "peer", str(member), ".parity", f"held-by-{member}", "step-1",
+                           "members.json"), "rb") as f:
+        found = read_members(f.read())
+    with open(os.path.join(root, "ram", "0", "step-1", ".metadata"), "rb") as f:
+        metadata = load_metadata(f.read(), "the test's copy")
+    info = next(i for k, i in metadata.storage_data.items() if k.fqn == f"rank{member}")
+    rel = info.relative_path
+    with open(os.path.join(root, "peer", str(member), "step-1", "tierstore.json")) as f:
+        block = json.load(f)["files"][rel]["block_bytes"]
+    lo = -(-info.offset // block) * block  # whole blocks of the tensor only
+    hi = (info.offset + info.length) // block * block
+    at = next(((max(lo, off) + min(hi, off + size)) // 2
+               for name, off, size, _ in found.pieces(member, lost)
+               if name == rel and max(lo, off) < min(hi, off + size)), None)
+    if at is None:
+        return ""
+    for tier in ("ram", "peer"):
+        with open(os.path.join(root, tier, str(member), "step-1", rel), "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 1]))
+    return rel
+
+
+def flipped_survivor(store, root, data, obj, per_node, rank, mesh, seen):
+    """The "flipped-survivor" phase (see the module's docstring); the store it leaves open."""
+    own = FLIPPED_OWN_NUMEL
+    dcp.save(node_state(1, rank, mesh, own), storage_writer=store.writer(),
+             checkpoint_id="step-1", process_group=store.process_group)
+    store.wait()
+    store.close()
+    dist.barrier()
+    if rank == 0:
+        for tier in ("ram", "peer"):
+            shutil.rmtree(os.path.join(root, tier, "2"))
+        print(f"FLIPPED FILE {flip_where_only_it_reads(root, 1, 2) or None}", flush=True)
+    dist.barrier()
+    store = tierstore.open(config(root, data, obj, per_node), plugins=[seen])
+    dest = node_state(1, rank, mesh, own, zero=True)
+    before = copy.deepcopy(local_shards(dest))
+    try:
+        dcp.load(dest, storage_reader=store.reader(), checkpoint_id="step-1",
+                 process_group=store.process_group)
+        problems.append("the load with a flipped byte in rank 1's file succeeded")
+    except CheckpointException as exc:
+        failed = exc.failures.get(rank)  # this rank's own error (DCP gathers every rank's)
+        message = " ".join(str(failed[0]).split()) if failed is not None else ""
+        print(f"RANK {rank} FLIPPED {type(failed[0]).__name__ if failed else None}: {message}",
+              flush=True)
+    check_equal(problems, local_shards(dest), before, "the state after the failed load")
+    for cid, tier, files in seen.rebuilt:
+        print(f"RANK {rank} REBUILT {cid} INTO {tier} FILES {files}", flush=True)
+    store.close()
+    dist.barrier()
+    if rank == 0:
+        for tier in ("ram", "peer"):
+            shutil.rmtree(os.path.join(root, tier, "0"))
+    dist.barrier()
+    store = tierstore.open(config(root, data, obj, per_node), plugins=[seen])
+    load_expecting_not_found(store, problems, rank, node_state(1, rank, mesh, own, zero=True),
+                             "step-1")
+    return store
 
 
 def main() -> int:
@@ -166,6 +249,8 @@ def main() -> int:
             parity.read_members = unreadable
         load_expecting_not_found(store, problems, rank,
                                  node_state(3, rank, mesh, OWN_NUMEL, zero=True), sys.argv[5])
+    elif phase == "flipped-survivor":
+        store = flipped_survivor(store, root, data, obj, per_node, rank, mesh, seen)
     elif phase == "load-missing":
         load_expecting_not_found(store, problems, rank,
                                  node_state(3, rank, mesh, OWN_NUMEL, zero=True), sys.argv[5])

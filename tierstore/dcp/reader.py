@@ -32,7 +32,8 @@ from tierstore.engine.parity import rebuild_lost
 from tierstore.engine.retention import Retention
 from tierstore.engine.watchdog import Watchdog
 from tierstore.engine.saves import SaveSlot
-from tierstore.errors import CheckpointNotFound, IntegrityError
+from tierstore import errors
+from tierstore.errors import CheckpointNotFound, IntegrityError, TierstoreError
 from tierstore.events import FROM_PEERS, Event, EventKind, Phase
 from tierstore.format.signing import Keyring
 from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
@@ -43,11 +44,26 @@ from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, M
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.parity_sets import parity_of
 from tierstore.tiers.tier import Tier
-from tierstore.transport.collectives import all_gather_object, broadcast_object
+from tierstore.transport.collectives import all_gather_object, all_reduce_max, broadcast_object
 
 __all__ = ["TierstoreReader", "ReaderServices"]
 
 log = logging.getLogger("tierstore.dcp.reader")
+
+#: how much of each failing rank's message the others are told (the rest is in its own error)
+_TOLD_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class _LoadRanks:
+    """``LoadPlan.storage_data`` of a load without peers to fetch from: the rank of the
+    store's group a plan comes from on the way to the coordinator, and on the way back whether
+    DCP's plan exchange went through every rank of that group once (``together``). Only then
+    do the ranks agree on the load's outcome in ``read_data``: a load DCP runs in one process
+    (``no_dist``: ``Store.export``, a rank loading alone) has no one to agree with."""
+
+    rank: int
+    together: bool = False
 
 
 @dataclass(frozen=True)
@@ -322,16 +338,25 @@ class TierstoreReader(StorageReader):
         ctx = self._services.context
         tiers, group = ctx.tiers, ctx.groups.main
         by_token: dict[str, set[int]] = {}
+        absent: dict[str, set[str]] = {}  # files an incomplete copy lists but lacks, by save
         saved_world = None
         for tier, manifest in sources:
-            if len(tier.present_files(cid, manifest)) == len(manifest.files):
+            present = tier.present_files(cid, manifest)
+            if len(present) == len(manifest.files):
                 by_token.setdefault(manifest.save_token, set()).update(manifest.ranks)
+            else:
+                absent.setdefault(manifest.save_token, set()).update(set(manifest.files) - present)
             saved_world = manifest.world_size
         status = all_gather_object((token if raw is not None else None, by_token, saved_world,
                                     servable_here(ctx, cid, sources)), group)
         token = next((t for t, *_ in status if t is not None), None)
-        covered = set().union(*(b.get(token, set()) for _, b, *_ in status))
-        saved_world = next((w for _, _, w, _ in status if w is not None), None)
+        # The save whose files the load reads is the one of the .metadata it found; with no
+        # good .metadata anywhere there is none to go by, and a complete copy of any save of
+        # this id counts (otherwise every rank would be named as missing, not only the ranks
+        # whose files are gone).
+        ours = (lambda t: t == token) if token is not None else (lambda t: True)
+        covered = {r for _, b, *_ in status for t, ranks in b.items() if ours(t) for r in ranks}
+        saved_world = next((w for _, _, w, *_ in status if w is not None), None)
         names = ", ".join(t.name for t in tiers)
         if saved_world is None:
             raise CheckpointNotFound(
@@ -342,11 +367,26 @@ class TierstoreReader(StorageReader):
         missing = sorted(set(range(saved_world)) - covered)
         holders = [r for r, (has, *_) in enumerate(status) if has is not None]
         if missing or not holders:
-            who = (f"the files of rank(s) {missing} are on no tier of any rank and no peer "
-                   f"holds a replica of them" if missing else
-                   f"no rank has a good copy of {METADATA_NAME}")
+            why = []
+            if missing:
+                # The files named are those an incomplete copy lists that no rank holds: a
+                # node lost whole leaves no list, and then only its ranks are named. Every
+                # rank decided alike (on gathered views), so every rank gathers this too:
+                # only on the way to this error, not at every load.
+                lacking = all_gather_object(absent, group)
+                held = {rel for *_, servable in status for s in servable
+                        if ours(s.save_token) for rel in s.files}
+                gone = sorted({rel for lacks in lacking for t, files in lacks.items()
+                               if ours(t) for rel in files} - held)
+                why.append(f"the files of rank(s) {missing} are on no tier of any rank"
+                           + (f" ({', '.join(gone)} on none)" if gone else "")
+                           + " and no peer holds a replica of them"
+                           + (", nor could parity rebuild them" if tiers.parity_tier is not None
+                              else ""))
+            if not holders:
+                why.append(f"no rank has a good copy of {METADATA_NAME}")
             raise CheckpointNotFound(
-                f"checkpoint '{cid}' cannot be loaded by this job: {who} ({names}); "
+                f"checkpoint '{cid}' cannot be loaded by this job: {'; '.join(why)} ({names}); "
                 f"store.latest() gives the newest loadable one")
         src = holders[0]
         mine = (raw, codecs) if ctx.rank == src else None
@@ -399,16 +439,26 @@ class TierstoreReader(StorageReader):
             per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
         self._per_file = per_file
         self._firsts = self._check_local(list(per_file))
+        ctx = self._services.context
         if not self._peers():
-            return plan
+            if ctx.groups.io is None:
+                return plan
+            return dataclasses.replace(plan, storage_data=_LoadRanks(ctx.rank))
         self._wanted = self._wants(self._firsts)
         return dataclasses.replace(plan, storage_data=PeerFetchPlan(
             self._services.context.rank, self._wanted[1]))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """The coordinator schedules every peer transfer of the load (each rank gets those it
-        takes part in with its plan)."""
+        takes part in with its plan); without peers, it tells every rank whether the load is
+        one of every rank of the store's group (they then agree on its outcome)."""
         asked = [p.storage_data for p in plans]
+        if all(isinstance(a, _LoadRanks) for a in asked):
+            # Every rank of the store's group, once each: DCP's read step runs on all of them.
+            together = (sorted(a.rank for a in asked)
+                        == list(range(self._services.context.job.world_size)))
+            return [dataclasses.replace(p, storage_data=_LoadRanks(a.rank, together))
+                    for p, a in zip(plans, asked)]
         if not self._peers() or not all(isinstance(a, PeerFetchPlan) for a in asked):
             return plans
         return [dataclasses.replace(p, storage_data=a)
@@ -441,28 +491,32 @@ class TierstoreReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's items, files in parallel, each from the first tier whose copy
-        matches the manifest."""
+        matches the manifest. All or nothing on every rank: when the load is one of every rank
+        of the store's group, nothing lands in any rank's state dict before every rank's files
+        are read and checked (:meth:`_agree`, one small collective); a failure on any rank
+        raises on every rank, and every rank's state dict is left as it was."""
         try:
             return self._read_data(plan, planner)
         finally:
             self._stop_protecting()
 
+    def _together(self, plan: LoadPlan) -> bool:
+        """Whether every rank of the store's group runs this load's read step, and so can agree
+        on its outcome: with peers, the reads are collective already (:mod:`peer_fetch`);
+        without, DCP's plan exchange said so (:class:`_LoadRanks`)."""
+        if self._services.context.groups.io is None:
+            return False
+        if self._peers():
+            return True
+        mark = plan.storage_data
+        return isinstance(mark, _LoadRanks) and mark.together
+
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        ctx, metadata = self._services.context, self._metadata
-        storage_data = metadata.storage_data
-        per_file: dict[str, list[ReadItem]] = {}
-        for req in plan.items:
-            per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
+        ctx = self._services.context
         started = time.perf_counter()
-        self._fetched = {}
-        if self._per_file != per_file:
-            # The planner changed the plan after it was prepared (finish_plan): check again.
-            # Peers still send what the prepared plan asked for (every rank's transfers were
-            # scheduled from it); a file newly needed that no copy here holds good comes from
-            # the slower tiers.
-            self._unmap()
-            self._per_file = per_file
-            self._firsts = self._check_local(list(per_file))
+        # Decided before anything can fail: a rank that skipped the agreement below would
+        # leave the others waiting in it.
+        together = self._together(plan)
         # A load is all or nothing, whatever mix of tiers serves its files. Local copies were
         # checked first (prepare_local_plan, from their mapped pages: no copy; only the
         # blocks this rank reads, of a file it needs part of). Their bytes, like those peers
@@ -474,36 +528,44 @@ class TierstoreReader(StorageReader):
         # (holding their bytes back instead would cost the same buffer and copy): any failure
         # puts those back (LoadUndo).
         undo = LoadUndo()
-        pool = self._pool(len(per_file))
+        pool: ThreadPoolExecutor | None = None
 
         def each(fn, items):
             return list(map(fn, items)) if pool is None else list(pool.map(fn, items))
 
-        try:
-            firsts = dict(self._firsts)
-            if self._peers():
-                scheduled = plan.storage_data
-                self._fetch_missing(firsts, each, scheduled
-                                    if isinstance(scheduled, PeerFetchPlan) else None)
-            for relative, (start, problems, _) in firsts.items():
-                if start >= len(self._sources) and relative not in self._fetched:
-                    self._no_good_copy(relative, problems)
-            self._runs = self._blocks_to_read(firsts)
-            self._say_plan(firsts)
-
-            def read_file(relative: str) -> int:
-                return self._read_one_file(relative, per_file[relative], planner, undo,
-                                           *firsts[relative])
-
-            total = sum(each(read_file, list(per_file)))
-            # Every file is good: what was held back lands, files in parallel on the threads
-            # that read them (it restores the state dict itself if a step fails).
-            undo.apply(each)
-        except BaseException:
+        def drop() -> None:
             if pool is not None:
                 # Every reading thread has stopped before the state dict is put back.
                 pool.shutdown(wait=True, cancel_futures=True)
             undo.restore()
+            self._unmap()
+
+        try:
+            per_file = self._plan_files(plan)
+            pool = self._pool(len(per_file))
+            firsts, total = self._read_files(plan, planner, per_file, undo, each)
+        except Exception as exc:
+            drop()
+            # This rank's failure must reach the others before they land anything: each of
+            # them applies its reads and returns otherwise, and DCP's own exchange after the
+            # read step raises only once their state dicts are changed. It joins even when
+            # it lost a rank (RanksLostError): the agreement then fails on every rank, which
+            # restores them all (staying out would get this rank named as lost too).
+            if together:
+                self._tell_failure(exc)
+            raise
+        except BaseException:  # interrupted: the others' agreement fails when this one exits
+            drop()
+            raise
+        try:
+            if together:
+                self._agree(None)  # raises when another rank failed
+            # Every file of every rank is good: what was held back lands, files in parallel
+            # on the threads that read them (it restores the state dict itself if a step
+            # fails).
+            undo.apply(each)
+        except BaseException:
+            drop()
             raise
         finally:
             self._unmap()
@@ -521,6 +583,79 @@ class TierstoreReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _plan_files(self, plan: LoadPlan) -> dict[str, list[ReadItem]]:
+        """The read items of ``plan`` per file; the local copies checked again when the plan
+        is not the one prepared."""
+        storage_data = self._metadata.storage_data
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
+        self._fetched = {}
+        if self._per_file != per_file:
+            # The planner changed the plan after it was prepared (finish_plan): check again.
+            # Peers still send what the prepared plan asked for (every rank's transfers were
+            # scheduled from it); a file newly needed that no copy here holds good comes from
+            # the slower tiers.
+            self._unmap()
+            self._per_file = per_file
+            self._firsts = self._check_local(list(per_file))
+        return per_file
+
+    def _read_files(self, plan: LoadPlan, planner: LoadPlanner,
+                    per_file: dict[str, list[ReadItem]], undo: LoadUndo, each
+                    ) -> tuple[dict[str, tuple[int, list[str], bool]], int]:
+        """Read (and check) every file of this rank's load, landing nothing that ``undo``
+        cannot take back (see :class:`LoadUndo`): where each file was read from, and the bytes
+        read."""
+        firsts = dict(self._firsts)
+        if self._peers():
+            scheduled = plan.storage_data
+            self._fetch_missing(firsts, each, scheduled
+                                if isinstance(scheduled, PeerFetchPlan) else None)
+        for relative, (start, problems, _) in firsts.items():
+            if start >= len(self._sources) and relative not in self._fetched:
+                self._no_good_copy(relative, problems)
+        self._runs = self._blocks_to_read(firsts)
+        self._say_plan(firsts)
+
+        def read_file(relative: str) -> int:
+            return self._read_one_file(relative, per_file[relative], planner, undo,
+                                       *firsts[relative])
+
+        return firsts, sum(each(read_file, list(per_file)))
+
+    def _agree(self, failure: Exception | None) -> None:
+        """Collective on the store's io group, once per load of every rank of it: after this
+        rank's files are read and checked (``failure``: why they were not) and before anything
+        of them lands, learn whether every rank's were. One all-reduce of one integer; only
+        when a rank failed, a gather of the failing ranks' messages (plain strings, cut to
+        ``_TOLD_CHARS``). A rank that did not fail then raises an error naming the ranks that
+        did and what failed there, of their error's class when they agree on one of
+        tierstore's (a failing rank raises its own)."""
+        ctx = self._services.context
+        group = ctx.groups.io
+        if not all_reduce_max(int(failure is not None), group):
+            return
+        told = all_gather_object(None if failure is None else _told(failure), group)
+        if failure is not None:
+            return
+        failed = [(r, t) for r, t in enumerate(told) if t is not None]
+        ranks = [r for r, _ in failed]
+        raise _error_class([name for _, (name, _) in failed])(
+            f"checkpoint '{self._checkpoint_id}': the load failed on rank(s) {ranks}, so rank "
+            f"{ctx.rank} left its state dict as it was too (a load lands on every rank or on "
+            f"none): " + "; ".join(f"rank {r}: {message}" for r, (_, message) in failed))
+
+    def _tell_failure(self, failure: Exception) -> None:
+        """A failing rank's part in :meth:`_agree`; it raises its own error afterwards, so a
+        failure of the agreement itself (a rank lost meanwhile) is only logged."""
+        try:
+            self._agree(failure)
+        except Exception as exc:  # noqa: BLE001 - this rank's own failure is the one raised
+            log.error("rank %d: checkpoint %s: could not tell the other ranks that this rank's "
+                      "load failed: %s", self._services.context.rank, self._checkpoint_id,
+                      str(exc))
 
     def _unmap(self) -> None:
         """Close the mapped copies this load has not read (it failed before)."""
@@ -794,3 +929,21 @@ def _close_copies(mapped: dict[str, MappedCopy]) -> None:
 def _matches(keyring: Keyring, raw: bytes, entry: FileEntry) -> bool:
     """Whether ``raw`` has the size and digest (keyed or not) ``entry`` records."""
     return check_blocks(keyring, entry, raw, None) == ""
+
+
+def _told(failure: Exception) -> tuple[str, str]:
+    """What a failing rank tells the others of its failure (plain strings): its class's name
+    and its message, cut to ``_TOLD_CHARS``."""
+    message = str(failure) or type(failure).__name__
+    if len(message) > _TOLD_CHARS:
+        message = message[:_TOLD_CHARS] + " [...]"
+    return type(failure).__name__, message
+
+
+def _error_class(names: list[str]) -> type[TierstoreError]:
+    """The class of the error raised on the ranks whose own load was good: the failing ranks'
+    when they all raised the same one of tierstore's errors (a checksum mismatch is an
+    IntegrityError everywhere), else :class:`TierstoreError`."""
+    found = {getattr(errors, n, None) if n in errors.__all__ else None for n in names}
+    cls = found.pop() if len(found) == 1 else None
+    return cls if isinstance(cls, type) and issubclass(cls, TierstoreError) else TierstoreError
