@@ -29,7 +29,8 @@ from typing import Any
 
 from .plan import Trial
 
-__all__ = ["MULTINODE_FAULTS", "plan_multinode", "plan_parity", "run_chain", "spec_of"]
+__all__ = ["MULTINODE_FAULTS", "plan_multinode", "plan_parity", "run_chain", "spec_of",
+           "wait_or_kill"]
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "faults_node_worker.py"
 NPROC, NNODES = 2, 2
@@ -80,20 +81,28 @@ def launch(check_root: str | None, job_root: str | None, spec: dict, log: str) -
                    json.dumps(spec)]
             procs.append(subprocess.Popen(cmd, env=_env(), stdout=out, stderr=out,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
-        deadline, timed_out = time.monotonic() + LAUNCH_TIMEOUT, False
-        for p in procs:
-            try:
-                p.wait(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        timed_out = wait_or_kill(procs, LAUNCH_TIMEOUT)
     return {"codes": [p.returncode for p in procs], "timed_out": timed_out}
+
+
+def wait_or_kill(procs: list[subprocess.Popen], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``procs`` to end, then kill the sessions of those
+    still running (SIGKILL); returns whether any had to be killed."""
+    deadline, timed_out = time.monotonic() + timeout, False
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    return timed_out
 
 
 def _journal(root: str) -> list[list[str]]:

@@ -30,7 +30,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .multinode import wait_or_kill
 from .plan import Trial
 
 __all__ = ["RACE_FAULT", "RACE_KINDS", "kind_of_trial", "launch", "params", "plan_races",
@@ -181,20 +181,7 @@ def launch(kind: str, shape: tuple[int, int], check: list[dict], run: list[dict]
                 [sys.executable, str(SCRIPT), plan_path], env=_env(rank, world, rank // nproc,
                                                                    nproc, port),
                 stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True))
-        deadline, timed_out = time.monotonic() + timeout, False
-        for p in procs:
-            try:
-                p.wait(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        timed_out = wait_or_kill(procs, timeout)
     return {"codes": [p.returncode for p in procs], "timed_out": timed_out,
             "seconds": time.monotonic() - started, "timeout": timeout}
 

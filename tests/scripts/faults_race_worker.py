@@ -325,15 +325,21 @@ def job_backtoback(t: dict, rank: int, world: int, mesh) -> dict:
                 out["saved"].append(cid)
             except BaseException as exc:  # noqa: BLE001
                 out["errors"].append(f"the async save of {cid} failed: {short(exc)}")
-        try:
-            store.wait()
-        except BaseException as exc:  # noqa: BLE001
-            out["errors"].append(f"store.wait() raised {short(exc)}")
+    finally:
+        _wait_and_close(store, rec, out)
+    return out
+
+
+def _wait_and_close(store, rec, out: dict) -> None:
+    """A job's end: ``store.wait()`` (its failure noted in ``out``), close, and what was seen."""
+    try:
+        store.wait()
+    except BaseException as exc:  # noqa: BLE001
+        out["errors"].append(f"store.wait() raised {short(exc)}")
     finally:
         store.close()
         out["events"] = rec.events
         out["seconds"] = time.time() - out["t0"]
-    return out
 
 
 def check_backtoback(t: dict, rank: int, world: int, mesh) -> tuple[list[str], list[str]]:
@@ -479,14 +485,8 @@ def job_auto(t: dict, rank: int, world: int, mesh) -> dict:
                     out["saved"].append(step)
                 except BaseException as exc:  # noqa: BLE001
                     out["errors"].append(f"the save of step-{step} raised {short(exc)}")
-        try:
-            store.wait()
-        except BaseException as exc:  # noqa: BLE001
-            out["errors"].append(f"store.wait() raised {short(exc)}")
     finally:
-        store.close()
-        out["events"] = rec.events
-        out["seconds"] = time.time() - out["t0"]
+        _wait_and_close(store, rec, out)
     return out
 
 
