@@ -193,9 +193,19 @@ def load_matches(store, cid: str, rank: int, mesh, attempts) -> set[int]:
     """The attempts of ``cid`` whose data this rank loaded bitwise (empty: none)."""
     step = step_of(cid)
     got = state(step, 1, rank, mesh, zero=True)
-    dcp.load(got, storage_reader=store.reader(), checkpoint_id=cid,
-             process_group=store.process_group)
+    try:
+        dcp.load(got, storage_reader=store.reader(), checkpoint_id=cid,
+                 process_group=store.process_group)
+    except BaseException:
+        # A failed load leaves every rank's state as it was, whichever rank's read failed.
+        if not same(got, state(step, 1, rank, mesh, zero=True)):
+            CHANGED_BY_FAILED_LOADS.append(cid)
+        raise
     return {a for a in attempts if same(got, state(step, a, rank, mesh))}
+
+
+#: ids whose failed load left this rank's destination changed (a problem for run_check)
+CHANGED_BY_FAILED_LOADS: list[str] = []
 
 
 def agreed(value, world: int) -> list:
@@ -306,6 +316,9 @@ def run_check(root: str, rank: int, world: int, mesh) -> list[str]:
                         # (tierstore.engine.publish); an orphan part is a leftover
                         continue
                     problems.append(f"left after gc(): {os.path.relpath(os.path.join(d, n), root)}")
+    problems += [f"a failed load of {cid} left this rank's state dict changed"
+                 for cid in CHANGED_BY_FAILED_LOADS]
+    CHANGED_BY_FAILED_LOADS.clear()
     return problems
 
 
