@@ -107,6 +107,11 @@ class LocalWriteFile(io.RawIOBase):
         return self._pos
 
     def write(self, data) -> int:  # bytes-like
+        if self.closed:
+            # After close the descriptor number is free, and the next file this process opens
+            # (another save's data file, a drain's copy) takes it: a late write (an abandoned
+            # writer's finalizer flushing what it gathered) would land in that file.
+            raise ValueError(f"write to closed file (descriptor {self._fd} was released)")
         view = memoryview(data).cast("B")
         total = len(view)
         done = 0

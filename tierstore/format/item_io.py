@@ -85,7 +85,14 @@ class HashingWriter(io.RawIOBase):
     torch's serializer hands each item over in dozens of small records; writes under
     ``DIRECT_READ_MIN`` are gathered into writes of about ``COALESCE_BYTES`` (one system call
     instead of one per record). Larger ones (a tensor's storage) go straight through. Call :meth:`flush` before closing
-    the backend file."""
+    the backend file.
+
+    ``raw`` is the caller's: only :meth:`flush` writes to it. :meth:`close` (which
+    ``IOBase.__del__`` calls) drops what is gathered instead: a writer left behind by a failed
+    write (its exception's traceback holds it in a reference cycle) is finalized by the garbage
+    collector at any later time, in any thread, long after the caller closed ``raw``, and a
+    flush from there would hand the bytes to a closed file whose descriptor number another file
+    (the next save's data file) holds by then."""
 
     def __init__(self, raw: IO[bytes], hasher: Hasher | None = None, block_bytes: int = 0,
                  new_hasher: Callable[[], Hasher] | None = None):
@@ -132,6 +139,8 @@ class HashingWriter(io.RawIOBase):
                 self._block = self._new_hasher()
 
     def write(self, data) -> int:
+        if self.closed:  # (a finalizer's late write: see the class docstring)
+            raise ValueError("write to a closed HashingWriter")
         view = memoryview(data).cast("B")
         n = len(view)
         self._hash(view)
@@ -148,6 +157,12 @@ class HashingWriter(io.RawIOBase):
 
     def tell(self) -> int:
         return self.offset
+
+    def close(self) -> None:
+        """Drop what is gathered and not flushed, write nothing: the file it was for failed
+        or is closed (see the class docstring)."""
+        self._pending = bytearray()
+        super().close()  # (IOBase.close calls flush, which finds nothing to write)
 
     def flush(self) -> None:
         """Write what is gathered to the backend file."""
@@ -377,7 +392,9 @@ class LoadUndo:
 
     Everything else a load does to the state dict (values decoded by ``torch.load``, non-tensor
     values, ``commit_tensor``) is held back until :meth:`apply`, which the reader calls once
-    every file of the load is known good. Shared by the reading threads of one load."""
+    every file of the load is known good, on every rank of a distributed load (the ranks agree
+    on that first: one whose files were good still calls :meth:`restore` when another rank's
+    were not). Shared by the reading threads of one load."""
 
     __slots__ = ("_lock", "_saved", "_backups", "_later", "_sources")
 

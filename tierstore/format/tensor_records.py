@@ -86,15 +86,17 @@ _save_tensor = _probe_crc_free_save()
 
 
 class _HeldFailure(io.RawIOBase):
-    """Passes writes to ``raw``; after the first one that fails (a full disk) it swallows the
-    rest and keeps the error. torch's zip writer must always reach its end: its destructor
-    aborts the whole process (``terminate called ... unexpected pos``) when its file failed
-    under it half-way."""
+    """Passes writes to ``raw``; after the first one that fails (a full disk, or a file closed
+    meanwhile: ValueError) it swallows the rest and keeps the error. torch's zip writer must
+    always reach its end: its destructor aborts the whole process (``terminate called ...
+    unexpected pos``) when its file failed under it half-way, and a writer abandoned by a save
+    that stopped half-way writes the archive's end from that destructor, whenever the garbage
+    collector frees it: by then ``raw`` may be closed, and refuses the bytes."""
 
     def __init__(self, raw: IO[bytes]):
         super().__init__()
         self._raw = raw
-        self.error: OSError | None = None
+        self.error: OSError | ValueError | None = None
 
     def writable(self) -> bool:
         """Always writable."""
@@ -105,7 +107,7 @@ class _HeldFailure(io.RawIOBase):
         if self.error is None:
             try:
                 return self._raw.write(data)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 self.error = exc
         return memoryview(data).nbytes
 
