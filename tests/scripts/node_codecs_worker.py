@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import init_device_mesh
 
 import tierstore
-from worker_common import check_equal, local_shards, node_state, run_worker
+from worker_common import check_node_steps, node_state, run_worker
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
@@ -65,18 +65,7 @@ def main() -> int:
     latest = store.latest()
     if latest != "step-2":
         problems.append(f"latest() on the zstd tier alone is {latest!r}, expected 'step-2'")
-    for step in (1, 2):
-        cid = f"step-{step}"
-        out = node_state(step, rank, mesh, OWN_NUMEL, zero=True)
-        try:
-            dcp.load(out, storage_reader=store.reader(), checkpoint_id=cid,
-                     process_group=store.process_group)
-        except Exception as exc:  # noqa: BLE001 - every rank reports, then the test fails
-            problems.append(f"{cid} does not load from the zstd tier: {type(exc).__name__}: "
-                            f"{exc}")
-            continue
-        check_equal(problems, local_shards(out),
-                    local_shards(node_state(step, rank, mesh, OWN_NUMEL)), cid)
+    check_node_steps(store, problems, rank, mesh, (1, 2), OWN_NUMEL, "the zstd tier")
     dist.barrier()
     store.close()
     return 0

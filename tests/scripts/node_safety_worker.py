@@ -48,8 +48,8 @@ from torch.distributed.tensor import init_device_mesh
 import tierstore
 from tierstore.errors import CommitError, DrainError
 from tierstore.events import Phase
-from worker_common import (check_equal, check_node_checkpoint, local_shards, node_state,
-                           run_worker)
+from worker_common import (check_equal, check_node_checkpoint, check_node_steps, local_shards,
+                           node_state, run_worker)
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
@@ -202,17 +202,7 @@ def main() -> int:
             shutil.rmtree(os.path.join(root, "ram", os.environ.get("GROUP_RANK", "0")))
         dist.barrier()
         store = tierstore.open(config(root, action), plugins=[faults])
-        for step in range(1, 9):
-            cid = f"step-{step}"
-            out = node_state(step, rank, mesh, numel, zero=True)
-            try:
-                dcp.load(out, storage_reader=store.reader(), checkpoint_id=cid,
-                         process_group=store.process_group)
-            except Exception as exc:  # noqa: BLE001 - every rank reports, then the test fails
-                problems.append(f"{cid} does not load from the disk tiers: {exc}")
-                continue
-            check_equal(problems, local_shards(out),
-                        local_shards(node_state(step, rank, mesh, numel)), cid)
+        check_node_steps(store, problems, rank, mesh, range(1, 9), numel, "the disk tiers")
         dist.barrier()
     elif action in ("corrupt", "order", "torn"):
         save(store, faults, mesh, rank, "step-1", 1)

@@ -122,6 +122,24 @@ def check_node_checkpoint(store, problems: list[str], rank: int, mesh, expected:
                 cid)
 
 
+def check_node_steps(store, problems: list[str], rank: int, mesh, steps, own_numel: int,
+                     where: str) -> None:
+    """Load ``step-<s>`` for each of ``steps`` into a zeroed ``node_state`` and compare it bit
+    for bit with that step's state; a load that fails is a problem (``where``: what the store
+    reads from, for its message), and every rank goes on to the next step."""
+    for step in steps:
+        cid = f"step-{step}"
+        out = node_state(step, rank, mesh, own_numel, zero=True)
+        try:
+            dcp.load(out, storage_reader=store.reader(), checkpoint_id=cid,
+                     process_group=store.process_group)
+        except Exception as exc:  # noqa: BLE001 - every rank reports, then the test fails
+            problems.append(f"{cid} does not load from {where}: {type(exc).__name__}: {exc}")
+            continue
+        check_equal(problems, local_shards(out),
+                    local_shards(node_state(step, rank, mesh, own_numel)), cid)
+
+
 def load_expecting_not_found(store, problems: list[str], rank: int, out: dict,
                              checkpoint_id: str) -> None:
     """Load ``checkpoint_id`` into ``out``, expecting ``CheckpointNotFound``: print ``RANK <r>
