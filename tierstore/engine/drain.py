@@ -292,14 +292,15 @@ class Drainer(BackgroundJobs[DrainJob]):
         return manifest
 
     @staticmethod
-    def _copy_in_the_way(target: Tier, cid: str) -> bool:
-        """Whether ``target`` holds a copy of ``cid`` that a drain must not replace: on a tier
-        of this machine, a complete one (what is left of a damaged copy is replaced, as a save
-        replaces it: tierstore.engine.existing); on a remote tier, any manifest (only
-        ``promote`` and ``scrub --repair`` replace a copy there, in place)."""
+    def _copy_there(target: Tier, cid: str) -> Manifest | None:
+        """The manifest of the copy of ``cid`` that ``target`` holds and a drain must not
+        replace, or None: on a tier of this machine, a complete one (what is left of a damaged
+        copy is replaced, as a save replaces it: tierstore.engine.existing); on a remote tier,
+        any manifest (only ``promote`` and ``scrub --repair`` replace a copy there, in place;
+        written last, it is there once the copy is)."""
         if target.backend.local_path("") is not None:
-            return target.complete_manifest(cid) is not None
-        return target.read_manifest(cid) is not None
+            return target.complete_manifest(cid)
+        return target.read_manifest(cid)
 
     @contextlib.contextmanager
     def _copying(self, checkpoint_id: str, target: Tier):
@@ -312,8 +313,13 @@ class Drainer(BackgroundJobs[DrainJob]):
             lock, users = self._copy_locks.get(key, (threading.Lock(), 0))
             self._copy_locks[key] = (lock, users + 1)
         try:
-            with lock:
-                yield
+            waited = not lock.acquire(blocking=False)
+            if waited:
+                lock.acquire()
+            try:
+                yield waited  # whether another copy of it to that tier went first
+            finally:
+                lock.release()
         finally:
             with self._copy_locks_guard:
                 lock, users = self._copy_locks[key]
@@ -323,24 +329,29 @@ class Drainer(BackgroundJobs[DrainJob]):
                     self._copy_locks[key] = (lock, users - 1)
 
     def _drain_one(self, job: DrainJob, target: Tier) -> None:
-        with self._copying(job.checkpoint_id, target):
-            self._copy_one(job, target)
+        with self._copying(job.checkpoint_id, target) as waited:
+            self._copy_one(job, target, waited)
 
-    def _copy_one(self, job: DrainJob, target: Tier) -> None:
+    def _copy_one(self, job: DrainJob, target: Tier, waited: bool = False) -> None:
         source, cid = job.source, job.checkpoint_id
         host, rank = self._host, self._rank
         manifest = self._source_manifest(job, target)
         # A node-local checkpoint going to a shared tier: every group copies its part into one
         # staging directory (named by the save), and rank 0 commits once all parts are there.
         gathering = target.layout.shared and not source.layout.shared
-        if not gathering and not job.replace and self._already_there(job, target, manifest):
+        overwrite = self._context.config.overwrite
+        # The copy there, read once: asked where a copy of it must not be replaced, or where
+        # another copy of it to this tier (a promote, or the drain it raced) went first.
+        there = (self._copy_there(target, cid)
+                 if not gathering and not job.replace and (waited or not overwrite) else None)
+        if there is not None and there.save_token == manifest.save_token:
+            self._keep_copy_there(job, target, there)
             return
         commits = not gathering or rank == 0
         started = time.perf_counter()
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
                          nbytes=manifest.size_bytes, detail={"source": source.name}))
-        if not self._context.config.overwrite and not gathering and not job.replace and \
-                self._copy_in_the_way(target, cid):
+        if there is not None and not overwrite:
             # The save asked only this machine's tiers up front (see TierstoreWriter.reset).
             raise DrainError(
                 f"checkpoint '{cid}' already exists on tier '{target.name}' "
@@ -588,20 +599,15 @@ class Drainer(BackgroundJobs[DrainJob]):
                               manifest.files if files is None else files, like=manifest,
                               **fields)
 
-    def _already_there(self, job: DrainJob, target: Tier, manifest: Manifest) -> bool:
-        """Whether ``target`` holds a complete copy of this very save already (a promote, or
-        the drain it raced, made it while this copy waited its turn): nothing to copy. Its
-        flag is the one its own copy settled (a promote may have pinned it); only a
-        ``promote --pin`` pins it."""
-        there = target.complete_manifest(job.checkpoint_id)
-        if there is None or there.save_token != manifest.save_token:
-            return False
+    def _keep_copy_there(self, job: DrainJob, target: Tier, there: Manifest) -> None:
+        """``target`` holds a copy of this very save already (a promote, or the drain it
+        raced, made it): nothing to copy. Its flag is the one its own copy settled (a promote
+        may have pinned it); only a ``promote --pin`` pins it."""
         log.info("%s is on tier '%s' already (save %s): not copied again", job.checkpoint_id,
-                 target.name, manifest.save_token)
+                 target.name, there.save_token)
         if job.pin and not there.pinned:
             with self._retention.pinning():
                 self._set_copy_pin(job, target, True)
-        return True
 
     def _pin_now(self, job: DrainJob, source: Tier, otherwise: bool) -> bool:
         """Whether the copy of ``job`` is to be pinned, asked now (a pin may have changed
