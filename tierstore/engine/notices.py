@@ -94,6 +94,14 @@ class CommitNotices(BackgroundJobs[NoticeJob]):
         return set()
 
     def run_job(self, job: NoticeJob) -> None:
+        # A node that cannot settle now settles at the next save: never a failure of wait().
+        try:
+            self._await(job)
+        except Exception:  # noqa: BLE001
+            log.warning("settling the part of %s after its commit failed; the next save "
+                        "settles it", job.checkpoint_id, exc_info=True)
+
+    def _await(self, job: NoticeJob) -> None:
         key = notice_key(job.token)
         deadline = time.monotonic() + self._timeout
         delay = 0.005
@@ -111,11 +119,5 @@ class CommitNotices(BackgroundJobs[NoticeJob]):
             self._settle(job.checkpoint_id, job.token)
 
     def failure(self, job: NoticeJob, exc: BaseException) -> DrainError:
-        # A node that cannot settle now settles at the next save: never a failure of wait().
-        log.warning("settling the part of %s after its commit failed; the next save settles "
-                    "it", job.checkpoint_id, exc_info=exc)
-        return None  # type: ignore[return-value]
-
-    def record_failure(self, err: DrainError) -> None:
-        if err is not None:
-            super().record_failure(err)
+        return DrainError(f"waiting for word of the commit of {job.checkpoint_id} was "
+                          f"interrupted: {type(exc).__name__}: {exc}", job.checkpoint_id, None)
