@@ -22,7 +22,9 @@
    ones (a copy the trial damaged on purpose aside);
 6. after a drain's source was corrupted or removed under it (``corrupt-source``,
    ``vanish-source``), every copy another tier lists loads bitwise: a bad source is never
-   propagated.
+   propagated;
+7. (issue 43) a load that fails leaves its destination bitwise as it found it, in the job and
+   in every check here (the multi-rank kinds check every rank's destination).
 
 ``check`` returns violations (a broken promise) and notes (what a user may see but the
 contract allows, e.g. a load refused with a ``TierstoreError``).
@@ -45,7 +47,7 @@ from tierstore.engine.publish import PENDING_PART
 from .inject import BALLAST, FIRST_FULL, FULL_FAULTS
 from .plan import Trial
 from .scenario import Place, Scenario
-from .state import blank_like, differences, state_for, step_of
+from .state import blank_like, changed_by_failed_load, differences, snapshot, state_for, step_of
 from .workload import FAILURES, Journal, describe
 
 __all__ = ["check", "tier_entries"]
@@ -154,9 +156,14 @@ def _load(scenario: Scenario, store: tierstore.Store, cid: str, where: str,
 
     want = state_for(cid, scenario.seed)
     got = blank_like(want)
+    before = snapshot(got)
     try:
         dcp.load(got, storage_reader=store.reader(), checkpoint_id=cid)
     except FAILURES as exc:  # classified below
+        changed = changed_by_failed_load(got, before)
+        if changed:
+            found.violations.append(f"{cid} ({where}): a load that failed changed its "
+                                    f"destination: {changed}")
         causes = [f[0] for f in getattr(exc, "failures", {}).values()
                   if isinstance(f, tuple)] or [exc]
         clear = all(isinstance(c, tierstore.TierstoreError) for c in causes)

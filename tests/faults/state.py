@@ -44,6 +44,19 @@ def blank_like(state: dict[str, Any]) -> dict[str, Any]:
             for k, v in state.items()}
 
 
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a load target as it is now (tensors cloned), to compare it with after a load
+    that failed: a failed load must leave its destination exactly as it found it."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def changed_by_failed_load(got: dict[str, Any], before: dict[str, Any]) -> str | None:
+    """What a failed load changed in its destination (``before``: its :func:`snapshot`), or
+    None when it is bitwise as it was."""
+    wrong = differences(got, before)
+    return "; ".join(wrong) if wrong else None
+
+
 def differences(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
     """What differs between a loaded state and the saved one: keys, tensor dtypes, shapes and
     bytes (``torch.equal``), and non-tensor values (``==``); empty when they are equal."""

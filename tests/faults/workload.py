@@ -24,7 +24,7 @@ import tierstore
 from . import inject
 from .inject import Injector
 from .scenario import Place, Scenario
-from .state import blank_like, differences, state_for
+from .state import blank_like, changed_by_failed_load, differences, snapshot, state_for
 
 __all__ = ["FAILURES", "Journal", "checkpoint_sizes", "describe", "remains_of", "run_job"]
 
@@ -229,7 +229,16 @@ def load_all(store: tierstore.Store, scenario: Scenario, journal: Journal,
         with step(injector, journal, "load", info.id):
             want = state_for(info.id, scenario.seed)
             got = blank_like(want)
-            dcp.load(got, storage_reader=store.reader(), checkpoint_id=info.id)
+            before = snapshot(got)
+            try:
+                dcp.load(got, storage_reader=store.reader(), checkpoint_id=info.id)
+            except FAILURES:
+                # A failed load must leave the destination as it found it (invariant 7).
+                changed = changed_by_failed_load(got, before)
+                if changed:
+                    journal.write("broken", f"a load of {info.id} that failed changed its "
+                                  f"destination: {changed}")
+                raise
             wrong = differences(got, want)
             if wrong:
                 journal.write("wrong", info.id, "; ".join(wrong))

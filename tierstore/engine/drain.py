@@ -30,6 +30,7 @@ from tierstore.engine.context import StoreContext
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
 from tierstore.engine.manifests import build_manifest
+from tierstore.engine.mismatch import explain_mismatch
 from tierstore.engine.parts import PENDING_PART, KnownCommits, is_pending, unmark
 from tierstore.engine.retention import Retention
 from tierstore.errors import DrainError, IntegrityError
@@ -578,10 +579,7 @@ class Drainer(BackgroundJobs[DrainJob]):
             while chunk := fin.read(self._chunk):
                 hasher.update(chunk)
                 pos += len(chunk)
-        if pos != entry.size or hasher.hexdigest() != entry.checksum:
-            raise DrainError(
-                f"checkpoint '{cid}': {rel} on tier '{source.name}' does not match its manifest; "
-                f"it was not copied to '{target.name}'", cid, target.name)
+        _check_source(cid, rel, source, target, entry, pos, hasher.hexdigest())
         return rel, FileEntry(out.offset, out.hasher.hexdigest(), entry.rank), infos
 
     def _target_manifest(self, job: DrainJob, source: Tier, target: Tier, manifest: Manifest,
@@ -1013,9 +1011,10 @@ def _check_source(cid: str, rel: str, source: Tier, target: Tier, entry: FileEnt
     if size != entry.size or checksum != entry.checksum:
         raise DrainError(
             f"checkpoint '{cid}': {rel} on tier '{source.name}' does not match its manifest "
-            f"({size} bytes, {checksum}; expected {entry.size} bytes, {entry.checksum}); it was "
-            f"not copied to '{target.name}'. Run store.verify('{cid}') to see what else is "
-            f"damaged", cid, target.name)
+            f"({size} bytes, {checksum}; expected {entry.size} bytes, {entry.checksum}; "
+            f"{explain_mismatch(source, f'{cid}/{rel}', entry)}); it was not copied to "
+            f"'{target.name}'. Run store.verify('{cid}') to see what else is damaged",
+            cid, target.name)
 
 
 def report_unfinished(pending: list[PendingCopy], failures: list[DrainError]) -> None:
