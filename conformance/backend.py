@@ -371,6 +371,31 @@ class BackendTests:
             assert bytes(tail[:3]) == data[-3:]
             assert f.readinto(tail) == 0, "readinto at end of file must return 0"
 
+    def test_inventory_names_every_file_with_its_size_or_is_not_offered(self, backend):
+        """``inventory`` (optional): every file under a directory, by path relative to it,
+        with its size, from one listing ({} when the directory is missing); None: not
+        offered, and the core asks ``size`` file by file."""
+        self.write(backend, "inv/a/f", b"x" * 10)
+        self.write(backend, "inv/a/sub/g", b"")
+        self.write(backend, "inv/b", b"yy")
+        self.write(backend, "other/h", b"z")
+        found = backend.inventory("inv")
+        if found is None:
+            return
+        assert found == {"a/f": 10, "a/sub/g": 0, "b": 2}
+        assert backend.inventory("missing") == {}
+
+    def test_a_file_opened_with_its_size_reads_back_as_written(self, backend):
+        """``open_read_sized`` (optional; default ``open_read``) reads a file whose size is
+        known already: the same bytes, seekable."""
+        data = _random_bytes(70_000, 6)
+        self.write(backend, "d/sized", data)
+        with backend.open_read_sized("d/sized", len(data)) as f:
+            f.seek(60_000)
+            tail = bytearray(20_000)
+            assert f.readinto(tail) == 10_000
+            assert bytes(tail[:10_000]) == data[60_000:]
+
     def test_sync_dir_on_an_existing_directory_succeeds(self, backend):
         """sync_dir (optional) never fails on an existing directory or the root."""
         self.write(backend, "d/f", b"x")

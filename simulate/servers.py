@@ -370,6 +370,8 @@ class SeaweedS3(_Server):
         self.extra_args = tuple(extra_args)
         self.port: int | None = None  # S3 port
         self.master_port = self.volume_port = self.filer_port = None
+        #: Prometheus metrics (``request_counts``): requests counted at the server
+        self.metrics_port: int | None = None
         self.binary = find_weed()
 
     @property
@@ -411,6 +413,8 @@ class SeaweedS3(_Server):
             self.port, self.master_port, self.volume_port, self.filer_port = _pick_ports(
                 4, low=20000, high=32000, grpc_offset=self.GRPC_OFFSET
             )
+        if self.metrics_port is None:
+            (self.metrics_port,) = _pick_ports(1, low=32000, high=32700, grpc_offset=None)
         (self.dir / "data").mkdir(exist_ok=True)
         if self.auth:
             config = {
@@ -449,10 +453,32 @@ class SeaweedS3(_Server):
             "-s3.port.lance=0",
             f"-filer.localSocket={d / 'tmp' / 'filer.sock'}",
             f"-s3.localSocket={d / 'tmp' / 's3.sock'}",
+            f"-metricsPort={self.metrics_port}",
         ]
         if self.auth:
             cmd.append(f"-s3.config={d / 's3.json'}")
         return cmd + list(self.extra_args)
+
+    def request_counts(self, bucket: str | None = None) -> dict[str, int]:
+        """Requests the S3 gateway has answered since it started, by type (``GET`` (HEAD
+        included), ``PUT``, ``LIST``, ``DELETE``, ...), counted by the server itself
+        (``SeaweedFS_s3_request_total``); ``bucket``: that bucket's only. Take it before and
+        after what is measured and subtract."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        counts: dict[str, int] = {}
+        for line in text.splitlines():
+            if not line.startswith("SeaweedFS_s3_request_total{"):
+                continue
+            labels, value = line[len("SeaweedFS_s3_request_total{"):].rsplit("} ", 1)
+            fields = dict(part.split("=", 1) for part in labels.split(",") if "=" in part)
+            fields = {k: v.strip('"') for k, v in fields.items()}
+            if bucket is not None and fields.get("bucket") != bucket:
+                continue
+            kind = fields.get("type", "?")
+            counts[kind] = counts.get(kind, 0) + int(float(value))
+        return counts
 
     def _ready(self) -> bool:
         # Any HTTP answer from the S3 port (403 with auth on) means the gateway is up; it only

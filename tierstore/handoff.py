@@ -33,8 +33,10 @@ class HandOff:
     """The training process's side of saves handed to DCP's checkpoint process."""
 
     def __init__(self, spec: StoreSpec, tiers: TierSet, rank: int, drainer: Drainer,
-                 retention: Retention, health: TierHealth, reopen: Callable[[StoreSpec], Any]):
+                 retention: Retention, health: TierHealth, reopen: Callable[[StoreSpec], Any],
+                 listings: Listings):
         self._spec, self._tiers, self._rank, self._health = spec, tiers, rank, health
+        self._listings = listings
         self._drainer, self._retention, self._reopen = drainer, retention, reopen
         self._handed_off = False  # this store gave saves to DCP's checkpoint process
         self._lock = threading.Lock()
@@ -50,6 +52,8 @@ class HandOff:
                 "the ranks that saved; use AsyncCheckpointerType.THREAD (the default)"
             )
         self._handed_off = True
+        # Another process commits from now on: a look at a tier may miss its commits.
+        self._listings.max_age_s = 0.0
         return functools.partial(self._reopen, self._spec)
 
     def adopt(self) -> None:
@@ -58,7 +62,8 @@ class HandOff:
         if not self._handed_off or self._rank != 0:
             return
         with self._lock:  # one scan at a time, or both would queue the same copy
-            queue_missing_copies(list(self._tiers), self._drainer, self._health)
+            queue_missing_copies(list(self._tiers), self._drainer, self._health,
+                                 self._listings)
             for tier in self._tiers:
                 self._retention.apply(tier)
 

@@ -8,8 +8,10 @@ hands the work to the service that owns it. No service holds the Store.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
+import threading
 import time
 import weakref
 from concurrent import futures
@@ -30,6 +32,7 @@ from tierstore.engine.parts import KnownCommits
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.health import TierHealth
 from tierstore.engine.interval import IntervalChooser
+from tierstore.engine.listings import Listings
 from tierstore.engine.parity import ParityCheck, verify_parity
 from tierstore.engine.publish import Publisher
 from tierstore.engine.recovery import queue_missing_copies
@@ -51,6 +54,8 @@ from tierstore.tiers.reports import (CheckpointInfo, ExportResult, InspectReport
 from tierstore.transport.collectives import all_gather_object, make_store_group, rank_context
 
 __all__ = ["Store", "open"]
+
+log = logging.getLogger("tierstore.store")
 
 #: seconds ``close`` waits for the background threads of finished drains to end
 _THREADS_END_S = 5.0
@@ -112,14 +117,15 @@ class Store:
         self._health = health = TierHealth(host, job.rank)
         for name, why in unreachable.items():
             health.mark_down(tiers.named(name), "open()", why)
-        self._catalog = Catalog(ctx, self._retention, health)
+        self._listings = listings = Listings()
+        self._catalog = Catalog(ctx, self._retention, health, listings)
         self._scrubber = Scrubber(ctx, self._drainer, self._retention, health, self._catalog)
         self._background_scrub = None
         if config.scrub_every_s and job.rank == 0 and not hand_off and not read_only:
             self._background_scrub = BackgroundScrub(self._scrubber, config.scrub_every_s,
                                                      host, job.rank)
         self._hand_off = HandOff(spec, tiers, job.rank, self._drainer, self._retention, health,
-                                 _checkpoint_process_services)
+                                 _checkpoint_process_services, listings)
         self._publisher = publisher = Publisher(ctx, self._drainer, self._retention, commits,
                                                 in_checkpoint_process=hand_off)
         self._writer_services = WriterServices(ctx, self._ledger, stager, publisher, gc,
@@ -127,7 +133,7 @@ class Store:
                                                self._hand_off.adopt_later, watchdog,
                                                intervals if intervals.active else None)
         self._reader_services = ReaderServices(ctx, self._retention, self._ledger.slot,
-                                               self._catalog, health, watchdog)
+                                               self._catalog, health, watchdog, listings)
         watchdog.start(config.watchdog, host, job.rank)
         if self._background_scrub is not None:
             self._background_scrub.start()
@@ -136,13 +142,33 @@ class Store:
         # Resuming drains writes to the slower tiers (and on ``manifest-last`` tiers wipes the
         # prefix it starts on): a read-only store, an operator's query beside a live job that
         # may be draining the same checkpoint, leaves that to the job or to `tierstore wait`.
+        self._resuming: threading.Thread | None = None
         if job.rank == 0 and not tiers.node_local and not hand_off and not read_only:
-            queue_missing_copies(list(tiers), self._drainer, health)
+            # Off the open's path: the scan looks at every tier (on an object store a listing
+            # and the manifests, a look latest() then reuses). wait(), pending() and close()
+            # wait for it.
+            self._resuming = threading.Thread(target=self._resume_drains, daemon=True,
+                                              name="tierstore-resume")
+            self._resuming.start()
         if not hand_off and not read_only:  # a process of the job started (or restarted)
             host.event(Event(EventKind.OPENED, rank=job.rank,
                              seconds=time.perf_counter() - opening,
                              detail={"pid": os.getpid(), "world_size": job.world_size}))
         host.store_opened(self)
+
+    def _resume_drains(self) -> None:
+        """Queue the drains an earlier process left unmade (the open's background scan)."""
+        try:
+            queue_missing_copies(list(self._ctx.tiers), self._drainer, self._health,
+                                 self._listings)
+        except Exception:  # noqa: BLE001 - the next open scans again
+            log.exception("could not look for the drains an earlier process left unmade")
+
+    def _resumed(self) -> None:
+        """Wait for the open's scan for unmade drains (they are queued once it ends)."""
+        resuming = self._resuming
+        if resuming is not None:
+            resuming.join()
 
     @property
     def process_group(self) -> Any:
@@ -164,6 +190,11 @@ class Store:
         """A DCP StorageReader loading from this store."""
         self._check_open()
         return TierstoreReader(self._reader_services)
+
+    def _reader_alone(self) -> TierstoreReader:
+        """A reader for a load DCP runs in this process only (``inspect``, ``export``)."""
+        self._check_open()
+        return TierstoreReader(self._reader_services, alone=True)
 
     def record_step(self, step: int, seconds: float) -> None:
         """The training code finished step ``step``, which took ``seconds`` of its own (not
@@ -229,12 +260,14 @@ class Store:
         read-only store runs no drains: its answer is the copies missing from the tiers now,
         those a writable open would resume (or the job writing them is making)."""
         if not self.read_only:
+            self._resumed()
             return self._drainer.pending()
         tiers = self._ctx.tiers
         if self._ctx.rank != 0 or tiers.node_local:
             return []
         missing = _MissingCopies()
-        queue_missing_copies(list(tiers), missing, self._health)  # type: ignore[arg-type]
+        queue_missing_copies(list(tiers), missing, self._health,  # type: ignore[arg-type]
+                             self._listings)
         return missing.copies
 
     def stats(self) -> dict[str, TierFigures]:
@@ -256,7 +289,7 @@ class Store:
         cid = validate_checkpoint_id(checkpoint_id)
         holders = self._catalog.complete_copies(cid, "inspect")
         whole = [m for _, m in holders if m.parts == 1] or [holders[0][1]]
-        return describe(whole[0], [t.name for t, _ in holders], self.reader())
+        return describe(whole[0], [t.name for t, _ in holders], self._reader_alone())
 
     def plan(self, checkpoint_id: str, world_size: int | None = None,
              ranks_per_node: int | None = None) -> RestorePlan:
@@ -295,7 +328,7 @@ class Store:
         self._check_open()
         cid = validate_checkpoint_id(checkpoint_id)
         self._catalog.complete_copies(cid, "export")
-        return export(cid, fmt, path, self.reader())
+        return export(cid, fmt, path, self._reader_alone())
 
     # -- maintenance -------------------------------------------------------------------------
     def pin(self, checkpoint_id: str) -> None:
@@ -330,6 +363,7 @@ class Store:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         self._ledger.slot.wait_idle()  # a save in flight queues its drains when it commits
+        self._resumed()
         self._hand_off.adopt()
         failure: BaseException | None = None
         try:
@@ -387,6 +421,7 @@ class Store:
                 self.wait()
             else:
                 self._ledger.slot.wait_idle()
+                self._resumed()
                 report_unfinished(self._drainer.pending(), self._drainer.unreported_failures())
         finally:
             self._closed = True

@@ -22,12 +22,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tierstore.dcp.shared_reads import job_wide, shared_manifests, shared_result
 from tierstore.dcp.peer_fetch import (FetchedFile, PeerFetchPlan, Servable, fetch_from_peers,
                                       held_here, local_sources, node_tiers, schedule_plans,
                                       servable_here, wanted_from_peers)
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
+from tierstore.engine.listings import Listings
 from tierstore.engine.parity import rebuild_lost
 from tierstore.engine.retention import Retention
 from tierstore.engine.watchdog import Watchdog
@@ -80,13 +82,18 @@ class ReaderServices:
     health: TierHealth
     #: told when a load starts and ends (``[store] watchdog``)
     watchdog: Watchdog | None = None
+    #: the looks at object stores ``latest()`` took, whose manifests a load reuses
+    listings: Listings | None = None
 
 
 class TierstoreReader(StorageReader):
     """Loads a checkpoint, checking every file against its manifest while reading it."""
 
-    def __init__(self, services: ReaderServices):
+    def __init__(self, services: ReaderServices, *, alone: bool = False):
+        """``alone``: DCP runs this load in this process only (``Store.export``, ``inspect``),
+        not on every rank of the store's group together: it reads everything itself."""
         self._services = services
+        self._alone = alone
         self._checkpoint_id: str | None = None
         self._sources: list[tuple[Tier, Manifest]] = []
         self._metadata: Metadata | None = None
@@ -159,11 +166,17 @@ class TierstoreReader(StorageReader):
         # them, and not by every rank at every restart (each with a client to make).
         eager = node_tiers(ctx) if peers else order
         deferred = [t for t in order if not any(t is e for e in eager)]
-        sources, rejected = self._manifests(cid, eager)
+        sources, rejected = self._manifests(cid, eager, together=True)
         if peers and ctx.tiers.parity_tier is not None and self._rebuild_from_parity(
                 cid, sources):
             sources, rejected = self._manifests(cid, eager)  # with the rebuilt copy
-        raw, codecs, problems, token = self._local_metadata(cid, sources)
+        if peers or not self._shares():
+            raw, codecs, problems, token = self._local_metadata(cid, sources)
+        else:
+            # Every tier is the whole job's: one rank reads .metadata, and every rank checks
+            # what it got against the manifest's entry when it parses it (load_metadata).
+            raw, codecs, problems, token = shared_result(
+                ctx, lambda: self._local_metadata(cid, sources))
         self._fetched = {}
         servable: list[list[Servable]] = []
         if peers:
@@ -178,7 +191,7 @@ class TierstoreReader(StorageReader):
                     raise
                 # Every rank got here alike (the decision is on gathered views): the slower
                 # tiers hold what the nodes do not; decide again with them.
-                more, more_rejected = self._manifests(cid, deferred)
+                more, more_rejected = self._manifests(cid, deferred, together=True)
                 sources, rejected, deferred = sources + more, rejected + more_rejected, []
                 raw, codecs, problems, token = self._local_metadata(cid, sources)
                 raw, codecs, token, servable = self._share_metadata(cid, raw, codecs, token,
@@ -255,16 +268,35 @@ class TierstoreReader(StorageReader):
                              detail={"files": sorted(got[1].files), "from_parity": True}))
         return True
 
-    def _manifests(self, cid: str, tiers: list[Tier]
+    def _shares(self) -> bool:
+        """Whether every rank of the store's group runs this load together (so one rank may
+        read a job-wide tier's small files for all: :mod:`tierstore.dcp.shared_reads`)."""
+        return self._services.context.groups.main is not None and not self._alone
+
+    def _manifests(self, cid: str, tiers: list[Tier], together: bool = False
                    ) -> tuple[list[tuple[Tier, Manifest]], list[str]]:
         """The checked manifests of ``cid`` on ``tiers`` (in their order), and why the copies
         not trusted were not (each also said in a ``rejected`` event). Every tier with a
         manifest is a source, even one missing a file: files are read one by one from the
-        fastest tier that has a good copy."""
+        fastest tier that has a good copy. ``together``: every rank of the load calls this
+        with the same tiers (a collective), and one rank reads the job-wide tiers' manifests
+        for all."""
+        services = self._services
+        told = (shared_manifests(services.context, services.health, services.listings, cid,
+                                 tiers)
+                if together and self._shares() and services.listings is not None else {})
         sources, rejected = [], []
         for tier in tiers:
-            manifest, why = self._services.health.ask(
-                tier, "load", lambda t=tier: t.checked_manifest(cid), (None, None))
+            if tier.name in told:
+                found = told[tier.name]
+                if found is None:
+                    continue  # it did not answer the reading rank: no source, as if here
+                raw, why = found
+                manifest, why = ((None, why) if raw is None
+                                 else tier.manifest_from(cid, raw))
+            else:
+                manifest, why = services.health.ask(
+                    tier, "load", lambda t=tier: t.checked_manifest(cid), (None, None))
             if manifest is not None:
                 sources.append((tier, manifest))
             elif why is not None:
@@ -788,8 +820,12 @@ class TierstoreReader(StorageReader):
                 # Shared, until the copy is read: the other ranks of the node (the directory's
                 # leader, the rank keeping a replica set) evict it only under an exclusive
                 # lock, and recycling its pages would change bytes already checked.
-                hold = tier.backend.lock_directory(cid, exclusive=False)
-                f = tier.backend.open_read(f"{cid}/{relative}")
+                if not (tier.backend.locks_write and job_wide(ctx, tier)):
+                    # (A lease on a job-wide object store would be a write on every rank's
+                    # restart; its only evictor in the job, the tier's leader, loads this
+                    # checkpoint in this very load and spares it.)
+                    hold = tier.backend.lock_directory(cid, exclusive=False)
+                f = tier.backend.open_read_sized(f"{cid}/{relative}", entry.size)
                 try:
                     copy, why = map_checked(f, entry, tier.keyring,
                                             self._check_runs(relative, entry))
@@ -847,7 +883,7 @@ class TierstoreReader(StorageReader):
                     self._read_checked(mapped.data, mapped.held, entry, reqs, planner, undo)
                     nbytes = mapped.nbytes
                 else:
-                    with tier.backend.open_read(f"{cid}/{relative}") as f:
+                    with tier.backend.open_read_sized(f"{cid}/{relative}", entry.size) as f:
                         runs = self._runs.get(relative) if n == start else None
                         if runs is not None:  # the blocks this rank reads, each checked first
                             data = read_runs(f, runs, entry.size)

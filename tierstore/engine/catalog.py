@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
+from tierstore.engine.listings import Listings
 from tierstore.engine.retention import Retention
 from tierstore.errors import CheckpointNotFound
 from tierstore.events import Phase
@@ -35,8 +36,11 @@ class Coverage:
 class Catalog:
     """Answers the store's queries from the tiers' manifests."""
 
-    def __init__(self, context: StoreContext, retention: Retention, health: TierHealth):
+    def __init__(self, context: StoreContext, retention: Retention, health: TierHealth,
+                 listings: Listings):
         self._context, self._retention, self._health = context, retention, health
+        #: the looks at object stores, shared with the resumed drains' scan and the loads
+        self.listings = listings
 
     def latest(self) -> str | None:
         """Newest checkpoint this job can load: the files of every rank of the job that saved it
@@ -81,18 +85,20 @@ class Catalog:
     def coverage(self) -> dict[tuple[str, str], Coverage]:
         """What this process holds of each checkpoint, by (id, save token), over all its
         tiers: the ranks whose files are all present (a file may come from any tier), whether
-        ``.metadata`` is, and when it was committed. A tier with one directory for the whole
-        job (an object store) is listed by its leader alone under torch.distributed: the
-        others would list the same objects, each with a client of its own to make, on a
-        restart's path (``latest()`` gathers every rank's coverage)."""
+        ``.metadata`` is, and when it was committed. A directory several ranks share (an
+        object store the whole job shares, a node's RAM tier) is listed by its leader alone
+        under torch.distributed: the others would list the same objects (on an object store
+        each with a client of its own to make) on a restart's path, and ``latest()`` gathers
+        every rank's coverage anyway."""
         ctx = self._context
         parts: dict[tuple[str, str, tuple[int, ...]], tuple[Manifest, set[str]]] = {}
         for tier in ctx.tiers.read_order():
-            if (ctx.groups.main is not None and tier.layout.shared
-                    and not ctx.tiers.is_replica(tier) and tier.layout.leader != ctx.rank):
-                continue
-            held = self._health.ask(tier, "latest()", lambda tier=tier: _holdings(tier), [])
-            for cid, manifest, files in held:
+            if (ctx.groups.main is not None and not ctx.tiers.is_replica(tier)
+                    and tier.layout.leader != ctx.rank):
+                continue  # (its directory's leader lists it: the job's, or its node's)
+            held = self._health.ask(tier, "latest()",
+                                    lambda tier=tier: self.listings.look(tier).holdings, ())
+            for cid, manifest, files in ((h.checkpoint_id, h.manifest, h.present) for h in held):
                 _, present = parts.setdefault((cid, manifest.save_token, tuple(manifest.ranks)),
                                               (manifest, set()))
                 present |= files
@@ -113,7 +119,8 @@ class Catalog:
         found: dict[str, tuple[list[str], Manifest]] = {}
         pinned: set[str] = set()  # pinned on some tier (promote --pin pins one copy)
         for tier in self._context.tiers:
-            for cid, manifest in self._health.ask(tier, "list()", tier.complete, {}).items():
+            for cid, manifest in self._health.ask(
+                    tier, "list()", lambda t=tier: self.listings.complete(t), {}).items():
                 names, _ = found.setdefault(cid, ([], manifest))
                 names.append(tier.name)
                 if manifest.pinned:
@@ -132,7 +139,8 @@ class Catalog:
         holds and the space left. A tier that does not answer is reported unreachable."""
         held: dict[str, dict[str, Manifest] | None] = {}
         for tier in self._context.tiers:
-            held[tier.name] = self._health.ask(tier, "status()", tier.complete, None)
+            held[tier.name] = self._health.ask(tier, "status()",
+                                               lambda t=tier: self.listings.complete(t), None)
         steps = [m.step for found in held.values() if found for m in found.values()
                  if m.step is not None]
         newest_step = max(steps) if steps else None
@@ -220,12 +228,3 @@ class Catalog:
                     f"cannot {'pin' if pinned else 'unpin'} '{cid}': it is not complete on any "
                     f"tier; store.list() shows what is stored")
 
-
-def _holdings(tier) -> list[tuple[str, Manifest, set[str]]]:
-    """Each checkpoint with a manifest on ``tier``: its id, manifest and the files present."""
-    out = []
-    for cid in tier.checkpoint_names():
-        manifest = tier.read_manifest(cid)
-        if manifest is not None:
-            out.append((cid, manifest, tier.present_files(cid, manifest)))
-    return out

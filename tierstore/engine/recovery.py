@@ -7,6 +7,7 @@ import logging
 
 from tierstore.engine.drain import DrainJob, Drainer, PendingCopy
 from tierstore.engine.health import TierHealth
+from tierstore.engine.listings import Listings
 from tierstore.tiers.tier import Tier
 
 __all__ = ["queue_missing_copies"]
@@ -14,13 +15,19 @@ __all__ = ["queue_missing_copies"]
 log = logging.getLogger("tierstore.recovery")
 
 
-def queue_missing_copies(tiers: list[Tier], drainer: Drainer, health: TierHealth) -> None:
+def queue_missing_copies(tiers: list[Tier], drainer: Drainer, health: TierHealth,
+                         listings: Listings) -> None:
     """Queue the copies nobody has made. A copy is missing when a checkpoint is complete on a
     faster tier, absent from a slower tier that takes its step, newer than everything there
-    (older ones were evicted by keep), and not queued already."""
+    (older ones were evicted by keep), and not queued already. An object store is looked at
+    once (``listings``: the look ``latest()`` then reuses)."""
     queued = set(drainer.pending())
-    jobs: dict[str, tuple[Tier, list[Tier], float]] = {}
-    answered = [health.ask(tier, "resuming drains", tier.complete, None) for tier in tiers]
+    jobs: dict[str, tuple[Tier, list[Tier], float, object]] = {}
+    looks = [health.ask(tier, "resuming drains", lambda t=tier: listings.look(t), None)
+             for tier in tiers]
+    answered = [None if look is None else look.complete() for look in looks]
+    begun = {t.name: {h.checkpoint_id for h in look.holdings}
+             for t, look in zip(tiers, looks) if look is not None}
     # A tier that did not answer is neither a source nor a target of this scan.
     tiers = [t for t, c in zip(tiers, answered) if c is not None]
     complete = [c for c in answered if c is not None]
@@ -34,13 +41,13 @@ def queue_missing_copies(tiers: list[Tier], drainer: Drainer, health: TierHealth
                 if (manifest.step is None or not target.due(manifest.step)
                         or cid in on_target or manifest.committed <= newest
                         or PendingCopy(cid, target.name) in queued
-                        or target.read_manifest(cid) is not None):
+                        or cid in begun.get(target.name, ())):
                     continue
-                _, targets, _ = jobs.setdefault(cid, (tiers[i], [], manifest.committed))
+                _, targets, _, _ = jobs.setdefault(cid, (tiers[i], [], manifest.committed,
+                                                         manifest))
                 if target not in targets:
                     targets.append(target)
-    for cid, (source, targets, _) in sorted(jobs.items(), key=lambda kv: kv[1][2]):
+    for cid, (source, targets, _, manifest) in sorted(jobs.items(), key=lambda kv: kv[1][2]):
         log.info("queueing the drain of %s from '%s' to %s", cid, source.name,
                  ", ".join(f"'{t.name}'" for t in targets))
-        manifest = source.read_manifest(cid)
         drainer.submit(DrainJob(cid, source, targets, manifest.save_token, manifest.files))

@@ -50,6 +50,10 @@ class Backend(abc.ABC):
     #: True when :meth:`put_files` uploads whole local files faster than the drain's copy loop
     #: (an object store's concurrent multipart upload)
     bulk_upload: ClassVar[bool] = False
+    #: True when :meth:`lock_directory` writes to the storage (leases on an object store): a
+    #: load of a checkpoint on a tier the whole job shares then holds no lock there, since a
+    #: restart must write nothing to a tier it only reads
+    locks_write: ClassVar[bool] = False
     #: A backend holding peers' replicas (the ``peer`` tier) sets this to its ``replication``
     #: table: ``strategy`` names a replication strategy, the rest are its options. None: this
     #: backend holds no replicas.
@@ -161,6 +165,20 @@ class Backend(abc.ABC):
         (world size, strategy) made them: a job that comes back in another shape serves them
         too. [] where :attr:`replication` is not set."""
         return []
+
+    def inventory(self, path: str) -> dict[str, int] | None:
+        """Every file under directory ``path`` with its size, by path relative to ``path``
+        (``"step-1/__0_0.distcp"``), from one listing; {} when ``path`` is missing. Optional:
+        an object store offers it (one paginated LIST answers for every file of every
+        checkpoint, where asking each file's size is a request per file); None (the default)
+        where asking :meth:`size` file by file costs nothing remote."""
+        return None
+
+    def open_read_sized(self, path: str, size: int) -> IO[bytes]:
+        """:meth:`open_read` of a file whose size is known already (a manifest records it): an
+        object store then makes no request before the reads themselves. The file is still
+        checked against its manifest when read. Optional; the default is :meth:`open_read`."""
+        return self.open_read(path)
 
     # -- derived ----------------------------------------------------------------------------
     def write_bytes(self, path: str, data: bytes) -> None:

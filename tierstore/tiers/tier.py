@@ -31,7 +31,7 @@ from tierstore.tiers.layout import SINGLE, TierLayout
 from tierstore.tiers.schedule import AutoSchedule
 from tierstore.tiers.reports import Problem
 
-__all__ = ["Tier"]
+__all__ = ["Holding", "Tier"]
 
 log = logging.getLogger("tierstore.tiers")
 
@@ -41,6 +41,23 @@ _BEGIN_ATTEMPTS = 3
 
 #: what a filesystem says when it (or the user's quota on it) has no room left
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A checkpoint with a manifest on a tier, as one look at the tier saw it."""
+
+    checkpoint_id: str
+    manifest: Manifest
+    #: the manifest's bytes as stored (to share with other ranks, who check them themselves)
+    raw: bytes
+    #: files of the manifest stored with their recorded size
+    present: frozenset[str]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every file of the manifest is there."""
+        return len(self.present) == len(self.manifest.files)
 
 
 @dataclass
@@ -69,6 +86,9 @@ class Tier:
     _tokens_writing: collections.Counter = field(
         default_factory=collections.Counter, compare=False, repr=False)
     _guard: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+    #: how many times this process changed what the tier holds (a commit, a pin, a delete): a
+    #: look at the tier taken at another count is out of date (engine.listings)
+    changes: int = field(default=0, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -112,6 +132,11 @@ class Tier:
             return None, None
         except IntegrityError as exc:  # a link out of the tier, a hostile name
             return None, f"{MANIFEST_NAME}: {exc}"
+        return self.manifest_from(checkpoint_id, raw)
+
+    def manifest_from(self, checkpoint_id: str, raw: bytes) -> tuple[Manifest | None, str | None]:
+        """:meth:`checked_manifest` of manifest bytes read already (here, or by another rank
+        that shared them): ``(manifest, None)``, or ``(None, why)`` when they are rejected."""
         try:
             manifest = Manifest.from_json(raw, self.keyring)
         except ManifestError as exc:
@@ -120,6 +145,38 @@ class Tier:
             return None, (f"{MANIFEST_NAME} is the manifest of checkpoint "
                           f"{manifest.checkpoint_id!r}, not of {checkpoint_id!r}")
         return manifest, None
+
+    def holdings(self) -> tuple[list[Holding], bool]:
+        """Each checkpoint with a manifest here, as one look at the tier sees it, and whether
+        the look was remote: on a backend with an :meth:`~tierstore.plugin.Backend.inventory`
+        (an object store) one listing and a read of each manifest, whatever the number of
+        files (True); elsewhere a listing of the root and a size per file (False)."""
+        sizes = self.backend.inventory("")
+        if sizes is None:
+            names = self.checkpoint_names()
+        else:
+            names = sorted({k.split("/", 1)[0] for k in sizes})
+            names = [n for n in names if not n.startswith(".") and not self.commit.is_leftover(n)]
+        out = []
+        for cid in names:
+            if sizes is not None and f"{cid}/{MANIFEST_NAME}" not in sizes:
+                continue  # no manifest: nothing committed there
+            try:
+                raw = self.backend.read_bytes(f"{cid}/{MANIFEST_NAME}")
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                continue
+            except IntegrityError as exc:
+                log.warning("tier '%s': ignoring %s: %s: %s", self.name, cid, MANIFEST_NAME, exc)
+                continue
+            manifest, problem = self.manifest_from(cid, raw)
+            if manifest is None:
+                log.warning("tier '%s': ignoring %s: %s", self.name, cid, problem)
+                continue
+            present = (self.present_files(cid, manifest) if sizes is None else
+                       {rel for rel, e in manifest.files.items()
+                        if sizes.get(f"{cid}/{rel}") == e.size})
+            out.append(Holding(cid, manifest, raw, frozenset(present)))
+        return out, sizes is not None
 
     def present_files(self, checkpoint_id: str, manifest: Manifest) -> set[str]:
         """Files of ``manifest`` stored here with their recorded size (checksums are checked
@@ -274,6 +331,7 @@ class Tier:
             with self.writing(f"{staging}/{MANIFEST_NAME}", len(raw)):
                 self.commit.commit(self.backend, checkpoint_id, staging, raw, announce)
         finally:
+            self.changes += 1
             self.end_writing(staging)
 
     def abort_save(self, checkpoint_id: str, staging: str) -> None:
@@ -323,11 +381,13 @@ class Tier:
     def open_write(self, path: str, needed: int | None = None) -> Iterator[IO[bytes]]:
         """``backend.open_write(path)`` under :meth:`writing`, closed (durable) when the block
         ends; ``needed``: about how many bytes the file takes, for the error's message."""
+        self.changes += 1  # (what it writes may change what a look saw: a repair, a copy)
         with self.writing(path, needed), self.backend.open_write(path) as f:
             yield f
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """``backend.write_bytes(path, data)`` under :meth:`writing`."""
+        self.changes += 1
         with self.writing(path, len(data)):
             self.backend.write_bytes(path, data)
 
@@ -371,6 +431,7 @@ class Tier:
                 with self.writing(f"{checkpoint_id}/{MANIFEST_NAME}", len(raw)):
                     self.commit.update_manifest(self.backend, checkpoint_id, raw,
                                                 uuid.uuid4().hex[:12])
+                self.changes += 1
             return True
         finally:
             hold.release()
@@ -382,6 +443,7 @@ class Tier:
         ``evicted``: ``keep`` drops it and nothing reads it (the backend may reuse its storage,
         :meth:`Backend.discard`)."""
         remove = self.backend.discard if evicted else self.backend.delete
+        self.changes += 1
         if self.backend.supports_rename and self.commit.moves_aside_to_delete:
             aside = self.commit.trash_name(checkpoint_id, uuid.uuid4().hex[:16])
             self.backend.rename(checkpoint_id, aside)

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from tierstore.errors import RanksLostError
+from tierstore.transport.messages import decode_message, encode_message
 
 __all__ = ["RankContext", "rank_context", "make_store_group", "all_gather_object",
-           "broadcast_object", "barrier", "all_reduce_max", "peers_lost", "seen_lost",
+           "broadcast_message", "broadcast_object", "barrier", "all_reduce_max", "peers_lost", "seen_lost",
            "post", "read_post", "drop_posts"]
 
 log = logging.getLogger("tierstore.collectives")
@@ -202,6 +203,27 @@ def broadcast_object(obj: Any, group: Any, src_group_rank: int = 0) -> Any:
     _collective(group, f"receiving from rank {src_group_rank} of the group",
                 lambda: dist.broadcast_object_list(box, group=group, group_src=src_group_rank))
     return box[0]
+
+
+def broadcast_message(obj: Any, group: Any, src_group_rank: int = 0) -> Any:
+    """Rank ``src_group_rank``'s ``obj`` (plain data: :func:`~tierstore.transport.messages.
+    encode_message`) on every rank, as a typed message, never a pickle: its length, then its
+    bytes. ``obj`` itself without a group."""
+    if group is None:
+        return obj
+    me = dist.get_rank(group)
+    raw = encode_message(obj) if me == src_group_rank else b""
+    size = torch.tensor([len(raw)], dtype=torch.int64)
+    what = f"receiving from rank {src_group_rank} of the group"
+    _collective(group, what, lambda: dist.broadcast(size, group=group, group_src=src_group_rank))
+    buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if me == src_group_rank
+           else torch.empty(int(size.item()), dtype=torch.uint8))
+    if buf.numel():
+        _collective(group, what, lambda: dist.broadcast(buf, group=group,
+                                                        group_src=src_group_rank))
+    if me == src_group_rank:
+        return obj
+    return decode_message(buf.numpy().tobytes(), f"rank {src_group_rank}")
 
 
 def all_reduce_max(value: int, group: Any, stop: Callable[[], bool] | None = None) -> int:
