@@ -85,17 +85,18 @@ class Catalog:
     def coverage(self) -> dict[tuple[str, str], Coverage]:
         """What this process holds of each checkpoint, by (id, save token), over all its
         tiers: the ranks whose files are all present (a file may come from any tier), whether
-        ``.metadata`` is, and when it was committed. A directory several ranks share (an
-        object store the whole job shares, a node's RAM tier) is listed by its leader alone
-        under torch.distributed: the others would list the same objects (on an object store
-        each with a client of its own to make) on a restart's path, and ``latest()`` gathers
-        every rank's coverage anyway."""
+        ``.metadata`` is, and when it was committed. A tier with one directory for the whole
+        job (an object store) is listed by its leader alone under torch.distributed: the
+        others would list the same objects, each with a client of its own to make, on a
+        restart's path (``latest()`` gathers every rank's coverage). A node-local tier is
+        listed by every rank of its node (a local listing; which ranks hold their own files
+        there is what a rebuild from parity goes by)."""
         ctx = self._context
         parts: dict[tuple[str, str, tuple[int, ...]], tuple[Manifest, set[str]]] = {}
         for tier in ctx.tiers.read_order():
-            if (ctx.groups.main is not None and not ctx.tiers.is_replica(tier)
-                    and tier.layout.leader != ctx.rank):
-                continue  # (its directory's leader lists it: the job's, or its node's)
+            if (ctx.groups.main is not None and tier.layout.shared
+                    and not ctx.tiers.is_replica(tier) and tier.layout.leader != ctx.rank):
+                continue  # (its leader lists it for the job)
             held = self._health.ask(tier, "latest()",
                                     lambda tier=tier: self.listings.look(tier).holdings, ())
             for cid, manifest, files in ((h.checkpoint_id, h.manifest, h.present) for h in held):
