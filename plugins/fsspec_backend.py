@@ -296,6 +296,12 @@ class FsspecBackend(Backend):
         stores; None for a local filesystem, where a stat per file is cheap)."""
         if self.is_local or "memory" in str(self.fs.protocol):
             return None
+        return {key: int(info.get("size") or 0) for key, info in self._objects(path).items()
+                if info.get("type") != "directory"}
+
+    def _objects(self, path: str) -> dict[str, dict]:
+        """The objects below ``path`` from one paginated listing, by key relative to it (the
+        client's cache bypassed: other processes write here)."""
         full = self._full(path).rstrip("/")
         self.fs.invalidate_cache(full)
         try:
@@ -304,8 +310,7 @@ class FsspecBackend(Backend):
         except FileNotFoundError:
             return {}
         prefix = self.fs._strip_protocol(full).rstrip("/") + "/"
-        return {key[len(prefix):]: int(info.get("size") or 0) for key, info in found.items()
-                if key.startswith(prefix) and info.get("type") != "directory"}
+        return {key[len(prefix):]: info for key, info in found.items() if key.startswith(prefix)}
 
     def size(self, path: str) -> int | None:
         full = self._full(path)
@@ -320,15 +325,7 @@ class FsspecBackend(Backend):
     def list(self, path: str) -> list[str]:
         # From the object keys below the prefix (one paginated listing): a "directory" only
         # exists while it holds objects, even on stores that keep empty folders for a while.
-        full = self._full(path).rstrip("/")
-        self.fs.invalidate_cache(full)
-        try:
-            keys = self._retry(lambda: self.fs.find(full, withdirs=False, detail=False),
-                               "listing")
-        except FileNotFoundError:
-            return []
-        prefix = self.fs._strip_protocol(full).rstrip("/") + "/"
-        names = {k[len(prefix):].split("/", 1)[0] for k in keys if k.startswith(prefix)}
+        names = {key.split("/", 1)[0] for key in self._objects(path)}
         return sorted(n for n in names if n)
 
     def makedirs(self, path: str) -> None:

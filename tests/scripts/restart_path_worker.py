@@ -19,7 +19,7 @@ from torch.distributed.tensor import init_device_mesh
 
 import tierstore
 from tierstore.events import EventKind
-from worker_common import check_equal, local_shards, node_state, run_worker
+from worker_common import check_equal, local_shards, node_state, ram_and_s3, run_worker, say
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
@@ -38,18 +38,6 @@ class Loaded:
             self.sources |= set(event.detail["bytes_from"])
 
 
-def say(line: str) -> None:
-    """``line`` on stdout in one write: the ranks of a node share the pipe, and print() writes
-    the line and its end apart when Python is unbuffered."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def config(root: str, url: str, options: dict) -> dict:
-    return {"tier": [
-        {"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 2},
-        {"name": "s3", "backend": "fsspec", "url": url, "options": options},
-    ]}
 
 
 def main() -> int:
@@ -59,14 +47,14 @@ def main() -> int:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if phase == "bad-path":
         try:
-            tierstore.open(config(root, url, options))
+            tierstore.open(ram_and_s3(root, url, options))
         except tierstore.ConfigError as exc:
             say(f"RANK {rank} CONFIGERROR {exc}")
         else:
             problems.append("the store opened with node 1's RAM directory a file")
         return 0
     loaded = Loaded()
-    store = tierstore.open(config(root, url, options), plugins=[loaded])
+    store = tierstore.open(ram_and_s3(root, url, options), plugins=[loaded])
     if phase == "save":
         dcp.save(node_state(1, rank, mesh, OWN_NUMEL), storage_writer=store.writer(),
                  checkpoint_id="step-1", process_group=store.process_group)

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import init_device_mesh
 
 import tierstore
-from worker_common import check_equal, local_shards, node_state, run_worker
+from worker_common import check_equal, local_shards, node_state, ram_and_s3, run_worker, say
 
 warnings.filterwarnings("ignore")
 problems: list[str] = []
@@ -58,17 +58,6 @@ def record_s3_calls() -> None:
         fsspec.asyn.sync = traced
 
 
-def say(line: str) -> None:
-    """``line`` on stdout in one write (the ranks share the pipe)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def config(root: str, url: str, options: dict) -> dict:
-    return {"tier": [
-        {"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 2},
-        {"name": "s3", "backend": "fsspec", "url": url, "options": options},
-    ]}
 
 
 def main() -> int:
@@ -77,7 +66,7 @@ def main() -> int:
     root, url, options, phase = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if phase == "save":
-        store = tierstore.open(config(root, url, options))
+        store = tierstore.open(ram_and_s3(root, url, options))
         for step in (1, 2):
             dcp.save(node_state(step, rank, mesh, OWN_NUMEL), storage_writer=store.writer(),
                      checkpoint_id=f"step-{step}", process_group=store.process_group)
@@ -85,7 +74,7 @@ def main() -> int:
         store.close()
         return 0
     record_s3_calls()
-    store = tierstore.open(config(root, url, options))
+    store = tierstore.open(ram_and_s3(root, url, options))
     latest = store.latest()
     if latest != "step-2":
         problems.append(f"latest() is {latest!r}")

@@ -64,6 +64,22 @@ def run_worker(main: Callable[[], int], problems: list[str], label: str) -> None
 
 # --------------------------------------------------------------------------- checks
 
+def say(line: str) -> None:
+    """``line`` on stdout in one write: the ranks of a node share the pipe, and print() writes
+    the line and its end apart when Python is unbuffered."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def ram_and_s3(root: str, url: str, options: dict) -> dict:
+    """A node-local RAM tier (``keep = 2``) in front of an S3 tier every rank shares: the
+    store of the restart-path workers."""
+    return {"tier": [
+        {"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 2},
+        {"name": "s3", "backend": "fsspec", "url": url, "options": options},
+    ]}
+
+
 def load_like(store, checkpoint_id: str, like: Any, **load_kwargs: Any) -> Any:
     """``checkpoint_id`` loaded through ``store.reader()`` into ``empty_like(like)`` (zero
     tensors in fresh memory, other values emptied); ``load_kwargs`` go to ``dcp.load``."""
