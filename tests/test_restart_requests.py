@@ -2,8 +2,9 @@
 
 A restart is paid by every rank of a job at once: whatever each rank asks of an object store
 there is multiplied by the rank count, and at a thousand ranks S3 answers a storm of LISTs and
-GETs with 503 SlowDown. So the count must not grow with the ranks. One node, a RAM tier in
-front of an S3 tier (SeaweedFS, which counts the requests it answers):
+GETs with 503 SlowDown. So the count must not grow with the ranks. A node-local RAM tier in
+front of an S3 tier (SeaweedFS, which counts the requests it answers), one node of 2 and of 4
+ranks, and 2 nodes of 2 (where a load consults S3 only for what no node holds):
 
 - a restart whose checkpoint RAM holds asks S3 for at most one listing and the manifests of
   the checkpoints it considers, whatever the rank count, and writes nothing;
@@ -29,35 +30,37 @@ def _calls(out: str) -> dict[int, list[list[str]]]:
                                                               re.M)}
 
 
-def _restart(seaweed, tmp_path, url: str, nproc: int) -> tuple[dict[str, int], dict]:
+def _restart(seaweed, tmp_path, url: str, nproc: int, nnodes: int
+             ) -> tuple[dict[str, int], dict]:
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     before = seaweed.request_counts(bucket)
     out = run_torchrun(WORKER, str(tmp_path), url, json.dumps(seaweed.storage_options()),
-                       "restart", nproc=nproc, timeout=180)
+                       "restart", nproc=nproc, nnodes=nnodes, timeout=180)
     after = seaweed.request_counts(bucket)
     made = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
     return {k: v for k, v in made.items() if v}, _calls(out)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc, nnodes", [(2, 1), (4, 1), (2, 2)],
+                         ids=["2-ranks", "4-ranks", "2-nodes-x-2-ranks"])
 def test_a_restart_asks_the_object_store_the_same_few_things_at_any_rank_count(
-        tmp_path, seaweed, s3_bucket, nproc):
+        tmp_path, seaweed, s3_bucket, nproc, nnodes):
     url = f"{s3_bucket}/ckpt"
     run_torchrun(WORKER, str(tmp_path), url, json.dumps(seaweed.storage_options()), "save",
-                 nproc=nproc, timeout=180)
+                 nproc=nproc, nnodes=nnodes, timeout=180)
 
     # Served from RAM: one listing and the manifests of the checkpoints it considers.
-    made, calls = _restart(seaweed, tmp_path, url, nproc)
+    made, calls = _restart(seaweed, tmp_path, url, nproc, nnodes)
     detail = f"{made}; per rank: {json.dumps(calls)}"
     assert made.get("PUT", 0) == 0 and made.get("DELETE", 0) == 0, detail
     assert made.get("LIST", 0) <= 1, detail
     assert made.get("GET", 0) <= 4, detail  # two manifests (and a HEAD or two), not per rank
     assert all(not c for r, c in calls.items() if r != 0), detail  # only rank 0 asks
 
-    # From S3 (the node lost its RAM): still one listing, `.metadata` read once.
+    # From S3 (every node lost its RAM): still one listing, `.metadata` read once.
     shutil.rmtree(tmp_path / "ram")
-    made, calls = _restart(seaweed, tmp_path, url, nproc)
+    made, calls = _restart(seaweed, tmp_path, url, nproc, nnodes)
     detail = f"{made}; per rank: {json.dumps(calls)}"
     assert made.get("PUT", 0) == 0 and made.get("DELETE", 0) == 0, detail
     assert made.get("LIST", 0) <= 1, detail

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierstore.dcp.shared_reads import job_wide, shared_manifests, shared_result
+from tierstore.dcp.shared_reads import READER_RANK, job_wide, shared_manifests, shared_result
 from tierstore.dcp.peer_fetch import (FetchedFile, PeerFetchPlan, Servable, fetch_from_peers,
                                       held_here, local_sources, node_tiers, schedule_plans,
                                       servable_here, wanted_from_peers)
@@ -117,6 +117,9 @@ class TierstoreReader(StorageReader):
         self._wanted: tuple[dict[str, FileEntry], dict[str, list[tuple[int, int]]]] = ({}, {})
         #: what each rank can serve to peers of this load's copies (node-local tiers only)
         self._holders: list[dict[str, FileEntry | None]] = []
+        #: files of this load's checkpoint present on the job-wide tiers, as the rank that
+        #: read their manifests for all found them (no rank asks each file's size again)
+        self._present: dict[str, set[str]] = {}
         #: slower tiers whose manifests this load has not read yet (see _reset), and whether
         #: a copy there may be mixed with the sources (its save token, codecs, .metadata)
         self._deferred: list[Tier] = []
@@ -158,6 +161,7 @@ class TierstoreReader(StorageReader):
         ctx = services.context
         ctx.host.phase(Phase.LOAD_BEGIN, cid, None, ctx.rank)
         services.slot.wait_idle()  # never load beside a save of this store in flight
+        self._present = {}
         order = ctx.tiers.read_order()
         peers = ctx.tiers.node_local and ctx.groups.main is not None
         # With nodes to fetch from, the slower shared tiers after the node-local ones (an
@@ -171,7 +175,8 @@ class TierstoreReader(StorageReader):
                 cid, sources):
             sources, rejected = self._manifests(cid, eager)  # with the rebuilt copy
         if peers or not self._shares():
-            raw, codecs, problems, token = self._local_metadata(cid, sources)
+            raw, codecs, problems, token = self._local_metadata(
+                cid, self._metadata_sources(sources))
         else:
             # Every tier is the whole job's: one rank reads .metadata, and every rank checks
             # what it got against the manifest's entry when it parses it (load_metadata).
@@ -193,7 +198,8 @@ class TierstoreReader(StorageReader):
                 # tiers hold what the nodes do not; decide again with them.
                 more, more_rejected = self._manifests(cid, deferred, together=True)
                 sources, rejected, deferred = sources + more, rejected + more_rejected, []
-                raw, codecs, problems, token = self._local_metadata(cid, sources)
+                raw, codecs, problems, token = self._local_metadata(
+                    cid, self._metadata_sources(sources))
                 raw, codecs, token, servable = self._share_metadata(cid, raw, codecs, token,
                                                                     sources)
         elif not sources and rejected:
@@ -248,7 +254,7 @@ class TierstoreReader(StorageReader):
         tiers = ctx.tiers
         covered: dict[str, list[int]] = {}
         for tier, manifest in sources:
-            if len(tier.present_files(cid, manifest)) == len(manifest.files):
+            if len(self._present_files(tier, cid, manifest)) == len(manifest.files):
                 covered.setdefault(manifest.save_token, []).extend(manifest.ranks)
         mine = {"covered": {t: sorted(set(r)) for t, r in covered.items()},
                 "parity": parity_of(tiers.parity_tier, cid)}
@@ -267,6 +273,23 @@ class TierstoreReader(StorageReader):
                              nbytes=got[1].size_bytes,
                              detail={"files": sorted(got[1].files), "from_parity": True}))
         return True
+
+    def _metadata_sources(self, sources: list[tuple[Tier, Manifest]]
+                          ) -> list[tuple[Tier, Manifest]]:
+        """The sources this rank reads ``.metadata`` from. In a load of node-local tiers that
+        every rank runs together, the job-wide tiers' copy is read by one rank only: the ranks
+        agree on the metadata afterwards and take it from the lowest rank that has it
+        (``_share_metadata``), so the others would read the same object for nothing."""
+        ctx = self._services.context
+        if not self._shares() or ctx.rank == READER_RANK:
+            return sources
+        return [(t, m) for t, m in sources if not job_wide(ctx, t)]
+
+    def _present_files(self, tier: Tier, cid: str, manifest: Manifest) -> set[str]:
+        """The files of ``manifest`` stored on ``tier``: as the reading rank found them on a
+        job-wide tier, else asked here."""
+        known = self._present.get(tier.name)
+        return set(known) if known is not None else tier.present_files(cid, manifest)
 
     def _shares(self) -> bool:
         """Whether every rank of the store's group runs this load together (so one rank may
@@ -291,9 +314,11 @@ class TierstoreReader(StorageReader):
                 found = told[tier.name]
                 if found is None:
                     continue  # it did not answer the reading rank: no source, as if here
-                raw, why = found
+                raw, why, present = found
                 manifest, why = ((None, why) if raw is None
                                  else tier.manifest_from(cid, raw))
+                if manifest is not None:
+                    self._present[tier.name] = set(present)
             else:
                 manifest, why = services.health.ask(
                     tier, "load", lambda t=tier: t.checked_manifest(cid), (None, None))
@@ -373,7 +398,7 @@ class TierstoreReader(StorageReader):
         absent: dict[str, set[str]] = {}  # files an incomplete copy lists but lacks, by save
         saved_world = None
         for tier, manifest in sources:
-            present = tier.present_files(cid, manifest)
+            present = self._present_files(tier, cid, manifest)
             if len(present) == len(manifest.files):
                 by_token.setdefault(manifest.save_token, set()).update(manifest.ranks)
             else:

@@ -25,7 +25,7 @@ from tierstore.format.manifest import MANIFEST_NAME
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import broadcast_message
 
-__all__ = ["job_wide", "shared_manifests", "shared_result"]
+__all__ = ["READER_RANK", "job_wide", "shared_manifests", "shared_result"]
 
 #: the rank of the store's group that reads for the others
 READER_RANK = 0
@@ -37,10 +37,12 @@ def job_wide(ctx: StoreContext, tier: Tier) -> bool:
 
 
 def shared_manifests(ctx: StoreContext, health: TierHealth, listings: Listings, cid: str,
-                     tiers: list[Tier]) -> dict[str, tuple[bytes | None, str | None] | None]:
+                     tiers: list[Tier]
+                     ) -> dict[str, tuple[bytes | None, str | None, list[str]] | None]:
     """Collective on the store's group: the manifest bytes of ``cid`` on each job-wide tier
-    of ``tiers``, read by one rank: tier name -> ``(raw, None)``, ``(None, None)`` (no
-    manifest there), ``(None, why)`` (unreadable), or None (the tier did not answer)."""
+    of ``tiers`` and the files of it stored there with their recorded size, read by one rank:
+    tier name -> ``(raw, None, present)``, ``(None, None, [])`` (no manifest there),
+    ``(None, why, [])`` (unreadable), or None (the tier did not answer)."""
     wide = [t for t in tiers if job_wide(ctx, t)]
     if not wide:
         return {}
@@ -59,16 +61,21 @@ def shared_result(ctx: StoreContext, read: Callable[[], Any]) -> Any:
     return broadcast_message(mine, ctx.groups.main, READER_RANK)
 
 
-def _manifest_bytes(listings: Listings, tier: Tier, cid: str) -> tuple[bytes | None, str | None]:
-    """``cid``'s manifest bytes on ``tier``: from the fresh look ``latest()`` took, if any,
-    else read now."""
+def _manifest_bytes(listings: Listings, tier: Tier, cid: str
+                    ) -> tuple[bytes | None, str | None, list[str]]:
+    """``cid``'s manifest bytes on ``tier`` and the files present: from the fresh look
+    ``latest()`` took, if any, else read now (a look: one listing, not a request per file)."""
     look = listings.kept(tier)
-    if look is not None:
-        held = look.holding(cid)
-        return (held.raw, None) if held is not None else (None, None)
-    try:
-        return tier.backend.read_bytes(f"{cid}/{MANIFEST_NAME}"), None
+    held = look.holding(cid) if look is not None else None
+    if held is not None:
+        return held.raw, None, sorted(held.present)
+    try:  # no fresh look, or not there at it: read it (and say why it is refused)
+        raw = tier.backend.read_bytes(f"{cid}/{MANIFEST_NAME}")
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return None, None
+        return None, None, []
     except IntegrityError as exc:  # a link out of the tier, a hostile name
-        return None, f"{MANIFEST_NAME}: {exc}"
+        return None, f"{MANIFEST_NAME}: {exc}", []
+    manifest, why = tier.manifest_from(cid, raw)
+    if manifest is None:
+        return None, why, []
+    return raw, None, sorted(tier.present_files(cid, manifest))

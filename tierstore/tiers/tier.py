@@ -181,6 +181,9 @@ class Tier:
     def present_files(self, checkpoint_id: str, manifest: Manifest) -> set[str]:
         """Files of ``manifest`` stored here with their recorded size (checksums are checked
         when they are read)."""
+        sizes = self.backend.inventory(checkpoint_id)  # an object store: one listing
+        if sizes is not None:
+            return {rel for rel, entry in manifest.files.items() if sizes.get(rel) == entry.size}
         return {rel for rel, entry in manifest.files.items()
                 if self.stored_size(f"{checkpoint_id}/{rel}") == entry.size}
 

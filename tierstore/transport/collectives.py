@@ -21,8 +21,8 @@ from tierstore.errors import RanksLostError
 from tierstore.transport.messages import decode_message, encode_message
 
 __all__ = ["RankContext", "rank_context", "make_store_group", "all_gather_object",
-           "broadcast_message", "broadcast_object", "barrier", "all_reduce_max", "peers_lost", "seen_lost",
-           "post", "read_post", "drop_posts"]
+           "broadcast_message", "broadcast_object", "barrier", "all_reduce_max", "peers_lost",
+           "seen_lost", "post", "read_post", "drop_posts"]
 
 log = logging.getLogger("tierstore.collectives")
 T = TypeVar("T")
