@@ -17,7 +17,8 @@ from tierstore.format.manifest import MANIFEST_NAME, Manifest
 from tierstore.tiers.parity_sets import parity_held, recoverable
 from tierstore.tiers.reports import CheckpointInfo, StoreStatus, TierStatus, VerifyReport
 from tierstore.tiers.tier import Tier
-from tierstore.transport.collectives import all_gather_object
+from tierstore.transport.collectives import all_gather_message
+from tierstore.transport.messages import MessageError
 
 __all__ = ["Catalog", "Coverage"]
 
@@ -50,7 +51,9 @@ class Catalog:
         node's part is stale, are never counted together). A collective on the store's group
         under torch.distributed."""
         ctx = self._context
-        gathered = all_gather_object((self.coverage(), self.parity()), ctx.groups.main)
+        told = all_gather_message(_views_message(self.coverage(), self.parity()),
+                                  ctx.groups.main)
+        gathered = [_views_from(message, f"rank {r}") for r, message in enumerate(told)]
         views = [cov for cov, _ in gathered]
         world = len(gathered)
         best: tuple[float, str] | None = None
@@ -229,3 +232,59 @@ class Catalog:
                     f"cannot {'pin' if pinned else 'unpin'} '{cid}': it is not complete on any "
                     f"tier; store.list() shows what is stored")
 
+
+# -- what latest() gathers: plain data, compact ---------------------------------------------------
+#
+# A rank's coverage names the ranks whose files it holds: on a tier the whole job shares, every
+# rank of every checkpoint. As runs ([first, last + 1] pairs) that is a pair per checkpoint
+# whatever the rank count, where a set of N ranks would make the gather (every rank receives N
+# messages, each padded to the longest) grow with N squared.
+
+
+def _runs(ranks) -> list[list[int]]:
+    """``ranks`` as sorted runs ``[start, end)``."""
+    out: list[list[int]] = []
+    for r in sorted(ranks):
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return out
+
+
+def _views_message(coverage: dict[tuple[str, str], Coverage],
+                   parity: dict[tuple[str, str], tuple[int, ...]]) -> dict:
+    """One rank's part of ``latest()``'s gather, as a message."""
+    return {"coverage": [[cid, token, _runs(c.ranks), c.has_metadata, float(c.committed),
+                          c.world_size] for (cid, token), c in coverage.items()],
+            "parity": [[cid, token, list(members)] for (cid, token), members in parity.items()]}
+
+
+def _views_from(message, sender: str
+                ) -> tuple[dict[tuple[str, str], Coverage], dict[tuple[str, str], tuple[int, ...]]]:
+    """The coverage and parity a rank sent (see :func:`_views_message`), checked field by
+    field; MessageError naming ``sender`` when it is not such a message."""
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31
+
+    try:
+        coverage = {}
+        for cid, token, runs, has_metadata, committed, world in message["coverage"]:
+            if not (isinstance(cid, str) and isinstance(token, str)
+                    and isinstance(has_metadata, bool) and isinstance(committed, float)
+                    and count(world) and all(count(a) and count(b) and a < b
+                                             for a, b in runs)):
+                raise ValueError("a field out of shape")
+            ranks = frozenset(r for a, b in runs for r in range(a, min(b, world)))
+            coverage[(cid, token)] = Coverage(ranks, has_metadata, committed, world)
+        parity = {}
+        for cid, token, members in message["parity"]:
+            if not (isinstance(cid, str) and isinstance(token, str)
+                    and all(map(count, members))):
+                raise ValueError("a field out of shape")
+            parity[(cid, token)] = tuple(members)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MessageError(f"{sender} sent a malformed view of what it holds "
+                           f"({type(exc).__name__}: {exc}); every rank of a job must run the "
+                           f"same tierstore") from None
+    return coverage, parity

@@ -21,7 +21,7 @@ from tierstore.errors import RanksLostError
 from tierstore.transport.messages import decode_message, encode_message
 
 __all__ = ["RankContext", "rank_context", "make_store_group", "all_gather_object",
-           "broadcast_message", "broadcast_object", "barrier", "all_reduce_max", "peers_lost",
+           "all_gather_message", "broadcast_message", "broadcast_object", "barrier", "all_reduce_max", "peers_lost",
            "seen_lost", "post", "read_post", "drop_posts"]
 
 log = logging.getLogger("tierstore.collectives")
@@ -224,6 +224,29 @@ def broadcast_message(obj: Any, group: Any, src_group_rank: int = 0) -> Any:
     if me == src_group_rank:
         return obj
     return decode_message(buf.numpy().tobytes(), f"rank {src_group_rank}")
+
+
+def all_gather_message(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (plain data: :func:`~tierstore.transport.messages.encode_message`)
+    in rank order, as typed messages, never pickles; ``[obj]`` without a group. Two
+    collectives: the lengths, then the messages padded to the longest (so keep them small and
+    of like size: what one rank sends long, every rank receives N times)."""
+    if group is None:
+        return [obj]
+    raw = encode_message(obj)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    what = "gathering from every rank"
+    _collective(group, what, lambda: dist.all_gather(
+        sizes, torch.tensor([len(raw)], dtype=torch.int64), group=group))
+    longest = max(int(t.item()) for t in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if raw:
+        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    _collective(group, what, lambda: dist.all_gather(bufs, mine, group=group))
+    return [decode_message(buf[:int(n.item())].numpy().tobytes(), f"rank {r}")
+            for r, (buf, n) in enumerate(zip(bufs, sizes))]
 
 
 def all_reduce_max(value: int, group: Any, stop: Callable[[], bool] | None = None) -> int:
