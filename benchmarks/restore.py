@@ -99,7 +99,7 @@ import tierstore
 from tierstore import EventKind
 from tierstore.events import Phase
 
-from common import (GB, STATUS_ENV, benchmark_parser, finish_rank, finish_report, free_port,
+from common import (GB, STATUS_ENV, benchmark_parser, finish_rank, finish_report, free_port, kill_all,
                     fs_type, make_state_dict, nbytes_of, progress_log, read_status, rotated,
                     rounds_text, status_file, torchrun_main)
 
@@ -113,48 +113,6 @@ HELD_RE = re.compile(r"^(\d+)-held-by-(\d+)$")
 
 
 # -- launching -----------------------------------------------------------------------------------
-
-def descendants(pids: list[int]) -> list[int]:
-    """Every living descendant of ``pids`` (torchrun starts its ranks in new sessions, so a
-    process-group kill would miss them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], list(pids)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM the torchrun invocations still running (they stop their ranks), then SIGKILL
-    whatever of them and their ranks is left after a grace period."""
-    alive = [p for p in procs if p.poll() is None]
-    if not alive:
-        return
-    victims = descendants([p.pid for p in alive])
-    for p in alive:
-        p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(p.poll() is None for p in alive):
-        time.sleep(0.2)
-    for pid in [*victims, *(p.pid for p in alive if p.poll() is None)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for p in alive:
-        p.wait()
-
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Both nodes' torchrun running this script, concurrently; returns rank 0's exit status

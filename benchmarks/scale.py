@@ -128,6 +128,8 @@ import time
 import types
 from typing import Any, Callable
 
+from common import free_port, kill_all  # noqa: E402 - benchmarks/ is on sys.path
+
 
 PER_NODE_AUTO = 4                  # --nodes auto: ranks per node
 OWN_TENSORS, OWN_NUMEL, REPLICATED_NUMEL = 3, 256, 1024
@@ -595,53 +597,6 @@ def worker(w: argparse.Namespace) -> int:
 # driver side: launching
 # -------------------------------------------------------------------------------------------
 
-def descendants(pids: list[int]) -> list[int]:
-    """Every living descendant of ``pids`` (torchrun starts its ranks in new sessions)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], list(pids)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM the torchrun invocations still running, then SIGKILL them and their ranks."""
-    alive = [p for p in procs if p.poll() is None]
-    if not alive:
-        return
-    victims = descendants([p.pid for p in alive])
-    for p in alive:
-        p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(p.poll() is None for p in alive):
-        time.sleep(0.2)
-    for pid in [*victims, *(p.pid for p in alive if p.poll() is None)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for p in alive:
-        p.wait()
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(args: argparse.Namespace, job: str, ranks: int, nodes: int, root: str,
             bucket: str, metrics_port: int) -> tuple[list[dict] | None, str]:
     """One torchrun per node running this script's worker for ``job``; every rank's JSON, or
@@ -673,11 +628,11 @@ def run_job(args: argparse.Namespace, job: str, ranks: int, nodes: int, root: st
                 failed_at = now
             if now > deadline or (failed_at is not None and now > failed_at + 30):
                 why = f"timed out after {args.timeout} s" if now > deadline else "a node failed"
-                stop_all(procs)
+                kill_all(procs)
                 break
             time.sleep(0.2)
     finally:
-        stop_all(procs)
+        kill_all(procs)
     codes = [p.returncode for p in procs]
     if why is None and any(codes):
         why = f"torchrun exit statuses {codes}"
@@ -799,36 +754,29 @@ def phase_summary(docs: list[dict], names: list[str], server: dict) -> dict:
             else:
                 e["others_max"] = [max(a, b) for a, b in zip(e["others_max"], v)]
     out["sites"] = sites
-    s3_ops: dict[str, dict] = {}
-    for r, p in per_rank.items():
-        for op, n in p["s3"].items():
-            e = s3_ops.setdefault(op, {"rank0": 0, "others_max": 0, "total": 0})
-            e["total"] += n
-            if r == 0:
-                e["rank0"] = n
-            else:
-                e["others_max"] = max(e["others_max"], n)
-    out["s3_ops"] = s3_ops
-    kv_ops: dict[str, dict] = {}
-    for r, p in per_rank.items():
-        for op, (n, nb) in p["kv"].items():
-            e = kv_ops.setdefault(op, {"rank0": 0, "others_max": 0})
-            if r == 0:
-                e["rank0"] = n
-            else:
-                e["others_max"] = max(e["others_max"], n)
-    out["kv_by_op"] = kv_ops
-    s3_sites: dict[str, dict] = {}
-    for r, p in per_rank.items():
-        for site, n in p["s3_sites"].items():
-            e = s3_sites.setdefault(site, {"rank0": 0, "others_max": 0, "total": 0})
-            e["total"] += n
-            if r == 0:
-                e["rank0"] = n
-            else:
-                e["others_max"] = max(e["others_max"], n)
-    out["s3_sites"] = s3_sites
+    out["s3_ops"] = _split_by_rank(per_rank, lambda p: p["s3"].items())
+    out["kv_by_op"] = _split_by_rank(
+        per_rank, lambda p: ((op, n) for op, (n, _) in p["kv"].items()), total=False)
+    out["s3_sites"] = _split_by_rank(per_rank, lambda p: p["s3_sites"].items())
     out["per_rank"] = {r: {k: v for k, v in f.items()} for r, f in sorted(figs.items())}
+    return out
+
+
+def _split_by_rank(per_rank: dict, counts: Callable[[dict], Any], total: bool = True
+                   ) -> dict[str, dict]:
+    """``{key: {"rank0": n, "others_max": n[, "total": n]}}`` of the counts each rank's
+    figures give (``counts(figures)``: (key, n) pairs)."""
+    out: dict[str, dict] = {}
+    for r, p in per_rank.items():
+        for key, n in counts(p):
+            e = out.setdefault(key, {"rank0": 0, "others_max": 0,
+                                     **({"total": 0} if total else {})})
+            if total:
+                e["total"] += n
+            if r == 0:
+                e["rank0"] = n
+            else:
+                e["others_max"] = max(e["others_max"], n)
     return out
 
 
