@@ -20,7 +20,7 @@ from typing import Any, Callable
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
 from tierstore.engine.listings import Listings
-from tierstore.errors import IntegrityError
+from tierstore.errors import IntegrityError, TierstoreError
 from tierstore.format.manifest import MANIFEST_NAME
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import broadcast_message
@@ -56,9 +56,19 @@ def shared_manifests(ctx: StoreContext, health: TierHealth, listings: Listings, 
 
 def shared_result(ctx: StoreContext, read: Callable[[], Any]) -> Any:
     """Collective on the store's group: what ``read()`` returns on the reading rank (plain
-    data), on every rank; the others do not call it."""
-    mine = read() if ctx.rank == READER_RANK else None
-    return broadcast_message(mine, ctx.groups.main, READER_RANK)
+    data), on every rank; the others do not call it. What it raises there is raised on every
+    rank (a TierstoreError with its message): no rank is left waiting for the broadcast."""
+    mine = None
+    if ctx.rank == READER_RANK:
+        try:
+            mine = {"value": read()}
+        except Exception as exc:  # every rank raises it below, the reader included
+            mine = {"error": f"{type(exc).__name__}: {exc}"}
+    told = broadcast_message(mine, ctx.groups.main, READER_RANK)
+    if "error" in told:
+        raise TierstoreError(f"rank {READER_RANK}, reading for every rank of the load, "
+                             f"failed: {told['error']}")
+    return told["value"]
 
 
 def _manifest_bytes(listings: Listings, tier: Tier, cid: str
