@@ -138,7 +138,7 @@ class Store:
         if self._background_scrub is not None:
             self._background_scrub.start()
         self._atexit = _exit_handler(weakref.ref(self))
-        atexit.register(self._atexit)
+        _call_at_exit(self._atexit)
         # Resuming drains writes to the slower tiers (and on ``manifest-last`` tiers wipes the
         # prefix it starts on): a read-only store, an operator's query beside a live job that
         # may be draining the same checkpoint, leaves that to the job or to `tierstore wait`.
@@ -498,6 +498,26 @@ def _destroy(*groups: Any) -> None:
         for group in groups:
             if group is not None:
                 dist.destroy_process_group(group)
+
+
+def _call_at_exit(handler) -> None:
+    """Run ``handler`` when the interpreter exits, while thread pools still take work.
+
+    ``atexit`` handlers run too late for a drain: by then ``concurrent.futures`` has refused new
+    work ("cannot schedule new futures after interpreter shutdown"), and so have the object
+    store clients built on it (s3fs: aiobotocore's DNS lookups, its uploads), so a drain to S3
+    failed at every exit without ``store.close()``. Functions registered with
+    ``threading._register_atexit`` run before that, latest first (``concurrent.futures``
+    registered its own when imported, before any store is opened). Where that hook is missing
+    (another Python), ``atexit``."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(handler)
+        return
+    try:
+        register(handler)
+    except RuntimeError:  # the interpreter is already shutting down
+        atexit.register(handler)
 
 
 def _exit_handler(store_ref: "weakref.ref[Store]"):
