@@ -20,8 +20,7 @@ from typing import Any, Callable
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
 from tierstore.engine.listings import Listings
-from tierstore.errors import IntegrityError, TierstoreError
-from tierstore.format.manifest import MANIFEST_NAME
+from tierstore.errors import TierstoreError
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import broadcast_message
 
@@ -79,12 +78,9 @@ def _manifest_bytes(listings: Listings, tier: Tier, cid: str
     held = look.holding(cid) if look is not None else None
     if held is not None:
         return held.raw, None, sorted(held.present)
-    try:  # no fresh look, or not there at it: read it (and say why it is refused)
-        raw = tier.backend.read_bytes(f"{cid}/{MANIFEST_NAME}")
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return None, None, []
-    except IntegrityError as exc:  # a link out of the tier, a hostile name
-        return None, f"{MANIFEST_NAME}: {exc}", []
+    raw, why = tier.manifest_bytes(cid)  # no fresh look, or not there at it: read it
+    if raw is None:
+        return None, why, []
     manifest, why = tier.manifest_from(cid, raw)
     if manifest is None:
         return None, why, []

@@ -126,13 +126,20 @@ class Tier:
         one stored is rejected: unreadable, unsealed against its contents, unsigned or signed
         with another key where the store signs, a field out of shape, a path out of the tier,
         or the manifest of another id."""
+        raw, why = self.manifest_bytes(checkpoint_id)
+        if raw is None:
+            return None, why
+        return self.manifest_from(checkpoint_id, raw)
+
+    def manifest_bytes(self, checkpoint_id: str) -> tuple[bytes | None, str | None]:
+        """The stored manifest's bytes, unchecked: ``(raw, None)``; ``(None, None)`` when there
+        is none; ``(None, why)`` when it cannot be read here (a link out of the tier)."""
         try:
-            raw = self.backend.read_bytes(f"{checkpoint_id}/{MANIFEST_NAME}")
+            return self.backend.read_bytes(f"{checkpoint_id}/{MANIFEST_NAME}"), None
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None, None
         except IntegrityError as exc:  # a link out of the tier, a hostile name
             return None, f"{MANIFEST_NAME}: {exc}"
-        return self.manifest_from(checkpoint_id, raw)
 
     def manifest_from(self, checkpoint_id: str, raw: bytes) -> tuple[Manifest | None, str | None]:
         """:meth:`checked_manifest` of manifest bytes read already (here, or by another rank
@@ -152,24 +159,19 @@ class Tier:
         (an object store) one listing and a read of each manifest, whatever the number of
         files (True); elsewhere a listing of the root and a size per file (False)."""
         sizes = self.backend.inventory("")
-        if sizes is None:
-            names = self.checkpoint_names()
-        else:
-            names = sorted({k.split("/", 1)[0] for k in sizes})
-            names = [n for n in names if not n.startswith(".") and not self.commit.is_leftover(n)]
+        names = self.checkpoint_names(None if sizes is None else {k.split("/", 1)[0]
+                                                                 for k in sizes})
         out = []
         for cid in names:
             if sizes is not None and f"{cid}/{MANIFEST_NAME}" not in sizes:
                 continue  # no manifest: nothing committed there
-            try:
-                raw = self.backend.read_bytes(f"{cid}/{MANIFEST_NAME}")
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                continue
-            except IntegrityError as exc:
-                log.warning("tier '%s': ignoring %s: %s: %s", self.name, cid, MANIFEST_NAME, exc)
-                continue
-            manifest, problem = self.manifest_from(cid, raw)
+            raw, problem = self.manifest_bytes(cid)
+            manifest = None
+            if raw is not None:
+                manifest, problem = self.manifest_from(cid, raw)
             if manifest is None:
+                if problem is None:
+                    continue  # gone since the listing
                 log.warning("tier '%s': ignoring %s: %s", self.name, cid, problem)
                 continue
             present = (self.present_files(cid, manifest) if sizes is None else
@@ -203,10 +205,12 @@ class Tier:
             return None
         return manifest
 
-    def checkpoint_names(self) -> list[str]:
-        """Entries of the root that may be checkpoints (not hidden, not leftovers)."""
-        return [n for n in self.backend.list("") if not n.startswith(".")
-                and not self.commit.is_leftover(n)]
+    def checkpoint_names(self, entries: Collection[str] | None = None) -> list[str]:
+        """Entries of the root that may be checkpoints (not hidden, not leftovers), sorted;
+        ``entries``: the root's entries as a listing already gave them."""
+        listed = self.backend.list("") if entries is None else entries
+        return sorted(n for n in listed if not n.startswith(".")
+                      and not self.commit.is_leftover(n))
 
     def complete(self) -> dict[str, Manifest]:
         """Every complete checkpoint here, by id."""
