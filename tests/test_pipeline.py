@@ -183,6 +183,39 @@ def test_a_failed_drain_is_raised_by_wait_and_leaves_nothing_visible(tmp_path, p
         assert not [n for n in os.listdir(tmp_path / "nvme") if n.startswith(".")]
 
 
+def test_the_opens_scan_for_unmade_drains_leaves_this_processs_own_saves_alone(tmp_path,
+                                                                                 monkeypatch):
+    """The open's background scan looks for drains an earlier process left unmade. When its
+    listing is slow, the first save commits and drains (here: fails to) before the scan looks;
+    the scan must not take that save for an earlier process's and drain it a second time (it
+    did: the failure was counted and logged twice)."""
+    import threading
+
+    from tierstore.engine.listings import Listings
+
+    scan_may_look = threading.Event()
+    real_look = Listings.look
+
+    def slow_look(self, tier):
+        if threading.current_thread().name == "tierstore-resume":
+            scan_may_look.wait(60)
+        return real_look(self, tier)
+
+    monkeypatch.setattr(Listings, "look", slow_look)
+    fault = FailAt(Phase.DRAIN_FILE, "nvme")
+    with tierstore.open(two_tiers(tmp_path), plugins=[fault]) as store:
+        dcp.save(state(1), storage_writer=store.writer(), checkpoint_id="step-1")
+        deadline = time.monotonic() + 60
+        while store.stats()["nvme"].failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        scan_may_look.set()
+        with pytest.raises(DrainError, match="'step-1' was not copied to tier 'nvme'"):
+            store.wait()
+        store.wait()
+        assert store.stats()["nvme"].failures == 1
+        assert ids_on(tmp_path / "nvme") == []
+
+
 def test_retention_waits_for_a_drain_still_reading_the_checkpoint(tmp_path):
     class SlowDrain:
         @tierstore.hookimpl

@@ -143,6 +143,7 @@ class Store:
         # prefix it starts on): a read-only store, an operator's query beside a live job that
         # may be draining the same checkpoint, leaves that to the job or to `tierstore wait`.
         self._resuming: threading.Thread | None = None
+        self._opened_at = time.time()  # the scan resumes what was committed before this
         if job.rank == 0 and not tiers.node_local and not hand_off and not read_only:
             # Off the open's path: the scan looks at every tier (on an object store a listing
             # and the manifests, a look latest() then reuses). wait(), pending() and close()
@@ -160,7 +161,7 @@ class Store:
         """Queue the drains an earlier process left unmade (the open's background scan)."""
         try:
             queue_missing_copies(list(self._ctx.tiers), self._drainer, self._health,
-                                 self._listings)
+                                 self._listings, before=self._opened_at)
         except Exception:  # noqa: BLE001 - the next open scans again
             log.exception("could not look for the drains an earlier process left unmade")
 

@@ -16,11 +16,15 @@ log = logging.getLogger("tierstore.recovery")
 
 
 def queue_missing_copies(tiers: list[Tier], drainer: Drainer, health: TierHealth,
-                         listings: Listings) -> None:
+                         listings: Listings, before: float = float("inf")) -> None:
     """Queue the copies nobody has made. A copy is missing when a checkpoint is complete on a
     faster tier, absent from a slower tier that takes its step, newer than everything there
     (older ones were evicted by keep), and not queued already. An object store is looked at
-    once (``listings``: the look ``latest()`` then reuses)."""
+    once (``listings``: the look ``latest()`` then reuses).
+
+    ``before``: only checkpoints committed before this time (the store's open) are an earlier
+    process's; a later one is this process's own save, whose drain its save queues (the scan
+    runs beside the first saves, and must not queue their drains a second time)."""
     queued = set(drainer.pending())
     jobs: dict[str, tuple[Tier, list[Tier], float, object]] = {}
     looks = [health.ask(tier, "resuming drains", lambda t=tier: listings.look(t), None)
@@ -39,6 +43,7 @@ def queue_missing_copies(tiers: list[Tier], drainer: Drainer, health: TierHealth
                 # (due, not takes: a resumed drain is not a save and must not move an auto
                 # tier's schedule on this rank alone, which would part it from the others)
                 if (manifest.step is None or not target.due(manifest.step)
+                        or manifest.committed >= before
                         or cid in on_target or manifest.committed <= newest
                         or PendingCopy(cid, target.name) in queued
                         or cid in begun.get(target.name, ())):
