@@ -46,6 +46,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_dev
 import tierstore
 from tierstore.engine.publish import PENDING_PART
 
+# Whole lines in one write: the ranks share a pipe (see worker_common).
+sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
 warnings.filterwarnings("ignore")
 OWN = 500
 #: Seconds a collective may wait for a rank (a dead one fails the others this fast).

@@ -62,6 +62,9 @@ import xxhash
 
 import tierstore
 
+# Whole lines in one write: the ranks share a pipe (see worker_common).
+sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
 warnings.filterwarnings("ignore")
 
 MANIFEST = "tierstore.json"

@@ -15,6 +15,9 @@ import torch.distributed.checkpoint as dcp
 
 import tierstore
 
+# Whole lines in one write: the ranks share a pipe (see worker_common).
+sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
 
 def main() -> int:
     root, steps = sys.argv[1], int(sys.argv[2])

@@ -8,6 +8,9 @@ import torch.distributed as dist
 
 import tierstore
 
+# Whole lines in one write: the ranks share a pipe (see worker_common).
+sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
 
 def attempt(label: str, config: dict) -> None:
     try:

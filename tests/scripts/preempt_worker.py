@@ -23,6 +23,9 @@ import torch.distributed.checkpoint as dcp
 
 import tierstore
 
+# Whole lines in one write: the ranks share a pipe (see worker_common).
+sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
 warnings.filterwarnings("ignore", category=UserWarning)
 
 

@@ -23,6 +23,11 @@ from tierstore_conformance import assert_state_dicts_equal, make_state_dict
 from tierstore_conformance._helpers import assert_trees_equal
 from tierstore_conformance.roundtrip import _empty_like as empty_like
 
+# Whole lines in one write: the ranks of a node share one pipe, and under PYTHONUNBUFFERED (which
+# the tests set, so that a killed rank's last lines are seen) print() writes a line and its end
+# apart, so that two ranks' lines interleave ("RANK 1 ... FAILED xRANK 0 ... FAILED y").
+sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
 __all__ = ["assert_state_dicts_equal", "assert_trees_equal", "check_equal",
            "check_node_checkpoint", "empty_like", "load_like", "local_shards", "make_async_state",
            "make_state_dict", "mutate_everything", "node_state", "run_worker"]
@@ -65,8 +70,7 @@ def run_worker(main: Callable[[], int], problems: list[str], label: str) -> None
 # --------------------------------------------------------------------------- checks
 
 def say(line: str) -> None:
-    """``line`` on stdout in one write: the ranks of a node share the pipe, and print() writes
-    the line and its end apart when Python is unbuffered."""
+    """``line`` on stdout in one write (print() does the same once this module is imported)."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
