@@ -124,3 +124,22 @@ def _capture(errors: list, fn) -> None:
         fn()
     except BaseException as exc:  # noqa: BLE001 - the test inspects it
         errors.append(exc)
+
+
+def test_a_signal_is_acted_on_at_the_second_check_after_it_every_check_collecting_the_last(
+        local_config):
+    """The per-step agreement runs behind the step: each check collects what the previous one
+    started. A signal received after a check is answered False by the next check (which
+    collects the agreement started before it came) and True by the one after, on every rank
+    alike; the handler only records it (the process is still here)."""
+    with tierstore.open(local_config) as store:
+        preemption = store.preemption()
+        try:
+            assert preemption.requested_by_any() is False  # the first check: nothing started
+            assert preemption.requested_by_any() is False
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert preemption.requested
+            assert preemption.requested_by_any() is False  # collects the agreement before it
+            assert preemption.requested_by_any() is True
+        finally:
+            preemption.close()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tierstore.errors import RanksLostError
 from tierstore.transport.messages import decode_message, encode_message
 
-__all__ = ["RankContext", "rank_context", "make_store_group", "all_gather_object",
+__all__ = ["MaxInFlight", "start_all_reduce_max", "RankContext", "rank_context", "make_store_group", "all_gather_object",
            "all_gather_message", "broadcast_message", "broadcast_object", "barrier", "all_reduce_max", "peers_lost",
            "seen_lost", "post", "read_post", "drop_posts"]
 
@@ -258,6 +258,56 @@ def all_reduce_max(value: int, group: Any, stop: Callable[[], bool] | None = Non
     _collective(group, "agreeing with every rank",
                 lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group), stop)
     return int(flag.item())
+
+
+class MaxInFlight:
+    """An all-reduce (max) started and not waited for (:func:`start_all_reduce_max`): it runs
+    while the caller works, and :meth:`result` collects it."""
+
+    def __init__(self, flag: Any, work: Any, group: Any):
+        self._flag, self._work, self._group = flag, work, group
+
+    def result(self, stop: Callable[[], bool] | None = None) -> int:
+        """Wait for it (normally done already); a lost rank raises :class:`RanksLostError`,
+        as :func:`all_reduce_max` does. ``stop``: see :func:`_collective`."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            _collective(self._group, "agreeing with every rank", work.wait, stop)
+        return int(self._flag.item())
+
+    def settle(self, seconds: float) -> None:
+        """Wait at most ``seconds`` for it and drop its outcome (before its group is
+        destroyed: every rank started it, so it ends at once unless a rank is gone)."""
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait(timedelta(seconds=seconds))
+            except Exception:  # noqa: BLE001 - a lost rank: the caller is ending anyway
+                log.debug("an agreement in flight did not end", exc_info=True)
+
+
+def start_all_reduce_max(value: int, group: Any) -> MaxInFlight:
+    """:func:`all_reduce_max` without waiting: every rank starts it at the same point of its
+    work, and collects it later with :meth:`MaxInFlight.result` (so that the collective's
+    latency is hidden behind that work instead of stalling it)."""
+    flag = torch.tensor([value], dtype=torch.int64)
+    if group is None:
+        return MaxInFlight(flag, None, None)
+    try:
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    except Exception as exc:  # noqa: BLE001 - a peer already gone: result() names it
+        work = _FailedWork(exc)
+    return MaxInFlight(flag, work, group)
+
+
+class _FailedWork:
+    """A collective that could not start: its wait raises what starting it raised."""
+
+    def __init__(self, exc: Exception):
+        self._exc = exc
+
+    def wait(self, *args: Any) -> None:
+        raise self._exc
 
 
 def barrier(group: Any) -> None:
