@@ -30,6 +30,50 @@ log = logging.getLogger("tierstore.format")
 _warned_unsealed = False
 
 
+def _parse(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a manifest read from a tier, or ManifestError: not UTF-8, not JSON,
+    not an object, nested past what the parser takes, NaN or Infinity (which JSON does not
+    have, and no seal can be computed over), or a key given twice in one object (whichever
+    one a reader kept, the other would hide beside it)."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite,
+                          object_pairs_hook=_no_duplicates)
+    except ManifestError as exc:
+        raise ManifestError(f"not a valid manifest: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8 / not JSON / an int of 4300 digits
+        raise ManifestError(f"not a valid manifest: {type(exc).__name__}: "
+                            f"{_short(str(exc))}") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"not a valid manifest: not a JSON object (a JSON "
+                            f"{type(data).__name__})")
+    return data
+
+
+def _no_constant(name: str) -> float:
+    raise ManifestError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e400 reads as infinity
+        raise ManifestError(f"{_short(text)} is not a finite number")
+    return value
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ManifestError(f"the key {_short(twice)} is given twice in one object")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of a checkpoint: its size, checksum and the rank that wrote it (None: coordinator
@@ -124,22 +168,28 @@ class Manifest:
         an unsigned seal where ``keyring`` accepts those) and every field are checked first.
         ManifestError (an IntegrityError naming the field) when it is not one to trust."""
         global _warned_unsealed
-        try:
-            data: dict[str, Any] = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # not UTF-8 / not JSON
-            raise ManifestError(f"not a valid manifest: {type(exc).__name__}: {exc}") from None
-        if not isinstance(data, dict):
-            raise ManifestError("not a valid manifest: not a JSON object")
-        if data.get("format") != FORMAT_VERSION:
-            raise ManifestError(f"unknown manifest format {data.get('format')!r}")
+        data = _parse(raw)
+        if type(data.get("format")) is not int or data["format"] != FORMAT_VERSION:
+            raise ManifestError(f"unknown manifest format {_short(data.get('format'))}")
         sealed = SEAL_KEY in data
-        keyring.open(data)  # refuses one without a seal unless [store] accept_unsigned
+        try:
+            keyring.open(data)  # refuses one without a seal unless [store] accept_unsigned
+            manifest = cls._from_fields(data)
+        except ManifestError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError,
+                RecursionError) as exc:
+            # The checks above name each field they refuse; a value they did not foresee must
+            # still refuse this one checkpoint, never escape to the caller, which would take
+            # the whole tier for unreachable and hide every checkpoint on it.
+            raise ManifestError(f"not a valid manifest: {type(exc).__name__}: "
+                                f"{_short(str(exc))}") from None
         if not sealed and not _warned_unsealed:
             _warned_unsealed = True
             log.warning("a manifest without a seal (written by an older tierstore) was read "
                         "under [store] accept_unsigned; its fields are checked but not "
                         "covered by a checksum")
-        return cls._from_fields(data)
+        return manifest
 
     @classmethod
     def from_own_json(cls, raw: bytes) -> "Manifest":

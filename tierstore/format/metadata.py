@@ -105,6 +105,11 @@ _MEMORY_FORMAT_ENUMS: tuple[type[enum.Enum], ...] = (_MEM_FORMAT_ENCODING,) + (
 # Members by name, copied now: what a pickle later does to the classes cannot change them.
 _MEMBERS_BY_NAME = [(cls, dict(cls.__members__)) for cls in _MEMORY_FORMAT_ENUMS]
 
+#: the fields of a tensor's TensorProperties besides its dtype, with their types
+_PROPERTY_TYPES: tuple[tuple[str, type], ...] = (
+    ("layout", torch.layout), ("requires_grad", bool), ("memory_format", torch.memory_format),
+    ("pin_memory", bool))
+
 _LAYOUTS: dict[str, torch.layout] = {str(v): v for v in vars(torch).values()
                                      if isinstance(v, torch.layout)}
 
@@ -310,6 +315,9 @@ def _check(metadata: Any) -> None:
     meta = metadata.storage_meta
     if meta is not None and type(meta) is not StorageMeta:
         raise _Invalid(f"field 'storage_meta' must be a StorageMeta or None, not {_type(meta)}")
+    if meta is not None:
+        _check_storage_meta(meta)
+    _check_planner_data(getattr(metadata, "planner_data", None))
     if metadata.version is not None and not isinstance(metadata.version, str):
         raise _Invalid(f"field 'version' must be a str or None, not {_type(metadata.version)}")
 
@@ -319,6 +327,13 @@ def _check_tensor(md: TensorStorageMetadata, field: str) -> None:
     # DCP's TensorProperties, or ShardedTensor's in checkpoints of torch <= 2.2 (same fields)
     if type(props) not in _TENSOR_PROPERTIES or not isinstance(props.dtype, torch.dtype):
         raise _Invalid(f"field '{field}.properties' must be TensorProperties with a torch dtype")
+    # What DCP hands torch.empty when it makes a tensor from the metadata (a load into an
+    # empty state dict, dcp_to_torch_save): each of its type, or the load fails mid-way.
+    for name, kind in _PROPERTY_TYPES:
+        value = getattr(props, name)
+        if not isinstance(value, kind):
+            raise _Invalid(f"field '{field}.properties.{name}' must be a {kind.__name__} "
+                           f"(got {_short(value)})")
     size = md.size
     if not _is_dims(size):
         raise _not_dims(f"{field}.size", size)
@@ -341,6 +356,39 @@ def _check_tensor(md: TensorStorageMetadata, field: str) -> None:
         if not all(map(operator.le, map(operator.add, offsets, sizes), size)):
             raise _Invalid(f"field '{field}.chunks[{n}]' (offsets {tuple(offsets)}, sizes "
                            f"{tuple(sizes)}) reaches past the tensor's size {tuple(size)}")
+
+
+def _check_storage_meta(meta: StorageMeta) -> None:
+    """Its ids are str (the checkpoint id also a path) or None, its modules a list of str;
+    fields an older torch did not write are the class's defaults."""
+    cid = getattr(meta, "checkpoint_id", None)
+    if cid is not None and not isinstance(cid, (str, pathlib.PurePath)):
+        raise _Invalid(f"field 'storage_meta.checkpoint_id' must be a str, a path or None "
+                       f"(got {_short(cid)})")
+    for name in ("save_id", "load_id"):
+        value = getattr(meta, name, None)
+        if value is not None and not isinstance(value, str):
+            raise _Invalid(f"field 'storage_meta.{name}' must be a str or None (got "
+                           f"{_short(value)})")
+    modules = getattr(meta, "modules", None)
+    if modules is not None and (not isinstance(modules, list)
+                                or not all(isinstance(m, str) for m in modules)):
+        raise _Invalid(f"field 'storage_meta.modules' must be a list of str (got "
+                       f"{_short(modules)})")
+
+
+def _check_planner_data(data: Any) -> None:
+    """None, or the default planner's flattening map: each flat key -> the path of keys and
+    indices (str and int) to its place in the nested state dict."""
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise _Invalid(f"field 'planner_data' must be a dict or None, not {_type(data)}")
+    for key, path in data.items():
+        if (not isinstance(key, str) or not isinstance(path, tuple)
+                or not all(type(p) in (str, int) for p in path)):
+            raise _Invalid(f"field 'planner_data' must map str keys to tuples of str and int "
+                           f"(got {_short(key)}: {_short(path)})")
 
 
 def _check_index(index: Any) -> None:

@@ -18,10 +18,17 @@ nothing but allowed globals. torch offers no thread-safe way to add globals to i
 Allowed by default (:data:`DEFAULT_GLOBALS`): what ``torch.load(weights_only=True)`` allows
 (tensors, parameters, storages, dtypes, ``torch.Size``, ``torch.device``, ``OrderedDict``,
 ``Counter``, ``set``, ``bytearray``, ``complex``, plain containers and numbers need no global),
-``io.BytesIO`` (DCP pickles a BytesIO value like any other), and numpy arrays, dtypes and
-scalars (``np.random.get_state()``). Python's ``random.getstate()`` is plain tuples and ints.
+``io.BytesIO`` (DCP pickles a BytesIO value like any other), ``bytes()`` (how protocol 2
+writes ``b""``), and numpy arrays, dtypes and scalars (``np.random.get_state()``). Python's
+``random.getstate()`` is plain tuples and ints.
 ``[store] trusted_pickles = ["module.Name"]`` adds globals; modules that run programs or
 change the interpreter (:data:`BLOCKED_MODULES`) can never be added.
+
+numpy's globals are checked by what they are given, not only by name: a dtype's pickled state
+decides how numpy reads an array's memory (state that gives an object field flags claiming it
+holds no objects turns eight bytes of the file into a pointer), so a value may build only plain
+dtypes (kinds ``b i u f c S U M m`` and ``V`` without fields), each from exactly the state numpy
+itself writes for it; arrays and scalars only of such dtypes, with as many bytes as they need.
 
 Bytes that are not a ``torch.save`` archive (a planner may write a BytesIO's raw bytes) pass
 unchanged when ``torch.load`` would give up on them before calling anything: their leading
@@ -34,6 +41,7 @@ import _compat_pickle
 import functools
 import io
 import pickle
+import re
 import tarfile
 from typing import Any, Iterable
 
@@ -60,7 +68,8 @@ def _defaults() -> dict[str, bool]:
     rebuilds.add("torch._tensor._rebuild_from_type_v2")
     out = {name: isinstance(value, type) or name in rebuilds
            for name, value in _get_allowed_globals().items()}
-    out.update({"_io.BytesIO": True, "numpy.ndarray": True, "numpy.dtype": True})
+    out.update({"_io.BytesIO": True, "numpy.ndarray": True, "numpy.dtype": True,
+                "builtins.bytes": False})
     out.update({name: True for name in _NUMPY_ARRAYS})
     out.update({name: False for name in _NUMPY_SCALARS})
     return out
@@ -181,6 +190,208 @@ class _Storage:
     """What a torch storage (a persistent id) stands for in the check."""
 
 
+# -- numpy: globals checked by what they are given -----------------------------------------------
+
+#: dtype names as numpy pickles a plain dtype (kind and item size: 'f8', 'U5', 'b1', 'M8')
+_PLAIN_DTYPE = re.compile(r"[biufcSUVMm][0-9]{1,10}")
+_PLAIN_KINDS = frozenset("biufcSUVMm")
+#: datetime64/timedelta64 units numpy writes in a dtype's state
+_TIME_UNITS = frozenset({"Y", "M", "W", "D", "h", "m", "s", "ms", "us", "ns", "ps", "fs", "as",
+                         "generic"})
+_ONLY_PLAIN = ("only plain dtypes (bool, numbers, bytes, str, datetime, void without fields) "
+               "are loaded from a tier, since a dtype's state decides how numpy reads an "
+               "array's memory")
+_LATIN1 = frozenset({"latin1", "latin-1"})
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # the real load cannot build it either
+        raise _Refused("it builds a numpy value and numpy is not installed") from None
+    return numpy
+
+
+def _same(got: Any, want: Any) -> bool:
+    """``got == want`` with the same types throughout (a pickle's ``1.0`` or ``True`` is not the
+    ``1`` numpy wrote); ``got`` comes from the pickle, ``want`` from numpy."""
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, tuple):
+        return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))
+    return bool(got == want)
+
+
+def _describe_dtype_state(state: Any) -> str:
+    """Why a dtype's state is not a plain dtype's, in a user's words."""
+    if type(state) is not tuple or len(state) < 8:
+        return f"state is not numpy's dtype state ({_short(state)})"
+    if state[3] is not None or state[4] is not None:
+        return f"state makes it a structured dtype, with fields ({_short(state[3])})"
+    if state[2] is not None:
+        return "state makes it a subarray dtype"
+    return f"state is not the one numpy writes for that dtype ({_short(state)})"
+
+
+class _NumpyDtype(_StandIn):
+    """``numpy.dtype(name, align, copy)`` then BUILD with its state, as numpy pickles a dtype:
+    only a plain dtype's name, and once only exactly the state numpy writes for it (either
+    byte order; a datetime's unit)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_NumpyDtype":
+        np = _numpy()
+        name = args[0] if args else None
+        if (kwargs or not 1 <= len(args) <= 3 or not isinstance(name, str)
+                or not all(type(a) is bool for a in args[1:])):
+            raise _Refused(f"it builds a numpy dtype from {_short(args)}, which is not how "
+                           f"numpy pickles a dtype; {_ONLY_PLAIN}")
+        if name[:1] == "O":
+            raise _Refused(f"it builds a numpy object dtype ({name!r}), whose arrays hold "
+                           f"Python objects; {_ONLY_PLAIN}")
+        try:
+            dtype = np.dtype(name) if _PLAIN_DTYPE.fullmatch(name) else None
+        except (TypeError, ValueError):
+            dtype = None
+        if (dtype is None or dtype.kind not in _PLAIN_KINDS or dtype.fields is not None
+                or dtype.subdtype is not None or dtype.hasobject):
+            raise _Refused(f"it builds a numpy dtype from {_short(name)}, which is not a plain "
+                           f"dtype's name as numpy pickles it; {_ONLY_PLAIN}")
+        self = object.__new__(cls)
+        self.dtype, self.built = dtype, False
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        if self.built:  # numpy's own pickles give a dtype its state once
+            raise _Refused(f"its pickle gives the numpy dtype {self.dtype.str!r} state twice")
+        self.built = True
+        base = self.dtype
+        if base.kind in "Mm" and type(state) is tuple and len(state) == 9:
+            base = self._with_unit(state[8])
+        for order in "<>":
+            candidate = base.newbyteorder(order)
+            if _same(state, candidate.__reduce__()[2]):
+                self.dtype = candidate
+                return
+        raise _Refused(f"it builds a numpy dtype {self.dtype.str!r} whose "
+                       f"{_describe_dtype_state(state)}; {_ONLY_PLAIN}")
+
+    def _with_unit(self, meta: Any) -> Any:
+        """This datetime dtype with the unit a state's metadata names, when it is one numpy
+        writes: ``(None, (unit, count, 1, 1))``."""
+        np = _numpy()
+        if not (type(meta) is tuple and len(meta) == 2 and meta[0] is None
+                and type(meta[1]) is tuple and len(meta[1]) == 4):
+            return self.dtype
+        unit, count = meta[1][:2]
+        if (type(unit) is not bytes or unit.decode("ascii", "replace") not in _TIME_UNITS
+                or type(count) is not int or not 1 <= count < 2 ** 31):
+            return self.dtype
+        text = unit.decode("ascii")
+        if text == "generic":
+            return self.dtype
+        return np.dtype(f"{self.dtype.str}[{count if count > 1 else ''}{text}]")
+
+
+def _checked_dtype(value: Any, what: str) -> Any:
+    """The numpy dtype ``value`` stands for, if the check built it (else refused)."""
+    if not isinstance(value, _NumpyDtype):
+        raise _Refused(f"it builds a numpy {what} whose dtype is not a plain numpy dtype "
+                       f"({_short(value)})")
+    return value.dtype
+
+
+class _NumpyArrayType(_StandIn):
+    """``numpy.ndarray``: numpy's pickles name it for ``_reconstruct`` and never call it."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_NumpyArrayType":
+        raise _Refused("its pickle calls numpy.ndarray itself, which numpy's pickles never do "
+                       "(an array could be made to read memory it does not own)")
+
+
+class _NumpyArray(_StandIn):
+    """``_reconstruct(numpy.ndarray, (0,), b'b')`` then BUILD with ``(1, shape, dtype,
+    fortran, data)``, as numpy pickles an array: a checked dtype and exactly its bytes."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_NumpyArray":
+        if (kwargs or len(args) != 3 or not (isinstance(args[0], type)
+                                             and issubclass(args[0], _NumpyArrayType))
+                or not _same(args[1], (0,)) or not _same(args[2], b"b")):
+            raise _Refused(f"it rebuilds a numpy array from {_short(args)}, which is not how "
+                           f"numpy pickles an array")
+        self = object.__new__(cls)
+        self.built = False
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        if self.built:
+            raise _Refused("its pickle gives a numpy array state twice")
+        self.built = True
+        if type(state) is not tuple or len(state) != 5 or not _same(state[0], 1):
+            raise _Refused(f"it gives a numpy array the state {_short(state)}, which is not "
+                           f"numpy's (version, shape, dtype, fortran, data)")
+        _, shape, dtype, fortran, data = state
+        dtype = _checked_dtype(dtype, "array")
+        if (type(shape) is not tuple or not all(type(n) is int and n >= 0 for n in shape)
+                or type(fortran) is not bool or type(data) is not bytes):
+            raise _Refused(f"it gives a numpy array the state {_short(state)}, which is not "
+                           f"numpy's (version, shape, dtype, fortran, data bytes)")
+        count = 1
+        for n in shape:
+            count *= n
+        if len(data) != count * dtype.itemsize:
+            raise _Refused(f"it gives a numpy array of shape {shape} and dtype {dtype.str!r} "
+                           f"{len(data)} bytes of data, not {count * dtype.itemsize}")
+
+
+class _NumpyScalar(_StandIn):
+    """``scalar(dtype, data)``, as numpy pickles a scalar: a checked dtype and its bytes."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_NumpyScalar":
+        if kwargs or not 1 <= len(args) <= 2:
+            raise _Refused(f"it builds a numpy scalar from {_short(args)}, which is not how "
+                           f"numpy pickles a scalar")
+        dtype = _checked_dtype(args[0], "scalar")
+        if len(args) == 2 and not (type(args[1]) is bytes and len(args[1]) == dtype.itemsize):
+            raise _Refused(f"it builds a numpy scalar of dtype {dtype.str!r} from "
+                           f"{_short(args[1])}, not from its {dtype.itemsize} bytes")
+        return object.__new__(cls)
+
+
+class _EmptyBytes(_StandIn):
+    """``bytes()``: how a protocol 2 pickle writes ``b""`` (an empty array's data); any other
+    call (``bytes(10**12)``) is refused."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            raise _Refused(f"its pickle calls bytes{_short(args)}, where pickles only ever "
+                           f"call bytes() for b''")
+        return b""
+
+
+class _Encode(_StandIn):
+    """``_codecs.encode``: protocol 2 pickles (``torch.save``'s) write bytes as
+    ``encode(text, 'latin1')``. Those bytes are computed (plain data, nothing runs) so that the
+    numpy checks see an array's and a dtype's bytes; any other call stays a stand-in."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if (not kwargs and len(args) == 2 and type(args[0]) is str
+                and type(args[1]) is str and args[1] in _LATIN1):
+            try:
+                return args[0].encode("latin1")
+            except UnicodeEncodeError:  # the real call fails the same way
+                raise _Refused(f"its pickle encodes {_short(args[0])} as latin1, which it "
+                               f"is not") from None
+        return object.__new__(cls)
+
+
+#: globals whose stand-ins check what they are given, whatever ``trusted_pickles`` says
+_CHECKED: dict[str, type[_StandIn]] = {
+    "numpy.dtype": _NumpyDtype, "numpy.ndarray": _NumpyArrayType, "_codecs.encode": _Encode,
+    "builtins.bytes": _EmptyBytes,
+    **{name: _NumpyArray for name in _NUMPY_ARRAYS},
+    **{name: _NumpyScalar for name in _NUMPY_SCALARS}}
+
+
 class _Policy:
     """The allowed globals of one ``trusted_pickles`` list, each with its stand-in class."""
 
@@ -190,8 +401,9 @@ class _Policy:
         # them (BUILD on a global is refused; instances are per check).
         self.stand_ins: dict[str, type[_StandIn]] = {}
         for name in {*_DEFAULTS, *self.trusted}:
-            extra = name in self.trusted
-            self.stand_ins[name] = _StandInType(f"StandIn[{name}]", (_StandIn,), {
+            base = _CHECKED.get(name, _StandIn)
+            extra = name in self.trusted and base is _StandIn
+            self.stand_ins[name] = _StandInType(f"StandIn[{name}]", (base,), {
                 "name": name, "builds": extra or _DEFAULTS.get(name, False),
                 "takes_items": extra or name in _DICTS, "takes_appends": extra})
 
