@@ -6,6 +6,14 @@ confirmed (commit protocol ``manifest-last``). Many files upload in parallel and
 multipart parts; loads fetch each file with concurrent ranged reads. One filesystem instance
 (and its event loop) serves every call. Transient failures are retried with backoff and jitter;
 permanent ones fail at once. Credentials given in ``options`` never appear in messages.
+
+A local directory (``file://``, or a path without a protocol) is another tier's directory on
+the same machine, open to the same dangers as a ``local`` tier's: whoever can write it could
+plant a checkpoint as a symbolic link to another tier's copy, which a ``keep`` here would then
+delete. So its files are not handled by fsspec (whose local filesystem follows links when it
+lists, reads, writes and deletes) but by the ``local`` backend's own code (:mod:`.safe_fs`,
+:mod:`.ownership`): link-free below the root, and the way to the root checked at open and at
+every use. Only the commit protocol (``manifest-last``) and the leases stay this backend's.
 """
 
 from __future__ import annotations
@@ -15,17 +23,19 @@ import io
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from typing import IO, Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations, registry
 
 from tierstore.plugin import (Backend, cannot_connect, confined, DirectoryLock, hookimpl, Option,
                               RetryPolicy, with_retries)
 from tierstore_plugins.leases import LEASE_PREFIX, LeaseKeeper, lease_is_current
-from tierstore_plugins.local import LocalWriteFile, local_path_problem
+from tierstore_plugins.local import LocalBackend, local_path_problem
 
 log = logging.getLogger("tierstore.fsspec")
 
@@ -33,6 +43,8 @@ _SECRET_KEY = re.compile(r"key|secret|token|passw|credential|signature|auth|sas"
 # Sequential reads fetch up to this much ahead, in ranges of _WINDOW_CHUNK read concurrently.
 _WINDOW_CHUNK = 8 << 20
 _WINDOW_BYTES = 64 << 20
+# What a file:// tier copies at a time from another tier's file (put_files).
+_COPY_CHUNK = 8 << 20
 # Connect timeout (s) of calls that can do without the tier (RetryPolicy.in_foreground(): queries,
 # a load's search for copies, the health probe): a server that is there accepts at once.
 _FOREGROUND_CONNECT_S = 0.5
@@ -87,7 +99,7 @@ class FsspecBackend(Backend):
     options = (
         Option("url", str, required=True, expand=True, check=_url_problem,
                description="where the tier lives, e.g. s3://bucket/run-7 (may use {node})"),
-        Option("options", dict, default={},
+        Option("options", dict, default={}, secret=True,  # credentials: never echoed
                description="filesystem options (endpoint, credentials: use {env = \"NAME\"})"),
         Option("concurrency", int, default=16, check=_positive,
                description="objects or ranges transferred at once"),
@@ -153,6 +165,11 @@ class FsspecBackend(Backend):
         self._making = threading.Lock()
         self.root = self.url
         self.is_local = protocol in ("file", "local")
+        #: a local directory's files, handled as the ``local`` backend handles its own (see the
+        #: module docstring); fsync on close, and every new entry fsynced too, since
+        #: manifest-last syncs no directory and this backend says it is durable
+        self._disk = (LocalBackend(LocalFileSystem._strip_protocol(self.url), fsync=True,
+                                   sync_entries=True) if self.is_local else None)
 
     def _filesystems(self) -> tuple[fsspec.AbstractFileSystem,
                                     fsspec.AbstractFileSystem | None, str]:
@@ -207,7 +224,9 @@ class FsspecBackend(Backend):
 
     # -- Backend primitives ----------------------------------------------------------------
     def check_reachable(self) -> str | None:
-        if self.is_local or "memory" in str(self.fs.protocol):
+        if self._disk is not None:
+            return self._disk.check_reachable()  # ownership of the way to the root included
+        if "memory" in str(self.fs.protocol):
             return self._check_local_root()
         # An object store: one request, on the bucket, answers both questions (a missing
         # bucket, credentials it refuses). Nothing beneath a bucket can be "a file in the
@@ -231,16 +250,14 @@ class FsspecBackend(Backend):
         return None
 
     def _check_local_root(self) -> str | None:
-        """:meth:`check_reachable` of a local (or in-memory) root: its nearest existing
-        directory must be a directory, writable by this user."""
+        """:meth:`check_reachable` of an in-memory root: its nearest existing directory must
+        be a directory."""
         probe = self.root_path
         try:
             while True:
                 if self.fs.exists(probe):
                     if self.fs.info(probe).get("type") == "file":
                         return f"{probe} is a file, so nothing can be stored beneath it"
-                    if self.is_local and not os.access(probe, os.W_OK | os.X_OK):
-                        return f"{probe} is not writable by this user"
                     return None
                 parent = self.fs._parent(probe).rstrip("/")
                 if not parent or parent == probe or parent in ("", "/"):
@@ -250,34 +267,15 @@ class FsspecBackend(Backend):
             return f"{type(exc).__name__}: {self.redact(str(exc))}"
 
     def open_write(self, path: str) -> IO[bytes]:
-        full = self._full(path)
-        if self.is_local:
-            # fsspec's local files are never fsynced, and this backend says it is durable: a
-            # manifest must not outlive its data in a power loss. So local files are written
-            # as the ``local`` backend writes them (fsync on close), and each new directory
-            # entry is made durable too (manifest-last calls no sync_dir).
-            self._local_makedirs(os.path.dirname(full))
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            return _DurableLocalFile(fd, os.path.dirname(full))
-        return self.fs.open(full, "wb", block_size=self.part_size)
-
-    def _local_makedirs(self, full: str) -> None:
-        """Make local directory ``full`` with its parents, each new entry durable."""
-        missing = []
-        probe = full
-        while not os.path.isdir(probe):
-            missing.append(probe)
-            parent = os.path.dirname(probe)
-            if parent == probe:
-                break
-            probe = parent
-        if not missing:
-            return
-        os.makedirs(full, exist_ok=True)
-        for made in reversed(missing):
-            _fsync_dir(os.path.dirname(made))
+        if self._disk is not None:
+            # As an object store does, a write makes the "directories" it needs.
+            self._disk.makedirs(os.path.dirname(path.rstrip("/")))
+            return self._disk.open_write(path)
+        return self.fs.open(self._full(path), "wb", block_size=self.part_size)
 
     def open_read(self, path: str) -> IO[bytes]:
+        if self._disk is not None:
+            return self._disk.open_read(path)
         full = self._full(path)
         size = self.size(path)
         if size is None:
@@ -287,7 +285,7 @@ class FsspecBackend(Backend):
     def open_read_sized(self, path: str, size: int) -> IO[bytes]:
         """A reader of ``path`` trusting ``size`` (the manifest's): no HEAD before the reads. A
         shorter object fails its reads, a longer one its checksum."""
-        if self.is_local:
+        if self._disk is not None:
             return self.open_read(path)
         return ObjectReader(self, self._full(path), size)
 
@@ -313,6 +311,8 @@ class FsspecBackend(Backend):
         return {key[len(prefix):]: info for key, info in found.items() if key.startswith(prefix)}
 
     def size(self, path: str) -> int | None:
+        if self._disk is not None:
+            return self._disk.size(path)
         full = self._full(path)
         try:
             info = self._retry(lambda: self.fs.info(full), "reading the size of an object")
@@ -323,16 +323,21 @@ class FsspecBackend(Backend):
         return int(info["size"])
 
     def list(self, path: str) -> list[str]:
+        if self._disk is not None:
+            return self._disk.list(path)
         # From the object keys below the prefix (one paginated listing): a "directory" only
         # exists while it holds objects, even on stores that keep empty folders for a while.
         names = {key.split("/", 1)[0] for key in self._objects(path)}
         return sorted(n for n in names if n)
 
     def makedirs(self, path: str) -> None:
-        if self.is_local:
-            self._local_makedirs(self._full(path))
+        if self._disk is not None:
+            self._disk.makedirs(path)  # each new entry durable (sync_entries)
 
     def delete(self, path: str) -> None:
+        if self._disk is not None:
+            self._disk.delete(path)  # a link goes itself; the removal is durable
+            return
         full = self._full(path)
 
         def rm():
@@ -342,28 +347,25 @@ class FsspecBackend(Backend):
                 pass
         self._retry(rm, "deleting")
         self.fs.invalidate_cache(full)
-        if self.is_local:
-            # Removals in order too: a manifest deleted first (an overwrite, a delete) must
-            # stay deleted after a power loss that undoes nothing of what came after it.
-            parent = os.path.dirname(full)
-            if os.path.isdir(parent):
-                _fsync_dir(parent)
 
     def sync_dir(self, path: str) -> None:
-        if self.is_local:
-            full = self._full(path)
-            if os.path.isdir(full):
-                _fsync_dir(full)
+        if self._disk is not None:
+            try:
+                self._disk.sync_dir(path)
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # nothing there to make durable
 
     def write_bytes(self, path: str, data: bytes) -> None:
-        full = self._full(path)
-        if self.is_local:
+        if self._disk is not None:
             with self.open_write(path) as f:  # fsynced, with its directory entry
                 f.write(data)
             return
+        full = self._full(path)
         self._retry(lambda: self.fs.pipe_file(full, data), "writing an object")
 
     def read_bytes(self, path: str) -> bytes:
+        if self._disk is not None:
+            return self._disk.read_bytes(path)
         full = self._full(path)
         # s3fs asks an object's size (a HEAD) before reading it whole, to split a large one
         # into concurrent ranges; the files read whole here are small (manifests, metadata).
@@ -375,6 +377,9 @@ class FsspecBackend(Backend):
         """Upload local files ``(local path, relative path)`` concurrently (s3fs: multipart,
         parts in parallel, for large ones); a retry after a transient failure uploads only the
         objects that are not complete yet. ``sizes``: expected size by relative path."""
+        if self._disk is not None:
+            self._copy_local_files(pairs)
+            return
         todo = list(pairs)
         tried = False
 
@@ -389,15 +394,13 @@ class FsspecBackend(Backend):
         self._retry(attempt, f"uploading {len(pairs)} files")
         for _, rel in pairs:
             self.fs.invalidate_cache(self._full(rel))
-        if self.is_local:  # copied by fsspec without fsync: make the copies durable here
-            for full in {self._full(rel) for _, rel in pairs}:
-                fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            for parent in {os.path.dirname(self._full(rel)) for _, rel in pairs}:
-                _fsync_dir(parent)
+
+    def _copy_local_files(self, pairs: list[tuple[str, str]]) -> None:
+        """:meth:`put_files` into a local directory: each file copied into a file written as
+        :meth:`open_write` writes one (link-free, fsynced with its entry)."""
+        for local, rel in pairs:
+            with open(local, "rb", buffering=0) as src, self.open_write(rel) as dst:
+                shutil.copyfileobj(src, dst, _COPY_CHUNK)
 
     def _put_options(self) -> dict:
         """Bound what an upload holds in memory: files in flight x parts in flight x part
@@ -424,7 +427,9 @@ class FsspecBackend(Backend):
         return self._retry(fetch, "reading byte ranges")
 
     def local_path(self, path: str) -> str | None:
-        return self._full(path) if self.is_local else None
+        # The local backend's: refused when a link leads out of the root, or when another
+        # user could change the way to the root.
+        return self._disk.local_path(path) if self._disk is not None else None
 
     # -- ownership of work in progress (no file locks here: leases) -------------------------
     def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:
@@ -446,30 +451,8 @@ class FsspecBackend(Backend):
 
     def close(self) -> None:
         self.leases.close()
-
-
-def _fsync_dir(path: str) -> None:
-    """Make the entries of local directory ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _DurableLocalFile(LocalWriteFile):
-    """A local ``file://`` file: fsynced on close (``LocalWriteFile``), then its directory, so
-    that the new entry survives a power loss with its bytes."""
-
-    def __init__(self, fd: int, directory: str):
-        super().__init__(fd, durable=True)
-        self._dir = directory
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        super().close()
-        _fsync_dir(self._dir)
+        if self._disk is not None:
+            self._disk.close()
 
 
 class ObjectReader(io.RawIOBase):

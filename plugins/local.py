@@ -5,8 +5,10 @@ stock ``dcp.load(checkpoint_id=<tier root>/<id>)``. ``memory`` lives in ``/dev/s
 it survives a crashed process (not a rebooted node), which is what a RAM tier is for.
 
 Every file and directory below a root is reached from the root's descriptor without following
-a symbolic link (:mod:`.safe_fs`), and a root another user could change is refused at open
-(:mod:`.ownership`): ``/dev/shm`` is every local user's.
+a symbolic link (:mod:`.safe_fs`), and a root another user could change, or the way to it, is
+refused at open and again each time the root is opened (:mod:`.ownership`): ``/dev/shm`` is
+every local user's, so the ``memory`` tier's default root is this user's own,
+``/dev/shm/tierstore-<uid>/{node}``.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from typing import IO
 from tierstore.plugin import (Backend, confined, DirectoryLock, hookimpl, IntegrityError,
                               Option, TransferEnd)
 
-from .ownership import root_problem
 from .recycle import RECYCLE_DIR, PageRecycler
-from .safe_fs import TierTree, mapped_end, open_dir_at, open_regular_at, remove_at, written_end
+from .safe_fs import (TierTree, mapped_end, open_dir_at, open_regular_at, remove_at, root_problem,
+                      written_end)
 
 # Start writeback of every this-many bytes while the file is still being written, so that the
 # final fsync has little left to flush: write and disk flush overlap (about +20% on this disk).
@@ -84,10 +86,14 @@ def local_path_problem(path: str) -> str | None:
 class LocalWriteFile(io.RawIOBase):
     """A file being written on a local disk: unbuffered writes, early writeback, fsync on close."""
 
-    def __init__(self, fd: int, durable: bool, recycler: PageRecycler | None = None):
+    def __init__(self, fd: int, durable: bool, recycler: PageRecycler | None = None,
+                 entry_dir: int = -1):
         """``fd``: the file, open for writing at its start (closed with this object);
-        ``recycler``: the file is one it recycled."""
+        ``recycler``: the file is one it recycled; ``entry_dir``: a descriptor of the directory
+        holding the file (taken over), fsynced after the file so that its new entry survives a
+        power loss with its bytes."""
         super().__init__()
+        self._entry_dir = entry_dir
         # A recycled file is written over in place (its pages are why it was kept) and cut to
         # the length written at close.
         self._recycler = recycler
@@ -135,6 +141,11 @@ class LocalWriteFile(io.RawIOBase):
         finally:
             os.close(self._fd)
             super().close()
+            if self._entry_dir >= 0:
+                try:
+                    os.fsync(self._entry_dir)
+                finally:
+                    os.close(self._entry_dir)
 
 
 class _FlockedDirectory(DirectoryLock):
@@ -205,15 +216,21 @@ class LocalBackend(Backend):
     supports_rename = True
 
     def __init__(self, root: str, path: str | None = None, fsync: bool = True,
-                 recycle: bool = False, *, inside: str | None = None):
+                 recycle: bool = False, *, inside: str | None = None,
+                 sync_entries: bool = False):
         """``inside``: the root is a directory below that one (a ``peer`` tier's replicas),
-        reached from it without following links too."""
+        reached from it without following links too. ``sync_entries``: every new directory
+        entry (a file when it is closed, a directory when it is made, a removal) is fsynced
+        as it happens, for a commit protocol that syncs no directory itself (``manifest-last``
+        on a ``file://`` tier): the manifest must not outlive its data in a power loss."""
         self.root = os.path.abspath(os.path.expanduser(path or root))
         # What paths must resolve under (_abs); resolved once, not on every file access.
         self._real_root = os.path.realpath(self.root)
+        self._sync_entries = sync_entries
         # Every file operation goes through the root's descriptor, link-free (safe_fs).
-        self._tree = (TierTree(inside, os.path.relpath(self.root, inside)) if inside
-                      else TierTree(self.root))
+        self._tree = (TierTree(inside, os.path.relpath(self.root, inside),
+                               durable=sync_entries) if inside
+                      else TierTree(self.root, durable=sync_entries))
         self.durable = fsync
         #: with ``recycle``, dropped checkpoints' pages are reused (see tierstore_plugins.recycle)
         self.recycler = PageRecycler(self._tree) if recycle else None
@@ -228,6 +245,9 @@ class LocalBackend(Backend):
         manifest or a listing), refused when it, or a symbolic link on its way, leads out of
         the root. Only for :meth:`local_path`, whose callers open by path; this backend's own
         operations never follow a link (``self._tree``)."""
+        # Whoever opens the path opens it through the way to the root: that way is checked
+        # now (a root another user took over since the open is refused here too).
+        self._check_root()
         if not path:
             return self.root
         target = os.path.join(self.root, confined(path.rstrip("/"), f"tier root {self.root}"))
@@ -239,6 +259,14 @@ class LocalBackend(Backend):
                 f"(to {real}); tierstore never follows links out of a tier. Remove the link, "
                 f"or restore the checkpoint from another tier")
         return target
+
+    def _check_root(self) -> None:
+        """Raise PermissionError when another user could change the root or the way to it (a
+        root not made yet passes: it is checked when made)."""
+        try:
+            os.close(self._tree.open_root())
+        except (FileNotFoundError, NotADirectoryError):
+            pass
 
     def check_reachable(self) -> str | None:
         """Why the tier cannot be used: another user could change its root (ownership), or
@@ -311,7 +339,8 @@ class LocalBackend(Backend):
                 raise self._tree.refusal(dir_fd, name, rel, exc) from None
             if recycler is not None:
                 recycler.owns(fd, name)
-            return LocalWriteFile(fd, self.durable)
+            entry_dir = os.dup(dir_fd) if self._sync_entries else -1
+            return LocalWriteFile(fd, self.durable, entry_dir=entry_dir)
 
     def delete(self, path: str) -> None:
         self._remove(path, recycle=False)
@@ -325,15 +354,18 @@ class LocalBackend(Backend):
         """Remove ``path`` from its directory's descriptor: a directory's tree without
         following any link in it, a link itself (never its target), a file."""
         rel = self._rel(path)
-        if not rel:
-            # The whole tier: its root is the configured path (rmtree refuses a link there).
-            shutil.rmtree(self.root, ignore_errors=True)
-            return
         try:
+            if not rel:
+                self._tree.remove_tree()  # the whole tier, reached as every operation does
+                return
             with self._tree.parent(rel) as (dir_fd, name):
                 if self.recycler is not None:
                     self._release(dir_fd, name, recycle)
                 remove_at(dir_fd, name)
+                if self._sync_entries:
+                    # A manifest deleted first (an overwrite, a delete) must stay deleted
+                    # after a power loss that undoes nothing of what came after it.
+                    os.fsync(dir_fd)
         except (FileNotFoundError, NotADirectoryError):
             pass  # not there: nothing to remove
 
@@ -459,13 +491,22 @@ class LocalBackend(Backend):
             self.recycler.close()
 
 
+#: Where a ``memory`` tier lives unless its ``path`` says otherwise: a directory of this user's
+#: own in ``/dev/shm`` (by uid), so that no two users share a name there, and a directory
+#: another user made under a shared name is never taken for this job's.
+MEMORY_DEFAULT_PATH = f"/dev/shm/tierstore-{os.geteuid()}/{{node}}"
+
+
 class MemoryBackend(LocalBackend):
-    """A tmpfs directory (default ``/dev/shm/tierstore/{node}``): same format, no fsync."""
+    """A tmpfs directory (default ``/dev/shm/tierstore-<uid>/{node}``, this user's own): same
+    format, no fsync."""
 
     options = (
-        Option("path", str, default="/dev/shm/tierstore/{node}", expand=True,
+        Option("path", str, default=MEMORY_DEFAULT_PATH, expand=True,
                check=local_path_problem,
-               description="tmpfs directory of the tier; may use {rank}, {local_rank}, {node}"),
+               description="tmpfs directory of the tier (default: /dev/shm/tierstore-<uid>/"
+                           "{node}, by this user's uid); may use {rank}, {local_rank}, "
+                           "{node}"),
     )
     durable = False
 

@@ -1,10 +1,13 @@
 """Who may change a tier's directory: only the user the job runs as.
 
-Whoever can write a tier's root can swap what a save writes or a load reads (a directory
-renamed away and another put in its place, names planted before the job makes them). The
-default roots are in ``/dev/shm``, where every local user may create directories, so another
-user could make ``/dev/shm/tierstore-peer`` before the job does. A local tier's root is
-therefore refused at open (``Backend.check_reachable``, a ConfigError naming the tier) when:
+Whoever can write a tier's root, or a directory on the way to it, can swap what a save writes
+or a load reads (a directory renamed away and a symbolic link to another tier put in its
+place, names planted before the job makes them), and a RAM tier's ``keep`` would then evict
+what that link leads to. The default roots are in ``/dev/shm``, where every local user may
+create directories. So the way to a root is walked, one component at a time and by descriptors
+(:func:`tierstore_plugins.safe_fs.open_root_dir`), each time the root is opened: at the store's
+open (``Backend.check_reachable``, a ConfigError naming the tier), at every save, load and
+eviction. It is refused when:
 
 - the root is not owned by this user (by uid; root's own uid 0 is no exception), or every user
   can write it without the sticky bit (``chmod o-w`` fixes it; with the sticky bit, as on
@@ -12,13 +15,20 @@ therefore refused at open (``Backend.check_reachable``, a ConfigError naming the
 - a directory on the way to it can be written by every user without the sticky bit (anyone
   could rename what is below and put something else there);
 - a directory or symbolic link on the way sits in a directory every user can write (``/tmp``,
-  ``/dev/shm``) and belongs to neither this user nor root: another user made it.
+  ``/dev/shm``) and belongs to neither this user nor root: another user made it, and the
+  sticky bit lets its owner replace it at any time;
+- below the root, a directory a save or an eviction opens belongs to neither this user nor
+  root (another user made it first in a root with the sticky bit).
 
-Directories only a group can write are trusted, on the way and as the root (project directories
-on shared filesystems are made so, and under user private groups, the common umask 002 makes
-every new directory group-writable: the group is the user), and the root's own checks are repeated, on its descriptor,
-each time the root is opened (:func:`check_open_root`), so a root swapped after the open is
-refused too. Directories tierstore makes itself are owner-writable only (``DIR_MODE``).
+A symbolic link on the way is followed only when it passed those checks (the user's own, or
+root's, in a place only trusted users can change, as ``/local_nvme -> /mnt/nvme0``): a link is
+never changed in place, only replaced by whoever can write the directory holding it.
+Directories only a group can write are trusted, on the way and as the root (project
+directories on shared filesystems are made so, and under user private groups, the common umask
+002 makes every new directory group-writable: the group is the user). Directories tierstore
+makes itself are owner-writable only (``DIR_MODE``).
+
+This module says what is wrong (pure functions of ``os.stat`` results); :mod:`.safe_fs` walks.
 """
 
 from __future__ import annotations
@@ -28,74 +38,78 @@ import os
 import pwd
 import stat
 
-__all__ = ["DIR_MODE", "check_open_root", "root_problem"]
+__all__ = ["DIR_MODE", "UnsafeDirectoryError", "below_root_fault", "check_open_root", "entry_fault",
+           "root_fault", "way_fault"]
 
 #: mode of the directories tierstore makes (the tier root, the places it is made in, the
 #: checkpoints' directories): written by the owner only, read as the umask allows
 DIR_MODE = 0o755
 
-# Symbolic links followed on the way to a root before giving up (the kernel's own limit).
-_MAX_LINKS = 40
+
+class UnsafeDirectoryError(PermissionError):
+    """A tier's root, the way to it or a directory in it, that another user could change.
+    ``fault`` is the sentence saying which directory, whose it is and what to do."""
+
+    def __init__(self, refused: str, fault: str):
+        super().__init__(errno.EACCES, f"refusing {refused}: {fault}")
+        self.refused, self.fault = refused, fault
+
+    def __reduce__(self):
+        # OSError's own would rebuild it from (errno, message), which this one does not take
+        # (an error a rank reports travels pickled).
+        return type(self), (self.refused, self.fault)
+
+    def __str__(self) -> str:
+        return self.strerror  # the sentence alone, without "[Errno 13]"
 
 
-def root_problem(root: str) -> str | None:
-    """Why ``root`` (an absolute path, which may go through symbolic links and need not exist
-    yet) could be changed by another user, as a sentence naming the path, its owner and what
-    to do; None when only this user can change it. Writes nothing."""
+def entry_fault(path: str, st: os.stat_result, holder: str, holder_st: os.stat_result,
+                link_target: str | None = None) -> str | None:
+    """Why entry ``path`` (a directory, or a symbolic link to ``link_target``; ``st`` its own
+    status, links not followed) in directory ``holder`` (status ``holder_st``) on the way to a
+    root could be replaced by another user, or None."""
     me = os.geteuid()
-    todo = [part for part in reversed(root.split("/")) if part]  # next component last
-    here, here_st = "/", os.stat("/")
-    links = 0
-    while todo:
-        part = todo.pop()
-        if part == ".":
-            continue
-        if part == "..":
-            here = os.path.dirname(here)
-            here_st = os.stat(here)
-            continue
-        path = os.path.join(here, part)
-        try:
-            st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return None  # the rest is made by tierstore itself, owner-writable only
-        except OSError:
-            return None  # unreadable: check_reachable says why the tier cannot be used
-        if _everyone_writes(here_st) and st.st_uid not in (me, 0):
-            return (f"{path} belongs to {_user(st.st_uid)}, not to this user "
-                    f"({_user(me)}), and it is in {here}, where every user can create "
-                    f"entries: another user made it and can replace what tierstore keeps "
-                    f"below it. Have it removed if it is stale, or choose a directory "
-                    f"of your own")
-        if stat.S_ISLNK(st.st_mode):
-            links += 1
-            if links > _MAX_LINKS:
-                return None  # the open fails on its own (ELOOP), with its own message
-            target = os.readlink(path)
-            if target.startswith("/"):
-                here, here_st = "/", os.stat("/")
-            todo.extend(p for p in reversed(target.split("/")) if p)
-            continue
-        if not stat.S_ISDIR(st.st_mode):
-            return None  # not a directory: check_reachable says so
-        if todo and _everyone_writes(st) and not st.st_mode & stat.S_ISVTX:  # the root: below
-            return (f"{path} can be written by every user and has no sticky bit, so any of "
-                    f"them can rename what tierstore keeps below it and put something else "
-                    f"there; choose a path below a directory only you can write, or run "
-                    f"chmod +t {path} (or chmod o-w {path})")
-        here, here_st = path, st
-    return _root_fault(here_st, root)
+    if not (_everyone_writes(holder_st) and st.st_uid not in (me, 0)):
+        return None
+    what = (f"{path} is a symbolic link to {link_target} and belongs to"
+            if link_target is not None else f"{path} belongs to")
+    return (f"{what} {_user(st.st_uid)}, not to this user ({_user(me)}), and it is in "
+            f"{holder}, where every user can create entries: another user made it and can "
+            f"replace what tierstore keeps below it. Have it removed if it is stale, or "
+            f"choose a directory of your own")
+
+
+def way_fault(path: str, st: os.stat_result) -> str | None:
+    """Why directory ``path`` (status ``st``), with the root somewhere below it, lets another
+    user rename what is below it, or None."""
+    if _everyone_writes(st) and not st.st_mode & stat.S_ISVTX:
+        return (f"{path} can be written by every user and has no sticky bit, so any of "
+                f"them can rename what tierstore keeps below it and put something else "
+                f"there; choose a path below a directory only you can write, or run "
+                f"chmod +t {path} (or chmod o-w {path})")
+    return None
+
+
+def below_root_fault(path: str, st: os.stat_result, root: str) -> str | None:
+    """Why directory ``path`` (status ``st``) below the tier's root ``root`` is not this
+    user's to use, or None."""
+    me = os.geteuid()
+    if st.st_uid in (me, 0):
+        return None
+    return (f"{path} belongs to {_user(st.st_uid)}, not to this user ({_user(me)}): another "
+            f"user made it in the tier's root {root} and can replace the files tierstore "
+            f"would keep in it. Have it removed (or given to you: chown), then save again")
 
 
 def check_open_root(fd: int, root: str) -> None:
-    """Raise PermissionError, naming ``root``, its owner and what to do, when the directory
-    open as ``fd`` (the tier's root) is not this user's alone to change."""
-    fault = _root_fault(os.fstat(fd), root)
+    """Raise :class:`UnsafeDirectoryError`, naming ``root``, its owner and what to do, when the
+    directory open as ``fd`` (the tier's root) is not this user's alone to change."""
+    fault = root_fault(os.fstat(fd), root)
     if fault is not None:
-        raise PermissionError(errno.EACCES, f"refusing the tier root {root}: {fault}")
+        raise UnsafeDirectoryError(f"the tier root {root}", fault)
 
 
-def _root_fault(st: os.stat_result, root: str) -> str | None:
+def root_fault(st: os.stat_result, root: str) -> str | None:
     """Why the root with status ``st`` is not this user's alone to change, or None."""
     me = os.geteuid()
     if st.st_uid != me:

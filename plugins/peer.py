@@ -33,9 +33,12 @@ class PeerBackend(LocalBackend):
     """A local directory (tmpfs by default, no fsync) that also receives peers' replicas."""
 
     options = (
-        Option("path", str, default="/dev/shm/tierstore-peer/{node}", expand=True,
-               check=local_path_problem,
-               description="directory of this node's copies; use {node} (or {rank})"),
+        # This user's own name in /dev/shm (by uid), as the memory tier's: a name another
+        # user could take first would refuse the tier (see plugins/ownership.py).
+        Option("path", str, default=f"/dev/shm/tierstore-peer-{os.geteuid()}/{{node}}",
+               expand=True, check=local_path_problem,
+               description="directory of this node's copies; use {node} (or {rank}) "
+                           "(default: /dev/shm/tierstore-peer-<uid>/{node})"),
         Option("replication", dict, required=True,
                description="table with 'strategy' (clique, ring) and the strategy's options, "
                            "e.g. { strategy = \"clique\", factor = 2, jump = 1 }"),

@@ -13,10 +13,14 @@ with ``O_NOFOLLOW``, as CPython's descriptor-based ``shutil.rmtree`` and git's o
   ``shutil.rmtree(name, dir_fd=...)``, which refuses a link at its top and follows none below;
 - only regular files are opened as files (a FIFO planted in a tier would block a reader).
 
-The root itself is the configured path, links in it included (the user chose it); whether
-only this user can change it is checked on its descriptor each time it is opened
-(:mod:`.ownership`). :class:`TierTree` also reaches a tree below another root (a ``peer``
-tier's replica directories), so the way from the configured root down is link-free too.
+The way from ``/`` to the root is walked the same way, by descriptors, each time the root is
+opened (:func:`open_root_dir`): every directory on it, and every symbolic link (followed only
+when its owner and the directory holding it are trusted), is checked against :mod:`.ownership`,
+and so is the root itself and each directory opened below it. A root another user took over
+after the store opened (a directory on the way made in ``/dev/shm`` by someone else, a link
+put in the root's place) is refused at the next save, load or eviction, not only at the open.
+:class:`TierTree` also reaches a tree below another root (a ``peer`` tier's replica
+directories), so the way from the configured root down is link-free too.
 """
 
 from __future__ import annotations
@@ -32,12 +36,18 @@ from typing import Iterator
 
 from tierstore.plugin import IntegrityError, MappedFile, WrittenFile
 
-from .ownership import DIR_MODE, check_open_root
+from .ownership import (DIR_MODE, UnsafeDirectoryError, below_root_fault, check_open_root,
+                        entry_fault, root_fault, way_fault)
 
 __all__ = ["TierTree", "exchange_at", "is_dir_at", "mapped_end", "open_dir_at", "open_regular_at",
-           "remove_at", "written_end"]
+           "open_root_dir", "remove_at", "root_problem", "written_end"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# The way to a root is walked with O_PATH descriptors: like a path lookup, they need only
+# search permission on a directory, not read permission (a /home of mode 0711 is passable).
+_WAY_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Symbolic links followed on the way to a root before giving up (the kernel's own limit).
+_MAX_LINKS = 40
 # O_NONBLOCK: opening a FIFO someone put in place of a file must not wait for a writer
 # (regular files ignore the flag; it is cleared once the file is known to be one).
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -45,20 +55,129 @@ _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR)
 
 
-def open_dir_at(dir_fd: int, name: str, *, create: bool = False) -> int:
+def open_dir_at(dir_fd: int, name: str, *, create: bool = False, durable: bool = False) -> int:
     """A descriptor of directory ``name`` in the directory open as ``dir_fd``, never through a
     link (a link or a file there: OSError ENOTDIR); made owner-writable first when ``create``
-    and missing (made meanwhile by another process is fine)."""
+    and missing (made meanwhile by another process is fine: who owns what was found is for
+    the caller to check). ``durable``: a directory made here has its entry fsynced."""
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         if not create:
             raise
+    _make_at(dir_fd, name, durable)
+    return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def _make_at(dir_fd: int, name: str, durable: bool) -> None:
+    """Make directory ``name`` (owner-writable) in ``dir_fd`` unless something is there now;
+    ``durable``: fsync its entry when made."""
     try:
         os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
     except FileExistsError:
-        pass  # another rank of the node made it first
-    return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        return  # made meanwhile (another rank of the node, or someone else: checked next)
+    if durable:
+        # dir_fd may be an O_PATH descriptor, which cannot be fsynced.
+        synced = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            os.fsync(synced)
+        finally:
+            os.close(synced)
+
+
+def open_root_dir(path: str, *, create: bool = False, durable: bool = False) -> int:
+    """A readable descriptor of directory ``path`` (absolute), reached from ``/`` one
+    component at a time without letting the kernel follow a link: each directory and each
+    link on the way is checked (:func:`.ownership.entry_fault`, :func:`.ownership.way_fault`)
+    before the walk goes on, and a link is followed here, by its target's components, only
+    when it passed. ``create``: missing directories are made (owner-writable; their entries
+    fsynced when ``durable``), and one found made meanwhile is checked like any other.
+
+    Raises :class:`.ownership.UnsafeDirectoryError` (a PermissionError naming the directory,
+    its owner and what to do) when another user could change the way; FileNotFoundError when
+    a component is missing (and not ``create``); NotADirectoryError when one is a file. The
+    last directory itself is not held to a root's standard here (see ``check_open_root``)."""
+    if not path.startswith("/"):
+        path = os.path.join(os.getcwd(), path)
+    todo = [p for p in reversed(path.split("/")) if p]  # the next component last
+    fd = os.open("/", _WAY_FLAGS)
+    try:
+        here, here_st = "/", os.fstat(fd)
+        links = 0
+        while todo:
+            part = todo.pop()
+            if part == ".":
+                continue
+            if part == "..":  # as the kernel resolves it: the parent of where the walk is
+                up = os.open("..", _WAY_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd, here = up, os.path.dirname(here)
+                here_st = os.fstat(fd)
+                continue
+            entry = os.path.join(here, part)
+            try:
+                below = os.open(part, _WAY_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT),
+                                            entry) from None
+                _make_at(fd, part, durable)
+                todo.append(part)  # opened (and checked) as if it had been there
+                continue
+            except OSError as exc:
+                if exc.errno not in _LINK_ERRNOS:
+                    raise
+                st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISLNK(st.st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR),
+                                             entry) from None
+                target = os.readlink(part, dir_fd=fd)
+                fault = entry_fault(entry, st, here, here_st, target)
+                if fault is not None:
+                    raise UnsafeDirectoryError(f"the tier root {path}", fault) from None
+                links += 1
+                if links > _MAX_LINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path) from None
+                if target.startswith("/"):
+                    top = os.open("/", _WAY_FLAGS)
+                    os.close(fd)
+                    fd, here = top, "/"
+                    here_st = os.fstat(fd)
+                todo.extend(p for p in reversed(target.split("/")) if p)
+                continue
+            try:
+                st = os.fstat(below)
+                fault = entry_fault(entry, st, here, here_st)
+                if fault is None and todo:  # something lies below it
+                    fault = way_fault(entry, st)
+                if fault is not None:
+                    raise UnsafeDirectoryError(f"the tier root {path}", fault)
+            except BaseException:
+                os.close(below)
+                raise
+            os.close(fd)
+            fd, here, here_st = below, entry, st
+        # O_PATH descriptors can be neither listed, locked nor synced: reopen the last one.
+        return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def root_problem(root: str) -> str | None:
+    """Why ``root`` (an absolute path, which may go through symbolic links and need not exist
+    yet) could be changed by another user, as a sentence naming the path, its owner and what
+    to do; None when only this user can change it, as far as it exists (what is missing is
+    made by tierstore itself, owner-writable, and checked again then). Writes nothing."""
+    try:
+        fd = open_root_dir(root)
+    except UnsafeDirectoryError as exc:
+        return exc.fault
+    except OSError:
+        return None  # missing, a file or unreadable: check_reachable says why, if it matters
+    try:
+        return root_fault(os.fstat(fd), root)
+    finally:
+        os.close(fd)
 
 
 def is_dir_at(dir_fd: int, name: str) -> bool:
@@ -193,24 +312,24 @@ class TierTree:
     already checked by ``confined`` (plain names, no ``..``); ``""`` is the root.
 
     ``below`` (a relative path): the tree's root is that directory under ``root``, reached
-    link-free from ``root`` (and made, owner-writable, when a method creates)."""
+    link-free from ``root`` (and made, owner-writable, when a method creates). ``durable``:
+    the entries of directories made are fsynced (a tier that promises durability and whose
+    commit syncs no directory itself)."""
 
-    def __init__(self, root: str, below: str = ""):
+    def __init__(self, root: str, below: str = "", *, durable: bool = False):
         self.base = root
         self.below = [p for p in below.split("/") if p]
+        self.durable = durable
         #: the OS path of the tree's root, for messages
         self.root = os.path.join(root, *self.below)
 
     # -- descriptors ------------------------------------------------------------------------
     def open_root(self, *, create: bool = False) -> int:
-        """A descriptor of the root (made first when ``create`` and missing): FileNotFoundError
-        when missing, PermissionError when another user could change it."""
-        try:
-            fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if not create:
-                raise
-            fd = _make_dirs(self.base)
+        """A descriptor of the root (made first when ``create`` and missing), the way to it
+        checked again (:func:`open_root_dir`): FileNotFoundError when missing,
+        PermissionError (:class:`.ownership.UnsafeDirectoryError`) when another user could
+        change it or the way to it."""
+        fd = open_root_dir(self.base, create=create, durable=self.durable)
         try:
             check_open_root(fd, self.base)
         except BaseException:
@@ -219,6 +338,20 @@ class TierTree:
         if self.below:
             return self._descend(fd, self.below, create, "")
         return fd
+
+    def remove_tree(self) -> None:
+        """Remove the tree's root with everything in it, reached as :meth:`open_root` reaches
+        it (a link in the root's place is removed itself). Missing is fine."""
+        if self.below:
+            holder = self._descend(self.open_root(), self.below[:-1], False, "")
+            name = self.below[-1]
+        else:
+            holder = open_root_dir(os.path.dirname(self.base))
+            name = os.path.basename(self.base)
+        try:
+            remove_at(holder, name)
+        finally:
+            os.close(holder)
 
     @contextlib.contextmanager
     def directory(self, rel: str, *, create: bool = False) -> Iterator[int]:
@@ -310,23 +443,42 @@ class TierTree:
     # -- under the hood ---------------------------------------------------------------------
     def _descend(self, fd: int, parts: list[str], create: bool, rel: str) -> int:
         """From the directory open as ``fd`` (taken over: closed here) down through ``parts``,
-        link-free; the last one's descriptor."""
-        return _walk_down(fd, parts, create,
-                          lambda at, name, exc: self.refusal(at, name, rel, exc))
+        link-free, each one this user's (or root's); the last one's descriptor."""
+        return _walk_down(fd, parts, create, self.durable,
+                          lambda at, name, exc: self.refusal(at, name, rel, exc),
+                          self._check_below)
+
+    def _check_below(self, fd: int, at: int, name: str) -> None:
+        """Refuse directory ``name`` (open as ``fd``, in ``at``) when another user owns it: it
+        was made in a root with the sticky bit before this user made it."""
+        st = os.fstat(fd)
+        if st.st_uid in (os.geteuid(), 0):
+            return  # the common case, without the /proc lookup of the path for the message
+        fault = below_root_fault(_path_of(at, name), st, self.root)
+        if fault is not None:
+            raise UnsafeDirectoryError(f"the tier root {self.root}", fault)
 
 
-def _walk_down(fd: int, names, create: bool, refusal=None) -> int:
+def _walk_down(fd: int, names, create: bool, durable: bool = False, refusal=None,
+               check=None) -> int:
     """From the directory open as ``fd`` (taken over: closed here) down through ``names``,
     each opened link-free from its parent (made when ``create``); the last one's descriptor.
-    ``refusal(fd, name, error)`` turns a failure into the error raised (default: as it is)."""
+    ``refusal(fd, name, error)`` turns a failure into the error raised (default: as it is);
+    ``check(below, fd, name)`` raises when directory ``below`` must not be used."""
     try:
         for name in names:
             try:
-                below = open_dir_at(fd, name, create=create)
+                below = open_dir_at(fd, name, create=create, durable=durable)
             except OSError as exc:
                 if refusal is None:
                     raise
                 raise refusal(fd, name, exc) from None
+            if check is not None:
+                try:
+                    check(below, fd, name)
+                except BaseException:
+                    os.close(below)
+                    raise
             os.close(fd)
             fd = below
     except BaseException:
@@ -345,22 +497,3 @@ def _path_of(dir_fd: int, name: str) -> str:
         return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
     except OSError:
         return name
-
-
-def _make_dirs(path: str) -> int:
-    """Make the missing directories of ``path`` (owner-writable, each one opened link-free
-    from its parent) and return a descriptor of the last one. The part that exists is the
-    user's configured path and is opened as it is, links included."""
-    missing = []
-    top = path
-    while True:
-        try:
-            fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            break
-        except FileNotFoundError:
-            parent = os.path.dirname(top)
-            if parent == top:
-                raise
-            missing.append(os.path.basename(top))
-            top = parent
-    return _walk_down(fd, reversed(missing), create=True)
