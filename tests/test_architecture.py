@@ -113,3 +113,32 @@ def test_no_module_of_the_core_imports_the_package_back():
     importers = {m for m in graph.find_modules_that_directly_import("tierstore")
                  if m.startswith("tierstore.")}
     assert importers <= {"tierstore.demo"}, importers  # the demo is a user of the API
+
+
+#: what runs code from bytes another process sent: torch.distributed's object collectives
+#: (they pickle) and pickle's loaders
+_PICKLING = {"all_gather_object", "broadcast_object_list", "gather_object",
+             "scatter_object_list", "send_object_list", "recv_object_list", "broadcast_object",
+             "loads", "load", "Unpickler"}
+
+
+def test_no_module_exchanges_pickles_between_ranks():
+    """What ranks send each other travels as typed messages (tierstore.transport.messages):
+    no module of the core or of the built-in plugins calls a pickling collective, nor
+    unpickles with ``pickle`` itself (the restricted unpicklers that check a tier's files
+    subclass ``pickle.Unpickler`` and are named here)."""
+    import ast
+
+    restricted = {"tierstore/format/metadata.py", "tierstore/format/values.py"}
+    found = []
+    for path in sorted([*ROOT.glob("tierstore/**/*.py"), *ROOT.glob("plugins/**/*.py")]):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if not isinstance(node, ast.Attribute) or node.attr not in _PICKLING:
+                continue
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            if name in {"dist", "distributed", "distributed_c10d", "c10d"} or (
+                    name == "pickle" and not (rel in restricted and node.attr == "Unpickler")):
+                found.append(f"{rel}:{node.lineno}: {name}.{node.attr}")
+    assert not found, "pickles between processes:\n" + "\n".join(found)

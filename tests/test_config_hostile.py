@@ -192,11 +192,11 @@ CASES = [
           "*** (the value of $TS_HOSTILE_SECRET, not shown)", "read single entries"),
          env={"TS_HOSTILE_SECRET": SECRET}, hidden=(SECRET,)),
     Case("env-string-as-integer", tiers(fsspec(max_attempts={"env": "TS_HOSTILE_SECRET"})),
-         ("<dict>", "key 'max_attempts' must be a integer", "$TS_HOSTILE_SECRET", "***",
+         ("<dict>", "key 'max_attempts' must be an integer", "$TS_HOSTILE_SECRET", "***",
           "write max_attempts = <integer> in the config"),
          env={"TS_HOSTILE_SECRET": SECRET}, hidden=(SECRET,)),
     Case("env-short-number-as-integer", tiers(local(keep={"env": "TS_HOSTILE_SECRET"})),
-         ("key 'keep' must be a integer", "got str *** (the value of $TS_HOSTILE_SECRET"),
+         ("key 'keep' must be an integer", "got str *** (the value of $TS_HOSTILE_SECRET"),
          env={"TS_HOSTILE_SECRET": "7"}, hidden=("'7'",)),
     Case("env-unknown-codec", tiers(local(codecs=[{"env": "TS_HOSTILE_SECRET"}])),
          ("<dict>", "unknown codec ***", "$TS_HOSTILE_SECRET", "valid codecs: "),
@@ -211,7 +211,7 @@ CASES = [
          ("<dict>", "tier[0]", "name ***", "must be one path segment"),
          env={"TS_HOSTILE_SECRET": SECRET + "/x"}, hidden=(SECRET,)),
     Case("env-plugins-not-a-list", tiers(local(), store={"plugins": {"env": "TS_HOSTILE_SECRET"}}),
-         ("<dict>", "[store]", "key 'plugins' must be a array", "$TS_HOSTILE_SECRET"),
+         ("<dict>", "[store]", "key 'plugins' must be an array", "$TS_HOSTILE_SECRET"),
          env={"TS_HOSTILE_SECRET": SECRET}, hidden=(SECRET,)),
     Case("env-path-with-unknown-placeholder", tiers(local(path={"env": "TS_HOSTILE_SECRET"})),
          ("<dict>", "key 'path' uses unknown placeholder", "$TS_HOSTILE_SECRET",
@@ -229,7 +229,7 @@ CASES = [
           "$TS_HOSTILE_SECRET, not shown) of tier 'ram'"),
          env={"TS_HOSTILE_SECRET": "{tmp}/" + SECRET}, hidden=(SECRET,)),
     Case("env-as-whole-tier-list", lambda tmp: {"tier": {"env": "TS_HOSTILE_SECRET"}},
-         ("<dict>", "key 'tier' must be a array"),
+         ("<dict>", "key 'tier' must be an array"),
          env={"TS_HOSTILE_SECRET": SECRET}, hidden=(SECRET,)),
     Case("env-name-not-a-string", tiers(local(path={"env": 5})),
          ("<dict>", "key 'path'", "takes the name of an environment variable as a string",
@@ -242,7 +242,7 @@ CASES = [
             path = "{tmp}/nvme"
             keep = "3"
             '''),
-         ("{file}:5:", "tier 'nvme'", "key 'keep' must be a integer, got str '3'",
+         ("{file}:5:", "tier 'nvme'", "key 'keep' must be an integer, got str '3'",
           "Write the number without quotes: keep = 3")),
     Case("bool-as-integer", toml('''
             [[tier]]

@@ -217,6 +217,7 @@ def test_a_signed_checkpoint_without_the_key_is_refused_saying_so(tmp_path, keys
 
 def test_a_key_file_works_like_a_variable(tmp_path, keys):
     (tmp_path / "key").write_text(KEY_A + "\n")
+    (tmp_path / "key").chmod(0o600)  # a key file others can read is refused
     save(config(tmp_path, tiers=("fast",), signing_key={"file": str(tmp_path / "key")}))
     with tierstore.open(config(tmp_path, tiers=("fast",), signing_key={"env": "KEY_A"})) as s:
         assert same(load(s), state())

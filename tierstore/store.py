@@ -42,7 +42,7 @@ from tierstore.engine.saves import SaveLedger
 from tierstore.engine.scrub import BackgroundScrub, Scrubber
 from tierstore.engine.stats import TierFigures, TierStats
 from tierstore.engine.watchdog import Watchdog
-from tierstore.errors import DrainError
+from tierstore.errors import DrainError, ReplicationError
 from tierstore.events import Event, EventKind
 from tierstore.handoff import HandOff, checkpoint_process_store
 from tierstore.preemption import Preemption
@@ -51,11 +51,17 @@ from tierstore.tiers.plan import RestorePlan, restore_plan
 from tierstore.format.ids import validate_checkpoint_id
 from tierstore.tiers.reports import (CheckpointInfo, ExportResult, InspectReport, PromoteResult,
                                      ScrubReport, StoreStatus, VerifyReport)
-from tierstore.transport.collectives import all_gather_object, make_store_group, rank_context
+from tierstore.transport.collectives import all_gather_message, make_store_group, rank_context
+from tierstore.transport.shapes import as_str, as_tuple, optional
 
 __all__ = ["Store", "open"]
 
 log = logging.getLogger("tierstore.store")
+
+#: the failures ``wait(all_ranks=True)`` raises, by the name another rank sends (another name,
+#: from a rank running other code: a DrainError with its message)
+_WAIT_FAILURES = {"DrainError": DrainError, "ReplicationError": ReplicationError,
+                  "TimeoutError": TimeoutError}
 
 #: seconds ``close`` waits for the background threads of finished drains to end
 _THREADS_END_S = 5.0
@@ -380,9 +386,18 @@ class Store:
                 raise
             failure = exc
         if all_ranks:
-            failures = [f for f in all_gather_object(failure, self._ctx.groups.main) if f]
-            if failures:
-                raise failures[0]
+            # Each rank's failure as its class's name and message (plain data, never the
+            # exception itself: unpickling one would run what the sending rank chose).
+            told = all_gather_message(
+                None if failure is None else [type(failure).__name__, str(failure)],
+                self._ctx.groups.main, optional(lambda v: as_tuple(v, as_str, as_str)),
+                "a failure's class and message")
+            first = next(((r, t) for r, t in enumerate(told) if t is not None), None)
+            if first is not None:
+                rank, (name, message) = first
+                if rank == self._ctx.rank and failure is not None:
+                    raise failure
+                raise _WAIT_FAILURES.get(name, DrainError)(message)
 
     def wait_staging(self, timeout: float | None = None) -> float:
         """Make it safe for training to change the state of the newest ``dcp.async_save``

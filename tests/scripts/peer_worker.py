@@ -72,16 +72,17 @@ def count_servable_sent() -> dict:
     import tierstore.dcp.reader as reader_module
 
     counts = {"names": 0, "entries": 0}
-    gather = reader_module.all_gather_object
+    gather = reader_module.all_gather_message
 
-    def counting(obj, group):
-        if isinstance(obj, tuple) and len(obj) == 4:  # (token, by_token, world, servable)
+    def counting(obj, group, *args, **kwargs):
+        # [token, by_token, world, servable], each servable [token, codecs, metadata, files]
+        if isinstance(obj, list) and len(obj) == 4 and isinstance(obj[3], list):
             for source in obj[3]:
-                counts["names"] += len(source.files)
-                counts["entries"] += sum(e is not None for e in source.files.values())
-        return gather(obj, group)
+                counts["names"] += len(source[3])
+                counts["entries"] += sum(e is not None for e in source[3].values())
+        return gather(obj, group, *args, **kwargs)
 
-    reader_module.all_gather_object = counting
+    reader_module.all_gather_message = counting
     return counts
 
 

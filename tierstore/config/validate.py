@@ -96,7 +96,8 @@ STORE_OPTIONS: tuple[Option, ...] = (
     Option("io_threads", int, default=4, check=_positive,
            description="files written and read in parallel per rank and tier"),
     Option("verify_on_load", bool, default=True,
-           description="check each file's checksum while dcp.load reads it"),
+           description="check each file's checksum while dcp.load reads it (always on with a "
+                       "signing key: false is then refused)"),
     Option("drain_threads", int, default=4, check=_positive,
            description="files copied in parallel when draining to slower tiers"),
     Option("copy_chunk_mib", int, default=8, check=_positive,
@@ -122,12 +123,15 @@ STORE_OPTIONS: tuple[Option, ...] = (
     Option("trusted_pickles", list, default=[], check=_trusted_names,
            description="extra globals ('module.Name') that pickled non-tensor values read from "
                        "a tier may build, beside the weights_only allow-list"),
+    # secret: a key pasted here by mistake must not be echoed by the message refusing it
     Option("signing_key", (dict, str), default=None, check=check_key_reference, read_env=False,
+           secret=True, type_label="table",
            description="the key that signs and verifies checkpoints: { env = \"NAME\" } or "
                        "{ file = \"path\" }"),
-    Option("signing_keys", list, default=[], read_env=False,
+    Option("signing_keys", list, default=[], read_env=False, secret=True,
            check=lambda keys: next(filter(None, map(check_key_reference, keys)), None),
-           description="several keys for rotation: the first signs, every one verifies"),
+           description="several keys for rotation, the first signs, every one verifies: "
+                       "[{ env = \"NEW\" }, { env = \"OLD\" }]"),
     Option("accept_unsigned", bool, default=False,
            description="with a signing key, still read checkpoints that are not signed "
                        "(migrating those written before signing)"),
@@ -225,6 +229,10 @@ class StoreConfig:
 
 
 _TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
+#: keys whose line a TOML syntax error does not quote: the core's secret keys, and any key a
+#: plugin may take credentials under (its options are not known before the TOML is parsed)
+_SECRET_STORE_KEYS = frozenset(o.name for o in STORE_OPTIONS if o.secret)
+_SECRET_WORDS = re.compile(r"key|secret|token|passw|credential", re.IGNORECASE)
 
 
 def load_source(config: Any) -> tuple[dict[str, Any], ConfigSource]:
@@ -277,6 +285,10 @@ def _offending_line(text: str, exc: tomllib.TOMLDecodeError) -> str:
     if match is None or not 1 <= int(match.group(1)) <= len(lines):
         return ""
     line = lines[int(match.group(1)) - 1]
+    name = line.split("=", 1)[0].strip().strip('"').rsplit(".", 1)[-1]
+    if "=" in line and (name in _SECRET_STORE_KEYS or _SECRET_WORDS.search(name)):
+        # A secret written bare (no quotes) is no TOML value: the line holds the secret.
+        return f"; the line sets '{name}', which holds secrets (the line is not shown)"
     shown = repr(line if len(line) <= 120 else line[:120] + "...")
     return f"; the line reads {shown}"
 
@@ -435,6 +447,16 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
     staging = _plugin_choice("staging", store_table["staging"], host, source, "staging")
     commit = (None if store_table["commit"] is None
               else _plugin_choice("commit", store_table["commit"], host, source, "commit"))
+    keyring = keyring_from(store_table, source)
+    if keyring.signs and not store_table["verify_on_load"]:
+        # A signed manifest vouches for digests; bytes read without checking them against
+        # those digests are whatever someone without the key wrote to the tier.
+        raise ConfigError(
+            f"{source.where('store', None, 'verify_on_load')}: [store] sets verify_on_load = "
+            f"false and a signing key: a key protects only the bytes that are checked, so "
+            f"when a key is set, every byte a load hands to the model must be checked against "
+            f"its signed digest; remove verify_on_load (it defaults to true), or remove the "
+            f"signing key if the tiers' bytes need no protection")
     return StoreConfig(
         plugins=tuple(store_table["plugins"]), staging=staging, commit=commit,
         overwrite=store_table["overwrite"], io_threads=store_table["io_threads"],
@@ -447,7 +469,7 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
         events_log=(None if store_table["events_log"] is None
                     else os.path.expanduser(store_table["events_log"])),
         mtbf_hours=store_table["mtbf_hours"],
-        keyring=keyring_from(store_table, source),
+        keyring=keyring,
     )
 
 

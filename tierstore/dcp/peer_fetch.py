@@ -29,11 +29,14 @@ from tierstore.events import Event, EventKind, Phase
 from tierstore.format.item_io import FileReadError, check_blocks, runs_bytes
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.tiers.tier import Tier
-from tierstore.transport.collectives import all_gather_object
+from tierstore.format.entry_fields import entry_fields, entry_from_fields
+from tierstore.transport.collectives import all_gather_message
 from tierstore.transport.ends import BufferTarget
+from tierstore.transport.shapes import as_dict, as_int, as_list, as_str, as_tuple, optional
 from tierstore.transport.transfer import Transfer, open_to_send, run_transfers
 
-__all__ = ["fetch_from_peers", "FetchedFile", "Servable", "servable_here", "local_sources",
+__all__ = ["fetch_from_peers", "FetchedFile", "Servable", "servable_here", "servable_fields",
+           "servable_from_fields", "local_sources",
            "node_tiers", "held_here", "PeerFetchPlan", "wanted_from_peers", "schedule_fetches",
            "schedule_plans"]
 
@@ -121,7 +124,34 @@ def servable_here(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Manifes
     return out
 
 
+def servable_fields(servable: Servable) -> list:
+    """``servable`` as plain data, to travel in a message (never a pickle):
+    ``[save token, codecs, .metadata's entry, {file: entry or None}]``, entries as their
+    fields (:mod:`tierstore.format.entry_fields`)."""
+    return [servable.save_token, list(servable.codecs),
+            None if servable.metadata is None else entry_fields(servable.metadata),
+            {rel: None if e is None else entry_fields(e) for rel, e in servable.files.items()}]
+
+
+def servable_from_fields(value) -> Servable:
+    """The :class:`Servable` :func:`servable_fields` made ``value`` of; ``TypeError`` or
+    ``ValueError`` naming what is wrong when it is not such a list."""
+    token, codecs, metadata, files = as_tuple(value, optional(as_str),
+                                              lambda v: as_list(v, as_str), lambda v: v,
+                                              lambda v: as_dict(v, as_str, lambda e: e))
+    return Servable(token, tuple(codecs),
+                    None if metadata is None else entry_from_fields(metadata, METADATA_NAME),
+                    {rel: None if e is None else entry_from_fields(e, rel)
+                     for rel, e in files.items()})
+
+
 Runs = list[tuple[int, int]]
+
+
+def _runs_from(value) -> dict[str, Runs]:
+    """What one rank asks of its peers (file -> byte ranges), from the plain fields it sent."""
+    return as_dict(value, as_str, lambda runs: [
+        as_tuple(r, lambda v: as_int(v, 0), lambda v: as_int(v, 0)) for r in as_list(runs, list)])
 
 
 @dataclass(frozen=True)
@@ -220,7 +250,9 @@ def fetch_from_peers(ctx: StoreContext, cid: str, sources: list[tuple[Tier, Mani
     (or whole file) checked against its digest."""
     rank, group = ctx.rank, ctx.groups.io
     if plan is None or not plan.scheduled:
-        schedule = schedule_fetches(all_gather_object(wants, group), holders)
+        asked = all_gather_message({rel: [list(r) for r in runs] for rel, runs in wants.items()},
+                                   group, _runs_from, "the byte ranges of files a rank asks for")
+        schedule = schedule_fetches(asked, holders)
         mine = [t for t in schedule if rank in (t.src, t.dst)]
         busy = bool(schedule)
     else:

@@ -25,7 +25,8 @@ from torch.futures import Future
 from tierstore.dcp.shared_reads import READER_RANK, job_wide, shared_manifests, shared_result
 from tierstore.dcp.peer_fetch import (FetchedFile, PeerFetchPlan, Servable, fetch_from_peers,
                                       held_here, local_sources, node_tiers, schedule_plans,
-                                      servable_here, wanted_from_peers)
+                                      servable_fields, servable_from_fields, servable_here,
+                                      wanted_from_peers)
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
@@ -46,7 +47,10 @@ from tierstore.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, M
 from tierstore.format.metadata import load_metadata
 from tierstore.tiers.parity_sets import parity_of
 from tierstore.tiers.tier import Tier
-from tierstore.transport.collectives import all_gather_object, all_reduce_max, broadcast_object
+from tierstore.transport.collectives import (all_gather_message, all_reduce_max,
+                                             broadcast_with_bytes)
+from tierstore.transport.messages import MessageError
+from tierstore.transport.shapes import as_dict, as_int, as_list, as_str, as_tuple, optional
 
 __all__ = ["TierstoreReader", "ReaderServices"]
 
@@ -404,8 +408,10 @@ class TierstoreReader(StorageReader):
             else:
                 absent.setdefault(manifest.save_token, set()).update(set(manifest.files) - present)
             saved_world = manifest.world_size
-        status = all_gather_object((token if raw is not None else None, by_token, saved_world,
-                                    servable_here(ctx, cid, sources)), group)
+        status = all_gather_message(
+            [token if raw is not None else None, {t: sorted(r) for t, r in by_token.items()},
+             saved_world, [servable_fields(s) for s in servable_here(ctx, cid, sources)]],
+            group, _status_from, "what a rank holds of the checkpoint")
         token = next((t for t, *_ in status if t is not None), None)
         # The save whose files the load reads is the one of the .metadata it found; with no
         # good .metadata anywhere there is none to go by, and a complete copy of any save of
@@ -430,7 +436,10 @@ class TierstoreReader(StorageReader):
                 # node lost whole leaves no list, and then only its ranks are named. Every
                 # rank decided alike (on gathered views), so every rank gathers this too:
                 # only on the way to this error, not at every load.
-                lacking = all_gather_object(absent, group)
+                lacking = all_gather_message(
+                    {t: sorted(files) for t, files in absent.items()}, group,
+                    lambda v: as_dict(v, as_str, lambda fs: set(as_list(fs, as_str))),
+                    "the files a rank lacks, by save")
                 held = {rel for *_, servable in status for s in servable
                         if ours(s.save_token) for rel in s.files}
                 gone = sorted({rel for lacks in lacking for t, files in lacks.items()
@@ -446,8 +455,15 @@ class TierstoreReader(StorageReader):
                 f"checkpoint '{cid}' cannot be loaded by this job: {'; '.join(why)} ({names}); "
                 f"store.latest() gives the newest loadable one")
         src = holders[0]
-        mine = (raw, codecs) if ctx.rank == src else None
-        return (*broadcast_object(mine, group, src), token, [s for *_, s in status])
+        # .metadata's bytes beside the message, as they are (inside it: base64, a third more).
+        codecs, raw = broadcast_with_bytes(
+            list(codecs) if ctx.rank == src else None, raw if ctx.rank == src else None, group,
+            src, lambda v: None if v is None else as_list(v, as_str), "a list of codecs")
+        if raw is None or codecs is None:
+            raise MessageError(f"rank {src} said it holds {METADATA_NAME} of checkpoint "
+                               f"'{cid}' and then sent none; every rank of a job must run the "
+                               f"same tierstore")
+        return raw, codecs, token, [s for *_, s in status]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP calls reset only when a checkpoint id is given; never reuse the previous load's.
@@ -694,7 +710,9 @@ class TierstoreReader(StorageReader):
         group = ctx.groups.io
         if not all_reduce_max(int(failure is not None), group):
             return
-        told = all_gather_object(None if failure is None else _told(failure), group)
+        told = all_gather_message(
+            None if failure is None else list(_told(failure)), group,
+            optional(lambda v: as_tuple(v, as_str, as_str)), "a failure's class and message")
         if failure is not None:
             return
         failed = [(r, t) for r, t in enumerate(told) if t is not None]
@@ -990,6 +1008,17 @@ def _close_copies(mapped: dict[str, MappedCopy]) -> None:
 def _matches(keyring: Keyring, raw: bytes, entry: FileEntry) -> bool:
     """Whether ``raw`` has the size and digest (keyed or not) ``entry`` records."""
     return check_blocks(keyring, entry, raw, None) == ""
+
+
+def _status_from(value) -> tuple:
+    """What one rank said it holds as a load starts (see ``_share_metadata``), from the plain
+    fields it sent: ``(token, {token: ranks}, saved world size, [Servable])``."""
+    def ranks(v) -> set[int]:
+        return set(as_list(v, lambda r: as_int(r, 0)))
+
+    return as_tuple(value, optional(as_str), lambda v: as_dict(v, as_str, ranks),
+                    optional(lambda w: as_int(w, 1)),
+                    lambda v: as_list(v, servable_from_fields))
 
 
 def _told(failure: Exception) -> tuple[str, str]:

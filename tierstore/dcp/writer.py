@@ -44,7 +44,10 @@ from tierstore.format.manifest import METADATA_NAME, FileEntry
 from tierstore.plugin.bases import Stager
 from tierstore.plugin.staging import StagingJob
 from tierstore.tiers.tier import Tier
-from tierstore.transport.collectives import all_gather_object, broadcast_object
+from tierstore.format.entry_fields import entry_fields, entry_from_fields
+from tierstore.transport.collectives import all_gather_message, broadcast_message
+from tierstore.transport.shapes import (as_bool, as_dict, as_int, as_list, as_str, as_tuple,
+                                        optional)
 
 __all__ = ["TierstoreWriter", "WriterServices"]
 
@@ -289,7 +292,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 mine[t.name] = services.publisher.pending_parts(t)
             except Exception:  # noqa: BLE001 - never raise on one rank only: settled next time
                 log.warning("tier '%s': could not list its pending parts", t.name, exc_info=True)
-        gathered = all_gather_object((held, mine), group)
+        gathered = all_gather_message([[_holding_fields(h) for h in held], mine], group,
+                                      _held_from, "the copies and pending parts a rank holds")
         asked = sorted({(pid, token) for _, pending in gathered for parts in pending.values()
                         for pid, token in parts.items()}
                        | {(cid, h.token) for found, _ in gathered for h in found
@@ -302,7 +306,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             # the saves), and "not there yet" is not "never committed".
             if ctx.rank == 0:
                 verdicts = [services.publisher.committed(pid, token) for pid, token in asked]
-            verdicts = broadcast_object(verdicts, group, 0)
+            verdicts = broadcast_message(verdicts, group, 0,
+                                         lambda v: _verdicts_from(v, len(asked)),
+                                         f"{len(asked)} verdicts on pending parts")
         answer = dict(zip(asked, verdicts))
         for name, parts in mine.items():
             for pid, token in parts.items():
@@ -381,11 +387,13 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 # save's plan back, token included: every save's token comes from the first
                 # rank of the store's group instead (one small broadcast per save).
                 # The auto tiers' intervals go with it, for the same reason.
-                token, intervals, cid, tier = broadcast_object(
-                    (uuid.uuid4().hex[:16],
-                     self._choose_intervals() if self._services.context.rank == 0 else (),
-                     save.checkpoint_id, save.tier.name),
-                    self._services.context.groups.main)
+                token, intervals, cid, tier = broadcast_message(
+                    [uuid.uuid4().hex[:16],
+                     [list(i) for i in self._choose_intervals()]
+                     if self._services.context.rank == 0 else [],
+                     save.checkpoint_id, save.tier.name],
+                    self._services.context.groups.main, 0, _save_told_from,
+                    "a save's token, intervals, id and tier")
                 data = dataclasses.replace(data, token=token, intervals=intervals,
                                            checkpoint_id=cid, tier=tier)
             self._adopt_intervals(data.intervals)
@@ -572,7 +580,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         services, tier = self._services, save.tier
         layout, rank = tier.layout, services.context.rank
         mine = [r.storage_data.file for r in results if r.storage_data.file is not None]
-        gathered = all_gather_object((rank, failure is None, mine), services.context.groups.io)
+        gathered = all_gather_message(
+            [rank, failure is None, [[rel, entry_fields(e)] for rel, e in mine]],
+            services.context.groups.io, _written_from, "what a rank wrote")
         if failure is not None or rank != layout.leader or layout.part == layout.part_of(0):
             return
         failed = [r for r, ok, _ in gathered if not ok]
@@ -673,3 +683,50 @@ def _can_adopt(spill: SpillIndex, tier: Tier) -> bool:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# -- what ranks tell each other about a save, as plain data (never a pickle) -----------------
+
+def _holding_fields(h: Holding) -> list:
+    """``h`` as plain data: its fields in order."""
+    return [h.tier, h.where, h.shared, h.token, list(h.ranks), h.world_size, h.has_metadata,
+            h.pending]
+
+
+def _holding_from(value: Any) -> Holding:
+    """The :class:`Holding` :func:`_holding_fields` made ``value`` of."""
+    tier, where, shared, token, ranks, world, has_metadata, pending = as_tuple(
+        value, as_str, as_str, as_bool, as_str, lambda v: as_list(v, lambda r: as_int(r, 0)),
+        lambda v: as_int(v, 1), as_bool, as_bool)
+    return Holding(tier, where, shared, token, tuple(ranks), world, has_metadata, pending)
+
+
+def _held_from(value: Any) -> tuple[list[Holding], dict[str, dict[str, str]]]:
+    """What one rank holds of a checkpoint and the pending parts it leads (see
+    ``_settle_parts``), from the plain data it sent."""
+    held, pending = as_tuple(value, lambda v: as_list(v, _holding_from),
+                             lambda v: as_dict(v, as_str, lambda p: as_dict(p, as_str, as_str)))
+    return held, pending
+
+
+def _verdicts_from(value: Any, count: int) -> list[bool | None]:
+    """The coordinator's ``count`` verdicts on pending parts (committed, not, unknown)."""
+    verdicts = as_list(value, optional(as_bool))
+    if len(verdicts) != count:
+        raise ValueError(f"{len(verdicts)} verdicts for {count} parts")
+    return verdicts
+
+
+def _save_told_from(value: Any) -> tuple[str, tuple[tuple[str, int], ...], str, str]:
+    """A save's token, the auto tiers' intervals, its id and first tier, as rank 0 sent them."""
+    token, intervals, cid, tier = as_tuple(
+        value, as_str, lambda v: as_list(v, lambda i: as_tuple(i, as_str, lambda n: as_int(n, 1))),
+        as_str, as_str)
+    return token, tuple(intervals), cid, tier
+
+
+def _written_from(value: Any) -> tuple[int, bool, list[tuple[str, FileEntry]]]:
+    """What one rank wrote of a save (its rank, whether it succeeded, its files' entries)."""
+    rank, ok, files = as_tuple(value, lambda v: as_int(v, 0), as_bool,
+                               lambda v: as_list(v, lambda f: as_tuple(f, as_str, lambda e: e)))
+    return rank, ok, [(rel, entry_from_fields(e, rel)) for rel, e in files]

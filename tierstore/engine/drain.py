@@ -39,6 +39,7 @@ from tierstore.format.checksum import hash_stream
 from tierstore.format.item_io import HashingWriter, decode_item, encode_to
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
+from tierstore.format.checksum import same_digest
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import drop_posts, post, read_post, seen_lost
 from tierstore.transport.transfer import MessageError, decode_message, encode_message
@@ -233,7 +234,7 @@ class Drainer(BackgroundJobs[DrainJob]):
             size, checksum = target.checksum_file(f"{cid}/{rel}", entry.checksum)
         except (FileNotFoundError, IntegrityError):
             return False
-        return size == entry.size and checksum == entry.checksum
+        return size == entry.size and same_digest(checksum, entry.checksum)
 
     def _replace_file(self, source: Tier, target: Tier, cid: str, rel: str,
                       manifest: Manifest) -> None:
@@ -518,7 +519,8 @@ class Drainer(BackgroundJobs[DrainJob]):
         the allow-list (``load_metadata``)."""
         entry = manifest.files[METADATA_NAME]
         raw = source.backend.read_bytes(f"{cid}/{METADATA_NAME}")
-        if len(raw) != entry.size or source.keyring.digest(raw, like=entry.checksum) != entry.checksum:
+        if len(raw) != entry.size or not same_digest(
+                source.keyring.digest(raw, like=entry.checksum), entry.checksum):
             raise DrainError(f"checkpoint '{cid}': {METADATA_NAME} on tier '{source.name}' does "
                              f"not match its manifest; it was not copied to '{target.name}'",
                              cid, target.name)
@@ -734,7 +736,8 @@ class Drainer(BackgroundJobs[DrainJob]):
                        if target.backend.size(f"{staging}/{rel}") != e.size]
             if not waiting and not missing:
                 wrong = sorted(rel for rel, e in job.all_files.items()
-                               if vouched.get(rel) != e.checksum)
+                               if not isinstance(vouched.get(rel), str)
+                               or not same_digest(vouched[rel], e.checksum))
                 if wrong:
                     raise DrainError(
                         f"checkpoint '{cid}': no part vouches for {', '.join(wrong[:5])} with "
@@ -1008,7 +1011,7 @@ def _check_source(cid: str, rel: str, source: Tier, target: Tier, entry: FileEnt
                   size: int, checksum: str) -> None:
     """Raise when the bytes read from the source differ from its manifest: a bad copy is never
     propagated to a slower tier."""
-    if size != entry.size or checksum != entry.checksum:
+    if size != entry.size or not same_digest(checksum, entry.checksum):
         raise DrainError(
             f"checkpoint '{cid}': {rel} on tier '{source.name}' does not match its manifest "
             f"({size} bytes, {checksum}; expected {entry.size} bytes, {entry.checksum}; "

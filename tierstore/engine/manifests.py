@@ -27,9 +27,15 @@ def build_manifest(tier: Tier, checkpoint_id: str, files: dict[str, FileEntry], 
     ``like``: the manifest of the copy this one is made from (a drain), whose save, step,
     times and versions it keeps; ``fields`` set or override any other field of
     :class:`Manifest`. ``plugins`` adds to the plugins recorded; the tier's own backend and
-    commit protocol are always recorded as they are."""
+    commit protocol are always recorded as they are.
+
+    Whether it is signed follows the same rule: a copy keeps ``like``'s ``signed_by``, so an
+    unsigned checkpoint stays unsigned wherever it is copied (tierstore.format.signing); a
+    manifest of this store's own save is signed where the store has a key."""
     values: dict[str, Any] = ({name: copy.deepcopy(getattr(like, name)) for name in _INHERITED}
-                              if like is not None else {"tierstore_version": __version__})
+                              if like is not None else
+                              {"tierstore_version": __version__,
+                               "signed_by": tier.keyring.sign_new()})
     values.update(fields)
     recorded = {**(like.plugins if like is not None else {}), **(plugins or {}),
                 "backend": tier.config.backend, "commit": tier.commit_name}

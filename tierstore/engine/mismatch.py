@@ -12,7 +12,7 @@ This costs one more read of the file, only when a mismatch was already found.
 
 from __future__ import annotations
 
-from tierstore.format.checksum import Hasher
+from tierstore.format.checksum import Hasher, same_digest
 from tierstore.format.manifest import FileEntry
 from tierstore.tiers.tier import Tier
 
@@ -29,7 +29,7 @@ def explain_mismatch(tier: Tier, path: str, entry: FileEntry) -> str:
         size, digest, bad = _read_again(tier, path, entry)
     except Exception as exc:  # noqa: BLE001 - the explanation is a courtesy to the error
         return f"read again, it could not be read ({type(exc).__name__}: {exc})"
-    if size == entry.size and digest == entry.checksum:
+    if size == entry.size and same_digest(digest, entry.checksum):
         return ("read again, it matches its manifest: the first read saw other bytes than the "
                 "tier holds (memory or a reader changed under it), the file is intact")
     if size != entry.size:
@@ -67,12 +67,12 @@ def _read_again(tier: Tier, path: str, entry: FileEntry) -> tuple[int, str, list
                 in_block += len(take)
                 view = view[len(take):]
                 if in_block == entry.block_bytes:
-                    if block is None or block.hexdigest() != blocks[index]:
+                    if block is None or not same_digest(block.hexdigest(), blocks[index]):
                         bad.append(index)
                     index, in_block = index + 1, 0
                     block = _block_hasher(keyring, blocks, index)
     if blocks is not None and in_block:
-        if block is None or block.hexdigest() != blocks[index]:
+        if block is None or not same_digest(block.hexdigest(), blocks[index]):
             bad.append(index)
     return size, whole.hexdigest(), bad if blocks is not None else None
 

@@ -32,12 +32,13 @@ import torch
 
 from tierstore.engine.manifests import build_manifest
 from tierstore.errors import IntegrityError, TierstoreError
-from tierstore.format.checksum import hash_stream
+from tierstore.format.checksum import hash_stream, same_digest
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.tiers.parity_sets import (MEMBERS_FILE, PARITY_FILE, ParitySet, header_of,
                                          parity_of, plain_header, read_members, recoverable)
 from tierstore.tiers.tier import Tier
-from tierstore.transport.collectives import all_gather_object
+from tierstore.transport.collectives import all_gather_message
+from tierstore.transport.shapes import as_bool, as_dict, as_int, as_list, as_str, as_tuple, optional
 from tierstore.transport.ends import TransferEnd
 from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
 
@@ -176,7 +177,8 @@ def verify_parity(group: Any, rank: int, cid: str, own: list[tuple[Tier, Manifes
     compare it with the parity the members hold; with ``repair``, a chunk that differs is
     rewritten. None when no rank holds parity of ``cid``."""
     held = parity_of(parity_tier, cid)
-    views = all_gather_object(held, group)
+    views = all_gather_message(held, group, optional(_parity_held_from),
+                               "the parity a rank holds (save token, set)")
     if held is None:
         if all(v is None for v in views):
             return None
@@ -236,12 +238,29 @@ def _own_copy(own: list[tuple[Tier, Manifest]], cid: str, rel: str,
                 got = hash_stream(f, hasher=tier.keyring.hasher_for(entry.checksum))
         except OSError:
             continue
-        if got == (entry.size, entry.checksum):
+        if got[0] == entry.size and same_digest(got[1], entry.checksum):
             return tier
     return None
 
 
 # -- what is held, and what can be rebuilt ---------------------------------------------------
+
+def _parity_held_from(value: Any) -> tuple[str, tuple[int, ...]]:
+    """(save token, the set's ranks), as :func:`parity_of` gives it, from a rank's message."""
+    token, members = as_tuple(value, as_str, lambda v: as_list(v, lambda r: as_int(r, 0)))
+    return token, tuple(members)
+
+
+def _holds_from(value: Any) -> dict[str, Any]:
+    """What a rank holds of a checkpoint (``mine`` of :func:`rebuild_lost`), from its message:
+    ``{"covered": {token: [ranks]}, "parity": (token, set) or None}``."""
+    fields = as_dict(value, as_str, lambda v: v)
+    if set(fields) != {"covered", "parity"}:
+        raise ValueError(f"fields {sorted(fields)}, not ['covered', 'parity']")
+    return {"covered": as_dict(fields["covered"], as_str,
+                               lambda v: as_list(v, lambda r: as_int(r, 0))),
+            "parity": optional(_parity_held_from)(fields["parity"])}
+
 
 def rebuild_lost(group: Any, rank: int, world: int, cid: str, mine: dict[str, Any],
                  own: list[tuple[Tier, Manifest]], parity_tier: Tier | None,
@@ -255,7 +274,8 @@ def rebuild_lost(group: Any, rank: int, world: int, cid: str, mine: dict[str, An
     sources, fastest first) whose entry has the digest the set's header records. ``mine``: what
     this rank holds of ``cid``: ``{"covered": {token: [ranks]}, "parity": (token, set) or
     None}``. Returns this rank's rebuilt copy ``(tier, manifest)`` when it got one."""
-    views = all_gather_object(mine, group)
+    views = all_gather_message(mine, group, _holds_from,
+                               "what a rank holds of the checkpoint (covered, parity)")
     plan: list[tuple[int, tuple[int, ...], str]] = []  # (lost, set, token)
     tokens = {t for v in views for t in v["covered"]}
     for token in sorted(tokens):
@@ -275,7 +295,7 @@ def rebuild_lost(group: Any, rank: int, world: int, cid: str, mine: dict[str, An
     # rebuild wrong bytes, which the lost rank would find only after both exchanges.
     mine_ok = all(_parity_sound(parity_tier, cid)
                   for lost, members, _ in plan if rank in members and rank != lost)
-    sound = all_gather_object(mine_ok, group)
+    sound = all_gather_message(mine_ok, group, as_bool, "whether its parity is sound")
     unsound = [(lost, [r for r in members if r != lost and not sound[r]])
                for lost, members, _ in plan]
     for lost, bad in unsound:
@@ -318,7 +338,7 @@ def _checked_read(tier: Tier, cid: str, name: str) -> bytes:
     raw = tier.backend.read_bytes(f"{cid}/{name}")
     hasher = tier.keyring.hasher_for(entry.checksum)
     hasher.update(raw)
-    if (len(raw), hasher.hexdigest()) != (entry.size, entry.checksum):
+    if len(raw) != entry.size or not same_digest(hasher.hexdigest(), entry.checksum):
         raise IntegrityError(f"checkpoint '{cid}': {name} on tier '{tier.name}' does not "
                              f"match its manifest")
     return raw
@@ -339,7 +359,7 @@ def _parity_sound(tier: Tier | None, cid: str) -> bool:
                 got = hash_stream(f, hasher=tier.keyring.hasher_for(entry.checksum))
         except (OSError, AttributeError):
             return False
-        if got != (entry.size, entry.checksum):
+        if got[0] != entry.size or not same_digest(got[1], entry.checksum):
             return False
     return True
 
@@ -452,7 +472,7 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
                 with rebuilt_tier.backend.open_read(f"{staging}/{rel}") as f:
                     size, digest = hash_stream(f, hasher=rebuilt_tier.keyring.hasher_for(
                         entry.checksum))
-                if (size, digest) != (entry.size, entry.checksum):
+                if size != entry.size or not same_digest(digest, entry.checksum):
                     raise IntegrityError(
                         f"{rel} of rank {lost}, rebuilt from the parity of ranks "
                         f"{survivors}, does not match its digest: a member's file changed "

@@ -30,9 +30,10 @@ from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveLedger
 from tierstore.errors import DrainError, ReplicationError
 from tierstore.events import Event, EventKind, Phase
-from tierstore.format.checksum import Hasher
+from tierstore.format.checksum import Hasher, same_digest
 from tierstore.format.manifest import METADATA_NAME, FileEntry
-from tierstore.transport.collectives import all_gather_object
+from tierstore.transport.collectives import all_gather_message
+from tierstore.transport.shapes import as_bool, as_str, as_tuple
 from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
 
 __all__ = ["ReplicationJob", "Replicator"]
@@ -141,7 +142,9 @@ class Replicator(BackgroundJobs[ReplicationJob]):
 
     def _agree_and_exchange(self, job: ReplicationJob, files: dict[str, FileEntry] | None) -> None:
         rank, world = self._rank, self._context.job.world_size
-        agreed = all_gather_object((job.checkpoint_id, files is not None), self.group)
+        agreed = all_gather_message([job.checkpoint_id, files is not None], self.group,
+                                    lambda v: as_tuple(v, as_str, as_bool),
+                                    "a checkpoint id and whether it committed there")
         if not all(ok and cid == job.checkpoint_id for cid, ok in agreed):
             log.info("not replicating %s: the save did not commit on every rank",
                      job.checkpoint_id)
@@ -232,8 +235,8 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         files: dict[str, FileEntry] = header["files"]
         for rel, entry in files.items():
             r = received_files.get((src, rel))
-            got = (r.size, r.hasher.hexdigest()) if r else (0, None)
-            if entry.size and got != (entry.size, entry.checksum):
+            got = (r.size, r.hasher.hexdigest()) if r else (0, "")
+            if entry.size and (got[0] != entry.size or not same_digest(got[1], entry.checksum)):
                 raise OSError(f"the replica of {rel} from rank {src} does not match its "
                               f"manifest (size {got[0]} of {entry.size}, checksum differs)")
         manifest = build_manifest(

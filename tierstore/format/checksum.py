@@ -9,12 +9,15 @@ how to check a digest from the digest alone.
 
 from __future__ import annotations
 
+import hmac
+
 from typing import IO, Callable
 
 import blake3
 import xxhash
 
-__all__ = ["ALGORITHM", "KEYED_PREFIX", "KEYED_ALGORITHM", "Hasher", "checksum_of", "hash_stream", "CHUNK_BYTES"]
+__all__ = ["ALGORITHM", "KEYED_PREFIX", "KEYED_ALGORITHM", "Hasher", "checksum_of", "hash_stream", "CHUNK_BYTES",
+           "same_digest"]
 
 #: read size of :func:`hash_stream` when the caller gives none
 CHUNK_BYTES = 8 << 20
@@ -75,3 +78,12 @@ def hash_stream(source: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
             sink(chunk)
         size += n
     return size, hasher.hexdigest()
+
+
+def same_digest(got: str, recorded: str) -> bool:
+    """Whether two digests (as manifests write them) are the same, compared in constant time:
+    a keyed digest is a MAC, and comparing MACs must not tell how many leading characters
+    match. Bytes, not str: ``compare_digest`` raises TypeError on a str that is not ASCII,
+    and a recorded digest comes from a tier."""
+    return hmac.compare_digest(got.encode("utf-8", "surrogatepass"),
+                               recorded.encode("utf-8", "surrogatepass"))

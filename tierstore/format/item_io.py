@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlanner, Rea
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
-from tierstore.format.checksum import Hasher
+from tierstore.format.checksum import Hasher, same_digest
 from tierstore.format.manifest import FileEntry
 from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, save_tensor,
                                              storage_alignment, template_for, tensor_bytes)
@@ -706,35 +706,42 @@ def _plan_parts(entry: FileEntry, reqs: list[ReadItem], storage_data: dict, meta
 
 
 class MappedCopy:
-    """A local copy's pages, mapped read-only and checked against its manifest entry (all of
-    it, or the blocks ``held``): a load reads what it needs straight from them, with no second
-    pass. A mapping keeps the file it was made of (its inode) even when the file is replaced or
-    deleted, and a load's checkpoint is kept from eviction (whose recycling would write over
-    those pages) until the load ends: by this process's ``keep``, and, through ``hold`` (the
-    reader's shared lock on the checkpoint's directory), by the other processes sharing that
-    directory. :meth:`close` when done."""
+    """A local copy's bytes, checked against its manifest entry (all of it, or the blocks
+    ``held``): a load takes what it needs from these very bytes, with no second pass over the
+    file.
 
-    def __init__(self, f: IO[bytes], pages: mmap.mmap | None,
-                 held: list[tuple[int, int]] | None) -> None:
-        self._f, self._pages = f, pages
+    The bytes are the file's pages, mapped read-only, when nobody but this user can change the
+    file (no copy, no memory of its own), and else a copy in this process's own memory: a
+    mapping shows whatever is written to the file later, and the bytes land in the state dict
+    only once every rank's plan and reads are done (DCP's plan exchange, the ranks'
+    agreement), so another writer of the tier who changed the file in that window would get
+    its bytes loaded under the digest of the checked ones. A mapping keeps the file it was
+    made of (its inode) even when the file is replaced or deleted, and ``hold`` (the reader's
+    shared lock on the checkpoint's directory) keeps the checkpoint from eviction, whose
+    recycling would write over those pages, until the load ends. :meth:`close` when done."""
+
+    def __init__(self, f: IO[bytes], data, held: list[tuple[int, int]] | None,
+                 pages: mmap.mmap | None = None) -> None:
+        self._f, self._data, self._pages = f, data, pages
         #: the byte ranges checked (None: the whole file)
         self.held = held
-        #: released with the pages (the reader's shared lock on the checkpoint's directory)
+        #: released with the bytes (the reader's shared lock on the checkpoint's directory)
         self.hold = None
 
     @property
     def data(self):
         """The file's bytes (only those of ``held`` may be read)."""
-        return self._pages if self._pages is not None else b""
+        return self._data
 
     @property
     def nbytes(self) -> int:
-        """Bytes checked, which a load reads from here."""
+        """Bytes checked (and readable)."""
         return len(self.data) if self.held is None else runs_bytes(self.held)
 
     def close(self) -> None:
-        """Unmap the pages and close the file (a view still held keeps them mapped until it
-        is released)."""
+        """Drop the bytes (unmap the pages) and close the file (a view still held keeps them
+        until it is released)."""
+        self._data = memoryview(b"")
         try:
             if self._pages is not None:
                 self._pages.close()
@@ -747,13 +754,24 @@ class MappedCopy:
                 self.hold = None
 
 
+def only_this_user_writes(st: os.stat_result) -> bool:
+    """Whether nobody but this process's user (and root) can change a file of status ``st``:
+    it is this user's and neither its group nor others may write it. (The directories above
+    it are checked when the tier's root is opened and made: nobody else can replace it.)"""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def map_checked(f: IO[bytes], entry: FileEntry, keyring,
                 runs: list[tuple[int, int]] | None = None) -> tuple[MappedCopy | None, str | None]:
-    """Check a local file against ``entry`` before a load reads it into the state dict, from
-    its pages mapped (no copy, no memory of its own: a copy of the old tensors would cost a
-    fresh page for every byte of them): the whole file, or with ``runs`` (whole blocks of an
-    entry that lists them) only those blocks, each against its own digest. ``keyring`` (a
-    tier's ``Keyring``) checks keyed digests.
+    """Check a local file against ``entry`` before a load reads it into the state dict: the
+    whole file, or with ``runs`` (whole blocks of an entry that lists them) only those blocks,
+    each against its own digest. ``keyring`` (a tier's ``Keyring``) checks keyed digests.
+
+    When only this user can write the file, it is checked through its pages mapped (no copy,
+    no memory of its own: a copy of the old tensors would cost a fresh page for every byte of
+    them). Otherwise it is read into private memory, piece by piece, each piece hashed as it
+    arrives (while it is in the CPU's cache), so that the bytes checked are the bytes the load
+    later copies out, whatever another writer does to the file meanwhile.
 
     Returns ``(copy, "")`` when it matches: the load reads from ``copy``, which then owns
     ``f``; ``(None, why)`` when not; ``(None, None)`` when ``f`` is not a regular file (a
@@ -767,31 +785,72 @@ def map_checked(f: IO[bytes], entry: FileEntry, keyring,
         return None, None
     if st.st_size != entry.size:
         return None, f"file is {st.st_size} bytes, its manifest says {entry.size}"
-    pages = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if entry.size else None
+    if only_this_user_writes(st) and entry.size:
+        return _map_checked_pages(f, fd, entry, keyring, runs)
+    try:
+        if runs is not None:
+            data = read_runs(f, runs, entry.size)
+            why = check_blocks(keyring, entry, data, runs)
+        else:
+            data, why = _read_hashed(f, entry, keyring)
+    except FileReadError as exc:  # the file shrank since its size was read
+        return None, str(exc)
+    if why:
+        return None, why
+    return MappedCopy(f, data, runs), ""
+
+
+def _map_checked_pages(f: IO[bytes], fd: int, entry: FileEntry, keyring,
+                       runs: list[tuple[int, int]] | None
+                       ) -> tuple[MappedCopy | None, str | None]:
+    """:func:`map_checked` through the file's pages, mapped read-only."""
+    pages = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     try:
         if runs is None:
             hasher = keyring.hasher_for(entry.checksum)
-            if pages is not None:
-                pages.madvise(mmap.MADV_SEQUENTIAL)
-                hasher.update(pages)
+            pages.madvise(mmap.MADV_SEQUENTIAL)
+            hasher.update(pages)
             actual = hasher.hexdigest()
-            why = ("" if actual == entry.checksum else
+            why = ("" if same_digest(actual, entry.checksum) else
                    f"checksum mismatch: manifest says {entry.checksum}, the bytes give {actual}")
         else:
-            view = memoryview(pages) if pages is not None else memoryview(b"")
+            view = memoryview(pages)
             try:  # (slices of the view, not of the mapping: those would be copies)
                 why = check_blocks(keyring, entry, view, runs)
             finally:
                 view.release()
     except BaseException:
-        if pages is not None:
-            pages.close()
+        pages.close()
         raise
     if why:
-        if pages is not None:
-            pages.close()
+        pages.close()
         return None, why
-    return MappedCopy(f, pages, runs), ""
+    return MappedCopy(f, pages, runs, pages), ""
+
+
+#: bytes read and hashed at a time by :func:`_read_hashed`: small enough to be hashed while
+#: still in the CPU's cache, large enough that the reads cost no more than one of the file
+_CHECK_PIECE = 4 << 20
+
+
+def _read_hashed(f: IO[bytes], entry: FileEntry, keyring) -> tuple[memoryview, str]:
+    """All ``entry.size`` bytes of ``f`` in a buffer of this process, hashed piece by piece
+    as read; and what differs from ``entry`` ("" when nothing)."""
+    buf = torch.empty(entry.size, dtype=torch.uint8)
+    view = memoryview(buf.numpy()) if entry.size else memoryview(bytearray())
+    hasher = keyring.hasher_for(entry.checksum)
+    f.seek(0)
+    got = 0
+    while got < entry.size:
+        n = f.readinto(view[got:min(got + _CHECK_PIECE, entry.size)])
+        if not n:
+            raise FileReadError(f"file is shorter than its manifest says ({entry.size} bytes)")
+        hasher.update(view[got:got + n])
+        got += n
+    actual = hasher.hexdigest()
+    why = ("" if same_digest(actual, entry.checksum) else
+           f"checksum mismatch: manifest says {entry.checksum}, the bytes give {actual}")
+    return view, why
 
 
 #: a run of blocks read from a reader that fetches ranges concurrently is asked for in pieces
@@ -838,14 +897,15 @@ def check_blocks(keyring, entry: FileEntry, data, runs: list[tuple[int, int]] | 
     file (``runs`` None) or the blocks of ``runs``, each against its own digest; "" when all
     of it matches. ``keyring`` (a store's ``Keyring``) checks keyed digests."""
     if runs is None:
-        if len(data) != entry.size or keyring.digest(data, like=entry.checksum) != entry.checksum:
+        if len(data) != entry.size or not same_digest(keyring.digest(data, like=entry.checksum),
+                                                      entry.checksum):
             return "the file's checksum differs"
         return ""
     size = entry.block_bytes
     for start, end in runs:
         for b in range(start // size, -(-end // size)):
             block = data[b * size:min((b + 1) * size, entry.size)]
-            if keyring.digest(block, like=entry.blocks[b]) != entry.blocks[b]:
+            if not same_digest(keyring.digest(block, like=entry.blocks[b]), entry.blocks[b]):
                 return f"block {b} (bytes {b * size}-{b * size + len(block)}) differs"
     return ""
 
@@ -977,7 +1037,7 @@ class _FileReading:
         if self.f.readinto(memoryview(self._scratch)[:1]):
             raise FileReadError(f"file is longer than its manifest says ({self.entry.size} bytes)")
         actual = self.hasher.hexdigest()
-        if actual != self.entry.checksum:
+        if not same_digest(actual, self.entry.checksum):
             raise FileReadError(f"checksum mismatch: manifest says {self.entry.checksum}, "
                                 f"the bytes give {actual}")
 

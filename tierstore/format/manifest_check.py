@@ -12,6 +12,9 @@ checks, in this order:
   tensor: each problem is named by its field.
 
 Both raise :class:`ManifestError` (an ``IntegrityError``): the copy is treated as corrupt.
+Every value a tier can put in a manifest (a wrong type, NaN, a number past what a file, a rank
+or a clock can be, a string that is not Unicode) gives that one error, so that a reader skips
+exactly that checkpoint and never the tier that holds it.
 """
 
 from __future__ import annotations
@@ -26,10 +29,19 @@ from tierstore.format.ids import is_valid_checkpoint_id
 from tierstore.format.paths import is_plain_file_name
 from tierstore.errors import IntegrityError
 
-__all__ = ["ManifestError", "SEAL_KEY", "canonical_fields", "seal_of", "check_fields"]
+__all__ = ["ManifestError", "SEAL_KEY", "canonical_fields", "seal_of", "check_fields",
+           "check_entry"]
 
 
 SEAL_KEY = "seal"
+#: the largest size, offset or step a manifest may hold: a file offset's range (off_t)
+MAX_INT = 2 ** 63 - 1
+#: the most ranks (world_size, parts) a manifest may name: readers build a set of every rank
+MAX_RANKS = 2 ** 20
+#: the latest time (seconds since 1970, year 5138) ``created``/``committed`` may be: one the
+#: command line can still print as a date
+MAX_TIME = 1e11
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
 _CHECKSUM = re.compile(rf"^(?:{ALGORITHM}:[0-9a-f]{{32}}|{KEYED_PREFIX}[0-9a-f]{{16}}:[0-9a-f]{{64}})$")
 
 
@@ -59,33 +71,53 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _int(data: dict, field: str, low: int = 0, *, optional: bool = False) -> None:
+def _is_int(value: Any, low: int = 0, high: int = MAX_INT) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _int(data: dict, field: str, low: int = 0, *, high: int = MAX_INT,
+         optional: bool = False) -> None:
     value = data.get(field)
     if value is None and optional:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise _fail(field, f"must be an integer >= {low}", value)
+    if not _is_int(value, low, high):
+        raise _fail(field, f"must be an integer from {low} to {high}", value)
+
+
+def _is_text(value: Any) -> bool:
+    """A str that is valid Unicode: JSON's ``\\ud800`` escapes make lone surrogates, which no
+    file name, message or terminal can take."""
+    if type(value) is not str:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _str(data: dict, field: str) -> None:
-    if not isinstance(data.get(field), str):
-        raise _fail(field, "must be a string", data.get(field))
+    if not _is_text(data.get(field)):
+        raise _fail(field, "must be a string (valid Unicode)", data.get(field))
 
 
-def _check_entry(name: str, entry: Any) -> None:
+def check_entry(name: str, entry: Any) -> None:
+    """Check one file entry (``files.<name>`` of a manifest, as JSON values): ManifestError
+    naming the field that is out of shape. Also what rebuilds an entry another rank sent."""
     where = f"files.{name}"
     if not isinstance(entry, dict):
         raise _fail(where, "must be a table", entry)
     size = entry.get("size")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise _fail(f"{where}.size", "must be an integer >= 0", size)
+    if not _is_int(size):
+        raise _fail(f"{where}.size", f"must be an integer from 0 to {MAX_INT}", size)
     checksum = entry.get("checksum")
     if not isinstance(checksum, str) or not _CHECKSUM.fullmatch(checksum):
         raise _fail(f"{where}.checksum", f"must be '{ALGORITHM}:<32 hex digits>' or "
                     f"'{KEYED_PREFIX}<key id>:<64 hex digits>'", checksum)
     rank = entry.get("rank")
-    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
-        raise _fail(f"{where}.rank", "must be a rank (integer >= 0) or null", rank)
+    if rank is not None and not _is_int(rank, 0, MAX_RANKS - 1):
+        raise _fail(f"{where}.rank", f"must be a rank (integer from 0 to {MAX_RANKS - 1}) or "
+                    f"null", rank)
     _check_blocks(where, entry, size, checksum)
     spans = entry.get("spans")
     if spans is None:
@@ -93,9 +125,7 @@ def _check_entry(name: str, entry: Any) -> None:
     if not isinstance(spans, list):
         raise _fail(f"{where}.spans", "must be a list of [item offset, offset, length]", spans)
     for span in spans:
-        if (not isinstance(span, list) or len(span) != 3
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                           for v in span)):
+        if not isinstance(span, list) or len(span) != 3 or not all(_is_int(v) for v in span):
             raise _fail(f"{where}.spans", "must hold [item offset, offset, length] triples of "
                         "integers >= 0", span)
         if span[1] + span[2] > entry["size"] or span[0] > entry["size"]:
@@ -106,8 +136,9 @@ def _check_blocks(where: str, entry: dict, size: int, checksum: str) -> None:
     """``block_bytes`` and ``blocks``: absent, or one digest of the file checksum's kind per
     block of the file."""
     block_bytes, blocks = entry.get("block_bytes", 0), entry.get("blocks")
-    if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes < 0:
-        raise _fail(f"{where}.block_bytes", "must be an integer >= 0", block_bytes)
+    if not _is_int(block_bytes):
+        raise _fail(f"{where}.block_bytes", f"must be an integer from 0 to {MAX_INT}",
+                    block_bytes)
     if blocks is None:
         return
     if not block_bytes:
@@ -145,7 +176,7 @@ def _blocks_of(kind: str) -> tuple[re.Pattern, int]:
 def check_fields(data: dict[str, Any]) -> None:
     """Check the shape and range of every field a reader, drain or load uses."""
     cid = data.get("checkpoint_id")
-    if not is_valid_checkpoint_id(cid):
+    if not isinstance(cid, str) or not is_valid_checkpoint_id(cid):
         raise _fail("checkpoint_id", "is not a valid checkpoint id", cid)
     files = data.get("files")
     if not isinstance(files, dict):
@@ -154,23 +185,22 @@ def check_fields(data: dict[str, Any]) -> None:
         if not is_plain_file_name(name):
             raise _fail("files", "names a file outside the checkpoint directory (only plain "
                         "file names are allowed)", name)
-        _check_entry(name, entry)
-    _int(data, "world_size", 1)
-    _int(data, "part", 0)
-    _int(data, "parts", 1)
+        check_entry(name, entry)
+    _int(data, "world_size", 1, high=MAX_RANKS)
+    _int(data, "part", 0, high=MAX_RANKS - 1)
+    _int(data, "parts", 1, high=MAX_RANKS)
     if data["part"] >= data["parts"]:
         raise _fail("part", f"must be below parts ({data['parts']})", data["part"])
     ranks = data.get("ranks")
     if (not isinstance(ranks, list) or not ranks
-            or not all(isinstance(r, int) and not isinstance(r, bool)
-                       and 0 <= r < data["world_size"] for r in ranks)):
+            or not all(_is_int(r, 0, data["world_size"] - 1) for r in ranks)):
         raise _fail("ranks", f"must list ranks below world_size ({data['world_size']})", ranks)
     codecs = data.get("codecs")
-    if not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs):
+    if not isinstance(codecs, list) or not all(_is_text(c) for c in codecs):
         raise _fail("codecs", "must be a list of codec names", codecs)
     plugins = data.get("plugins")
     if not isinstance(plugins, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in plugins.items()):
+            _is_text(k) and _is_text(v) for k, v in plugins.items()):
         raise _fail("plugins", "must be a table of names -> versions", plugins)
     if not isinstance(data.get("pinned"), bool):
         raise _fail("pinned", "must be true or false", data.get("pinned"))
@@ -178,8 +208,10 @@ def check_fields(data: dict[str, Any]) -> None:
         _str(data, name)
     for name in ("created", "committed"):
         value = data.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise _fail(name, "must be a time in seconds", value)
+        # bounded (NaN and infinity compare false): it is sorted, compared and printed as a date
+        if type(value) not in (int, float) or not 0 <= value <= MAX_TIME:
+            raise _fail(name, f"must be a time in seconds since 1970 (from 0 to {MAX_TIME:.0e})",
+                        value)
     _int(data, "step", 0, optional=True)
     algorithm = data.get("checksum_algorithm")
     if algorithm not in (ALGORITHM, KEYED_ALGORITHM):
@@ -190,5 +222,5 @@ def check_fields(data: dict[str, Any]) -> None:
         raise _fail("checksum_algorithm", "says every digest is keyed, but one is not",
                     algorithm)
     signed_by = data.get("signed_by", "")
-    if not isinstance(signed_by, str):
-        raise _fail("signed_by", "must be a key id or empty", signed_by)
+    if not isinstance(signed_by, str) or not (signed_by == "" or _KEY_ID.fullmatch(signed_by)):
+        raise _fail("signed_by", "must be a key id (16 hex digits) or empty", signed_by)

@@ -13,10 +13,13 @@ Keys are never used as given: each secret is turned into a master key with BLAKE
 derivation, and from it one key per purpose (file digests, manifest MACs, the public key id),
 so that no output of one use helps forge another. The id is a fingerprint, safe to show.
 
-A manifest is *signed* when it has a MAC and every file digest in it is keyed; a drained copy of
-an unsigned checkpoint stays unsigned (its digests were never keyed, so a MAC over them would
-vouch for bytes nobody signed). With keys configured, an unsigned manifest is refused unless
-``[store] accept_unsigned = true`` (migrating checkpoints written before signing).
+A manifest is *signed* when it has a MAC and every file digest in it is keyed. A copy never
+gains trust its source did not have: a drained, promoted, repaired or re-pinned copy of an
+unsigned checkpoint stays unsigned, even when its digests are keyed (copied, say, from a signed
+checkpoint by someone who planted it while ``accept_unsigned`` was on); a MAC over them would
+vouch for a manifest nobody with the key wrote. With keys configured, an unsigned manifest is
+refused unless ``[store] accept_unsigned = true`` (migrating checkpoints written before
+signing).
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ MIN_SECRET_BYTES = 16
 
 _CONTEXT = "tierstore 2026-11 signing {} v1"
 _KEYED_CHECKSUM = re.compile(rf"^{KEYED_PREFIX}([0-9a-f]{{16}}):")
+#: a manifest's seal as written: a MAC, or an unsigned XXH3 checksum
+_SEAL = re.compile(rf"{re.escape(MAC_PREFIX)}[0-9a-f]{{64}}"
+                   rf"|{re.escape(ALGORITHM)}:[0-9a-f]{{32}}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class SignatureError(ManifestError):
@@ -133,14 +144,28 @@ class Keyring:
         return hasher.hexdigest()
 
     # -- manifests --------------------------------------------------------------------------
+    def sign_new(self) -> str:
+        """The ``signed_by`` a manifest this store writes from its own save starts with: the
+        signing key's id ("" without keys). A copy keeps its source's instead (see
+        :meth:`seal`)."""
+        return self.keys[0].key_id if self.keys else ""
+
     def seal(self, fields: dict[str, Any]) -> dict[str, Any]:
         """``fields`` (a manifest's, as a dict) with ``checksum_algorithm``, ``signed_by`` and
-        the seal set: a MAC when every digest is keyed and this store signs, else an XXH3
-        seal. The dict is changed in place and returned."""
+        the seal set: a MAC when the manifest is to be signed, every digest is keyed and this
+        store signs, else an XXH3 seal. The dict is changed in place and returned.
+
+        *To be signed* is what ``signed_by`` says: a save's own manifest starts with the
+        signing key's id (:meth:`sign_new`), a manifest read from a tier has the id of the key
+        that signed it, or "" when it was not signed. A copy (a drain, promote, repair) or a
+        rewrite (a pin) keeps that field, so it never gains trust its source did not have:
+        keyed digests alone prove nothing, since anyone can copy them from another signed
+        checkpoint into an unsigned manifest that names other files, another step or id."""
         digests = [entry["checksum"] for entry in fields["files"].values()]
         keyed = bool(digests) and all(_KEYED_CHECKSUM.match(d) for d in digests)
+        vouched = bool(fields.get(SIGNED_BY_KEY))
         fields.pop(SEAL_KEY, None)
-        if keyed and self.keys:
+        if vouched and keyed and self.keys:
             fields["checksum_algorithm"] = KEYED_ALGORITHM
             fields[SIGNED_BY_KEY] = self.keys[0].key_id
             fields[SEAL_KEY] = self.keys[0].mac(fields)
@@ -160,6 +185,12 @@ class Keyring:
         IntegrityError) saying which."""
         seal = data.pop(SEAL_KEY, None)
         signed_by = data.get(SIGNED_BY_KEY, "")
+        # Its shape first: compare_digest raises TypeError on a str that is not ASCII.
+        if seal is not None and not (isinstance(seal, str) and _SEAL.fullmatch(seal)):
+            raise SignatureError(
+                f"its seal {_short(seal)} is not one tierstore writes ('{MAC_PREFIX}<64 hex "
+                f"digits>' or '{ALGORITHM}:<32 hex digits>'): the manifest was changed or "
+                f"damaged after it was written")
         if isinstance(seal, str) and seal.startswith(MAC_PREFIX):
             if not isinstance(signed_by, str) or not re.fullmatch(r"[0-9a-f]{16}", signed_by):
                 raise SignatureError("the manifest carries a MAC but no valid 'signed_by' key id")

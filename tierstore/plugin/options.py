@@ -15,17 +15,39 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tierstore.errors import ConfigError
 
-__all__ = ["Option", "ConfigSource", "resolve_env"]
+__all__ = ["Option", "ConfigSource", "resolve_env", "with_article", "shown_variable"]
 
 _MISSING = object()
 
 #: what stands in a message for a value read from the environment
 _MASK = "***"
+#: what an environment variable's name looks like (POSIX: upper-case letters, digits, '_')
+_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
+#: ...unless it is a long run of upper-case hex digits: more likely a key than a name
+_HEXISH = re.compile(r"(?=.*[0-9])[0-9A-F]{16,}")
+_TYPE_WORDS = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
+               dict: "table"}
+
+
+def with_article(words: str) -> str:
+    """``words`` after "a" or "an", as English says it ("an array", "a table")."""
+    return ("an " if words[:1].lower() in "aeiou" and words[:1] else "a ") + words
+
+
+def shown_variable(name: str, secret: bool) -> str:
+    """How a message names the environment variable ``name``: ``'NAME'``, except for a
+    ``secret`` key where ``name`` does not read like a variable's name (the secret itself,
+    pasted where the name belongs), which is not shown."""
+    if not secret or (_VARIABLE.fullmatch(name) and not _HEXISH.fullmatch(name)):
+        return repr(name)
+    return (f"(its name, {len(name)} characters, not shown: it does not read like a "
+            f"variable's NAME and may be the secret itself)")
 
 
 @dataclass(frozen=True)
@@ -39,6 +61,11 @@ class Option:
 
     ``expand`` marks a location (a path or URL): besides the placeholders, the core refuses an
     empty or blank location and a NUL character in it before ``check`` runs.
+
+    ``secret`` marks a key whose value is or may hold a secret (a signing key, credentials):
+    no message about it quotes its value, nor the name of a variable it reads that does not
+    read like one (a secret pasted where the name belongs); they say what is wrong and what
+    the key takes instead.
     """
 
     name: str
@@ -56,8 +83,11 @@ class Option:
     #: how messages name the accepted values, where the types alone would mislead (a tier's
     #: ``every`` takes a number of steps or the one string "auto")
     type_label: str | None = None
+    #: the value is, or holds, a secret: never quoted in a message
+    secret: bool = False
 
     def type_name(self) -> str:
+        """How messages name the values this key takes ("integer", "string or table")."""
         if self.type_label:
             return self.type_label
         types = self.type if isinstance(self.type, tuple) else (self.type,)
@@ -169,31 +199,60 @@ def _masked(value: Any, env_values: dict[str, str], names: list[str]) -> Any:
     return value
 
 
-def resolve_env(value: Any, where: str, key: str, source: ConfigSource | None = None) -> Any:
+def resolve_env(value: Any, where: str, key: str, source: ConfigSource | None = None,
+                secret: bool = False) -> Any:
     """Replace ``{env = "NAME"}`` tables (at any depth) with the environment variable's value.
 
-    With ``source``, each value read is recorded there, so that messages mask it."""
+    With ``source``, each value read is recorded there, so that messages mask it. ``secret``:
+    the key holds secrets (see :class:`Option`), so its messages quote no value."""
     if isinstance(value, dict):
         if set(value) == {"env"}:
             name = value["env"]
             if not isinstance(name, str) or not name:
+                shown = "" if secret else f" {name!r}"
                 raise ConfigError(
                     f"{where}: key '{key}': {{ env = ... }} takes the name of an environment "
-                    f"variable as a string, got {type(name).__name__} {name!r}; write "
+                    f"variable as a string, got {type(name).__name__}{shown}; write "
                     f"{{ env = \"NAME\" }}"
                 )
             if name not in os.environ:
+                shown = shown_variable(name, secret)
+                export = f"export {name}=..." if shown == repr(name) else "export it"
                 raise ConfigError(
-                    f"{where}: key '{key}' reads environment variable {name!r}, which is not set; "
-                    f"export {name}=... before starting the job, or write the value in the config"
+                    f"{where}: key '{key}' reads environment variable {shown}, which is not set; "
+                    f"{export} before starting the job, or write the value in the config"
                 )
             if source is not None:
                 source.env_values[os.environ[name]] = name
             return os.environ[name]
-        return {k: resolve_env(v, where, f"{key}.{k}", source) for k, v in value.items()}
+        return {k: resolve_env(v, where, f"{key}.{k}", source, secret)
+                for k, v in value.items()}
     if isinstance(value, list):
-        return [resolve_env(v, where, key, source) for v in value]
+        return [resolve_env(v, where, key, source, secret) for v in value]
     return value
+
+
+def _without_values(text: str, value: Any) -> str:
+    """``text`` with every string held in ``value`` (at any depth, 8 characters or more: a
+    shorter one is no secret and would garble the text) replaced by ``***``: a check's text
+    about a secret key must not quote what was written."""
+    leaves: list[str] = []
+
+    def collect(v: Any) -> None:
+        if isinstance(v, str):
+            leaves.append(v)
+        elif isinstance(v, dict):
+            for item in v.values():
+                collect(item)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                collect(item)
+
+    collect(value)
+    for leaf in sorted(leaves, key=len, reverse=True):
+        if len(leaf) >= 8:
+            text = text.replace(repr(leaf), _MASK).replace(leaf, _MASK)
+    return text
 
 
 def _location_problem(value: str) -> str | None:
@@ -282,11 +341,21 @@ def validate_table(
                 )
             out[opt.name] = opt.default
             continue
-        value = (resolve_env(table[opt.name], where, opt.name, source) if opt.read_env
-                 else table[opt.name])
+        value = (resolve_env(table[opt.name], where, opt.name, source, opt.secret)
+                 if opt.read_env else table[opt.name])
+        # (a value read from the environment is quoted as "***" below: the general message,
+        # with its hint on reading single entries, shows nothing of it)
+        if not _type_ok(value, opt.type) and opt.secret and source.env_name(value) is None:
+            got = with_article(_TYPE_WORDS.get(type(value), type(value).__name__))
+            desc = f" ({opt.description})" if opt.description else ""
+            raise ConfigError(
+                f"{where}: {owner}: key '{opt.name}' must be {with_article(opt.type_name())}, "
+                f"got {got} (not shown: '{opt.name}' holds secrets). "
+                f"Write {opt.name} = <{opt.type_name()}>{desc}."
+            )
         if not _type_ok(value, opt.type):
             raise ConfigError(
-                f"{where}: {owner}: key '{opt.name}' must be a {opt.type_name()}, "
+                f"{where}: {owner}: key '{opt.name}' must be {with_article(opt.type_name())}, "
                 f"got {type(value).__name__} {source.quote(value)}. "
                 f"{_type_hint(opt, value, source)}"
             )
@@ -296,16 +365,18 @@ def validate_table(
                 f"{opt.type_name()} ({opt.description or 'see docs/configuration.md'})."
             )
         if opt.choices is not None and value not in opt.choices:
+            shown = "not one of its values" if opt.secret else source.quote(value)
             raise ConfigError(
-                f"{where}: {owner}: key '{opt.name}' is {source.quote(value)}; valid values: "
+                f"{where}: {owner}: key '{opt.name}' is {shown}; valid values: "
                 f"{', '.join(map(repr, opt.choices))}."
             )
         if opt.expand and isinstance(value, str):
             problem = _location_problem(value)
             if problem:
                 desc = f": {opt.description}" if opt.description else ""
+                shown = "" if opt.secret else f" = {source.quote(value)}"
                 raise ConfigError(
-                    f"{where}: {owner}: key '{opt.name}' = {source.quote(value)} {problem}; "
+                    f"{where}: {owner}: key '{opt.name}'{shown} {problem}; "
                     f"give '{opt.name}' the tier's own location{desc}."
                 )
         if opt.check is not None:
@@ -313,6 +384,8 @@ def validate_table(
             if problem:
                 if source.from_env(value):
                     problem = source.redact(problem)
+                if opt.secret:
+                    problem = _without_values(problem, value)
                 raise ConfigError(f"{where}: {owner}: key '{opt.name}': {problem}.")
         out[opt.name] = value
     return out

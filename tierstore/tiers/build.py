@@ -18,7 +18,8 @@ from tierstore.tiers.layout import TierLayout, compute_layouts
 from tierstore.tiers.schedule import AutoSchedule
 from tierstore.tiers.tier import Tier
 from tierstore.tiers.tierset import TierSet
-from tierstore.transport.collectives import RankContext, all_gather_object
+from tierstore.transport.collectives import RankContext, all_gather_message
+from tierstore.transport.shapes import as_list, as_str, as_tuple, optional
 
 __all__ = ["build_tiers", "parity_tier", "replica_tier", "standalone_tier"]
 
@@ -83,7 +84,9 @@ def check_tiers(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: R
     if group is None:
         found = [[result] for result in mine]
     else:
-        gathered = all_gather_object(mine, group)
+        gathered = all_gather_message([None if m is None else list(m) for m in mine], group,
+                                      lambda v: _results_from(v, len(tiers)),
+                                      f"what checking its {len(tiers)} tiers found")
         # What the leader of each part found: a node-local tier is checked on every node.
         found = [[gathered[part[0]][i] for part in tier.layout.all_parts]
                  for i, tier in enumerate(tiers)]
@@ -105,6 +108,18 @@ def check_tiers(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: R
     if errors:
         kind, why = errors[0]
         raise (ConfigError if kind == _UNUSABLE else PluginError)(why)
+
+
+def _results_from(value: Any, count: int) -> list[tuple[str, str, str] | None]:
+    """What one rank found checking the ``count`` tiers (see :func:`_check_tier`; None where
+    another rank checks), from the plain data it sent."""
+    results = as_list(value, optional(lambda v: as_tuple(v, as_str, as_str, as_str)))
+    if len(results) != count:
+        raise ValueError(f"{len(results)} results for {count} tiers")
+    unknown = {r[0] for r in results if r is not None} - {_OK, _DOWN, _UNUSABLE, _FAILED}
+    if unknown:
+        raise ValueError(f"unknown outcome(s) {sorted(unknown)}")
+    return results
 
 
 def _check_tier(tier: Tier, config: StoreConfig, host: PluginHost) -> tuple[str, str, str]:

@@ -14,7 +14,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore.transport.collectives import RankContext, all_gather_object
+from tierstore.transport.collectives import RankContext, all_gather_message
+from tierstore.transport.shapes import as_list, as_str, as_tuple
 from tierstore.errors import ConfigError
 
 __all__ = ["TierLayout", "compute_layouts", "SINGLE"]
@@ -60,7 +61,8 @@ def compute_layouts(tiers: list[Any], ctx: RankContext, group: Any, source: Any)
     host = socket.gethostname()
     mine = [t.backend.describe() if t.config.shared else (host, t.backend.describe())
             for t in tiers]
-    views = all_gather_object(mine, group)
+    views = all_gather_message(mine, group, lambda v: _view_from(v, len(tiers)),
+                               f"one location per tier ({len(tiers)})")
     layouts = []
     for i, tier in enumerate(tiers):
         keys: dict[Any, list[int]] = {}
@@ -77,3 +79,12 @@ def compute_layouts(tiers: list[Any], ctx: RankContext, group: Any, source: Any)
         part = next(p for p, ranks in enumerate(all_parts) if ctx.rank in ranks)
         layouts.append(TierLayout(part, len(all_parts), all_parts[part], all_parts))
     return layouts
+
+
+def _view_from(value: Any, count: int) -> list:
+    """One rank's locations of the ``count`` tiers (``describe()``, with its host for a tier
+    that is not shared), from the plain data it sent."""
+    views = as_list(value, lambda v: v if isinstance(v, str) else as_tuple(v, as_str, as_str))
+    if len(views) != count:
+        raise ValueError(f"{len(views)} locations for {count} tiers")
+    return views

@@ -23,7 +23,7 @@ from typing import IO, Callable, Iterator
 
 from tierstore.config.validate import TierConfig
 from tierstore.errors import IntegrityError, TierFullError
-from tierstore.format.checksum import hash_stream
+from tierstore.format.checksum import hash_stream, same_digest
 from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from tierstore.format.signing import UNSIGNED, Keyring
 from tierstore.plugin.bases import Backend, CommitProtocol, DirectoryLock
@@ -246,7 +246,7 @@ class Tier:
                 continue
             if size != entry.size:
                 problems.append(problem(rel, f"size {size} bytes, manifest says {entry.size}"))
-            elif checksum != entry.checksum:
+            elif not same_digest(checksum, entry.checksum):
                 problems.append(problem(rel, f"checksum {checksum}, manifest says {entry.checksum}"))
         return problems
 

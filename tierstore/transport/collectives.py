@@ -1,5 +1,10 @@
 """Where this process sits in the job (rank, node) and the store's own collectives.
 
+What ranks exchange travels as typed messages (:mod:`tierstore.transport.messages`), never as
+pickles: unpickling what another rank sent would run whatever code that rank chose. There is
+no pickling collective here on purpose (``torch.distributed``'s ``*_object`` functions); a
+check in the suite keeps it so.
+
 Everything here works without torch.distributed: a single process is rank 0 of 1 on node 0.
 """
 
@@ -18,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from tierstore.errors import RanksLostError
-from tierstore.transport.messages import decode_message, encode_message
+from tierstore.transport.messages import MessageError, decode_message, encode_message
 
-__all__ = ["MaxInFlight", "start_all_reduce_max", "RankContext", "rank_context", "make_store_group", "all_gather_object",
-           "all_gather_message", "broadcast_message", "broadcast_object", "barrier", "all_reduce_max", "peers_lost",
+__all__ = ["MaxInFlight", "start_all_reduce_max", "RankContext", "rank_context", "make_store_group",
+           "all_gather_message", "broadcast_message", "broadcast_with_bytes", "barrier",
+           "all_reduce_max", "peers_lost",
            "seen_lost", "post", "read_post", "drop_posts"]
 
 log = logging.getLogger("tierstore.collectives")
@@ -185,68 +191,97 @@ def _roll_call(group: Any, call: int, stop: Callable[[], bool] | None = None
         return None
 
 
-def all_gather_object(obj: Any, group: Any) -> list[Any]:
-    """``[obj]`` without torch.distributed, else every rank's ``obj`` in rank order."""
-    if group is None:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    _collective(group, "gathering from every rank",
-                lambda: dist.all_gather_object(out, obj, group=group))
-    return out
+def _read(read: Callable[[Any], Any] | None, value: Any, sender: str, what: str) -> Any:
+    """``read(value)``: a message from ``sender`` as its exchange expects it. A value of
+    another shape is a :class:`MessageError` naming the sender, never a crash further on."""
+    if read is None:
+        return value
+    try:
+        return read(value)
+    except MessageError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise MessageError(f"{sender} sent a message that is not {what} ({exc}); every rank of "
+                           f"a job must run the same tierstore") from None
 
 
-def broadcast_object(obj: Any, group: Any, src_group_rank: int = 0) -> Any:
-    """Rank ``src_group_rank``'s ``obj`` on every rank (``obj`` itself without a group)."""
-    if group is None:
-        return obj
-    box = [obj]
-    _collective(group, f"receiving from rank {src_group_rank} of the group",
-                lambda: dist.broadcast_object_list(box, group=group, group_src=src_group_rank))
-    return box[0]
-
-
-def broadcast_message(obj: Any, group: Any, src_group_rank: int = 0) -> Any:
+def broadcast_message(obj: Any, group: Any, src_group_rank: int = 0,
+                      read: Callable[[Any], Any] | None = None,
+                      what: str = "what was expected") -> Any:
     """Rank ``src_group_rank``'s ``obj`` (plain data: :func:`~tierstore.transport.messages.
     encode_message`) on every rank, as a typed message, never a pickle: its length, then its
-    bytes. ``obj`` itself without a group."""
+    bytes. ``obj`` itself without a group. ``read`` rebuilds what the exchange expects from
+    the message on every rank (see :mod:`tierstore.transport.shapes`): a message it
+    refuses raises :class:`MessageError` naming the sender (``what``: what was expected)."""
+    got, _ = broadcast_with_bytes(obj, None, group, src_group_rank, read, what)
+    return got
+
+
+def broadcast_with_bytes(obj: Any, data: bytes | None, group: Any, src_group_rank: int = 0,
+                         read: Callable[[Any], Any] | None = None,
+                         what: str = "what was expected") -> tuple[Any, bytes | None]:
+    """:func:`broadcast_message` of ``obj`` with ``data`` (bytes, or None) beside it, as they
+    are (bytes inside a message travel in base64, a third larger). Two collectives, as for a
+    message alone: both lengths, then both in one buffer. Returns ``(obj, data)``."""
     if group is None:
-        return obj
-    me = dist.get_rank(group)
-    raw = encode_message(obj) if me == src_group_rank else b""
-    size = torch.tensor([len(raw)], dtype=torch.int64)
-    what = f"receiving from rank {src_group_rank} of the group"
-    _collective(group, what, lambda: dist.broadcast(size, group=group, group_src=src_group_rank))
-    buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if me == src_group_rank
-           else torch.empty(int(size.item()), dtype=torch.uint8))
+        return _read(read, obj, "this rank", what), data
+    src = dist.get_rank(group) == src_group_rank
+    raw = encode_message(obj) if src else b""
+    blob = (data or b"") if src else b""
+    size = torch.tensor([len(raw), -1 if data is None else len(blob)] if src else [0, 0],
+                        dtype=torch.int64)
+    sender = f"rank {src_group_rank}"
+    where = f"receiving from rank {src_group_rank} of the group"
+    _collective(group, where, lambda: dist.broadcast(size, group=group, group_src=src_group_rank))
+    n_raw, n_blob = int(size[0].item()), int(size[1].item())
+    if n_raw < 0 or n_blob < -1:
+        raise MessageError(f"{sender} sent a message of {n_raw} bytes with {n_blob} beside it; "
+                           f"every rank of a job must run the same tierstore")
+    if src:
+        buf = (torch.frombuffer(bytearray(raw + blob), dtype=torch.uint8) if raw or blob
+               else torch.empty(0, dtype=torch.uint8))
+    else:
+        buf = torch.empty(n_raw + max(n_blob, 0), dtype=torch.uint8)
     if buf.numel():
-        _collective(group, what, lambda: dist.broadcast(buf, group=group,
-                                                        group_src=src_group_rank))
-    if me == src_group_rank:
-        return obj
-    return decode_message(buf.numpy().tobytes(), f"rank {src_group_rank}")
+        _collective(group, where, lambda: dist.broadcast(buf, group=group,
+                                                         group_src=src_group_rank))
+    if src:  # read too: every rank gets the same kind of value back
+        return _read(read, obj, "this rank", what), data
+    got = buf.numpy().tobytes()
+    return (_read(read, decode_message(got[:n_raw], sender), sender, what),
+            None if n_blob < 0 else got[n_raw:])
 
 
-def all_gather_message(obj: Any, group: Any) -> list[Any]:
+def all_gather_message(obj: Any, group: Any, read: Callable[[Any], Any] | None = None,
+                       what: str = "what was expected") -> list[Any]:
     """Every rank's ``obj`` (plain data: :func:`~tierstore.transport.messages.encode_message`)
     in rank order, as typed messages, never pickles; ``[obj]`` without a group. Two
     collectives: the lengths, then the messages padded to the longest (so keep them small and
-    of like size: what one rank sends long, every rank receives N times)."""
+    of like size: what one rank sends long, every rank receives N times). ``read`` rebuilds
+    what the exchange expects from each message, this rank's own too (see
+    :mod:`tierstore.transport.shapes`): a message it refuses raises :class:`MessageError`
+    naming the rank that sent it (``what``: what was expected)."""
     if group is None:
-        return [obj]
+        return [_read(read, obj, "this rank", what)]
     raw = encode_message(obj)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    what = "gathering from every rank"
-    _collective(group, what, lambda: dist.all_gather(
+    where = "gathering from every rank"
+    _collective(group, where, lambda: dist.all_gather(
         sizes, torch.tensor([len(raw)], dtype=torch.int64), group=group))
-    longest = max(int(t.item()) for t in sizes)
+    lengths = [int(t.item()) for t in sizes]
+    bad = [r for r, n in enumerate(lengths) if n < 0]
+    if bad:
+        raise MessageError(f"rank {bad[0]} sent a message of {lengths[bad[0]]} bytes; every "
+                           f"rank of a job must run the same tierstore")
+    longest = max(lengths)
     mine = torch.zeros(longest, dtype=torch.uint8)
     if raw:
         mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    _collective(group, what, lambda: dist.all_gather(bufs, mine, group=group))
-    return [decode_message(buf[:int(n.item())].numpy().tobytes(), f"rank {r}")
-            for r, (buf, n) in enumerate(zip(bufs, sizes))]
+    _collective(group, where, lambda: dist.all_gather(bufs, mine, group=group))
+    return [_read(read, decode_message(buf[:n].numpy().tobytes(), f"rank {r}"), f"rank {r}",
+                  what) for r, (buf, n) in enumerate(zip(bufs, lengths))]
 
 
 def all_reduce_max(value: int, group: Any, stop: Callable[[], bool] | None = None) -> int:

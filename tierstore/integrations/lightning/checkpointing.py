@@ -19,13 +19,16 @@ Ordering, the reason for most of what is here:
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import re
 import threading
 import weakref
 from typing import Any, Iterable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -33,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 # tierstore's public API (``tierstore.open``, ``tierstore.Store``, its errors), imported from the
 # modules that define it: no module inside the ``tierstore`` package imports the package itself
 # (tests/test_architecture.py), and this adapter lives inside it.
-from tierstore.errors import CheckpointNotFound, CommitError
+from tierstore.errors import CheckpointNotFound, CommitError, TierstoreError
 from tierstore.store import Store
 from tierstore.store import open as open_store
 
@@ -267,14 +270,26 @@ class Checkpoints:
             newest = max(everywhere, key=lambda c: (held[0][c], c), default=None)
         return None if newest is None else (newest, named.get(newest))
 
-    def _gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` on every rank, in rank order, over the store's group."""
+    def _gather(self, obj: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's ``obj`` (checkpoint id -> a string or a number) on every rank, in rank
+        order, over the store's group: as JSON, never a pickle (unpickling what another rank
+        sent would run whatever code that rank chose). A rank that sent anything else raises
+        TierstoreError naming it."""
         group = self.store.process_group
         if group is None:
             return [obj]
-        out: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
+        raw = json.dumps(obj).encode()
+        world = dist.get_world_size(group)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([len(raw)], dtype=torch.int64), group=group)
+        lengths = [int(t.item()) for t in sizes]
+        longest = max(lengths)
+        mine = torch.zeros(max(longest, 0), dtype=torch.uint8)
+        if raw:
+            mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        bufs = [torch.empty(max(longest, 0), dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(bufs, mine, group=group)
+        return [_gathered_view(buf, n, r) for r, (buf, n) in enumerate(zip(bufs, lengths))]
 
     @staticmethod
     def _pointers_in(directories: Iterable[str]) -> dict[str, str]:
@@ -313,3 +328,21 @@ class Checkpoints:
             dcp.load(state, storage_reader=store.reader(), checkpoint_id=checkpoint_id,
                      process_group=store.process_group)
         return checkpoint
+
+
+def _gathered_view(buf: torch.Tensor, length: int, rank: int) -> dict[str, Any]:
+    """What rank ``rank`` sent (``length`` bytes of ``buf``): checkpoint id -> a path or a
+    commit time. TierstoreError naming the rank when it is not that."""
+    try:
+        if length < 0 or length > buf.numel():
+            raise ValueError(f"a length of {length} bytes")
+        view = json.loads(buf[:length].numpy().tobytes().decode())
+        if not isinstance(view, dict) or not all(
+                isinstance(k, str) and (isinstance(v, str) or (
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)))
+                for k, v in view.items()):
+            raise ValueError("not a table of checkpoint id -> path or time")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise TierstoreError(f"rank {rank} sent a malformed list of checkpoints ({exc}); every "
+                             f"rank of a job must run the same tierstore") from None
+    return view
