@@ -38,6 +38,8 @@ import os
 import pwd
 import stat
 
+from tierstore.plugin import TierstoreError
+
 __all__ = ["DIR_MODE", "UnsafeDirectoryError", "below_root_fault", "check_open_root", "entry_fault",
            "root_fault", "way_fault"]
 
@@ -46,9 +48,11 @@ __all__ = ["DIR_MODE", "UnsafeDirectoryError", "below_root_fault", "check_open_r
 DIR_MODE = 0o755
 
 
-class UnsafeDirectoryError(PermissionError):
+class UnsafeDirectoryError(TierstoreError, PermissionError):
     """A tier's root, the way to it or a directory in it, that another user could change.
-    ``fault`` is the sentence saying which directory, whose it is and what to do."""
+    ``fault`` is the sentence saying which directory, whose it is and what to do. A
+    ``TierstoreError`` (what a user catches from the store) and a ``PermissionError`` (what
+    the operation met)."""
 
     def __init__(self, refused: str, fault: str):
         super().__init__(errno.EACCES, f"refusing {refused}: {fault}")
@@ -56,7 +60,7 @@ class UnsafeDirectoryError(PermissionError):
 
     def __reduce__(self):
         # OSError's own would rebuild it from (errno, message), which this one does not take
-        # (an error a rank reports travels pickled).
+        # (DCP's checkpoint process and its exceptions travel pickled).
         return type(self), (self.refused, self.fault)
 
     def __str__(self) -> str:

@@ -29,7 +29,8 @@ entry point in the plugin package's ``pyproject.toml``::
 Check it with the conformance kit, ``tierstore_conformance`` (one test class per kind).
 """
 
-from tierstore.errors import CommitError, ConfigError, IntegrityError, PluginError, StagingError
+from tierstore.errors import (CommitError, ConfigError, IntegrityError, PluginError, StagingError,
+                              TierstoreError)
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import Hasher, checksum_of
 from tierstore.format.paths import confined
@@ -52,5 +53,6 @@ __all__ = [
     "MANIFEST_NAME", "METADATA_NAME", "Manifest", "FileEntry", "Hasher", "checksum_of",
     "RetryPolicy", "with_retries", "GaveUp", "cannot_connect", "foreground",
     "CommitError", "ConfigError", "IntegrityError", "PluginError", "StagingError",
+    "TierstoreError",
     "confined",
 ]
