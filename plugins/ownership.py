@@ -73,6 +73,13 @@ def entry_fault(path: str, st: os.stat_result, holder: str, holder_st: os.stat_r
     status, links not followed) in directory ``holder`` (status ``holder_st``) on the way to a
     root could be replaced by another user, or None."""
     me = os.geteuid()
+    if link_target is not None and st.st_uid not in (me, 0) and not _everyone_writes(holder_st):
+        # A link is a pointer someone chose: whoever owns it chose where the tier goes (the
+        # directory holding it may be a group's, or root may have been fooled into making it).
+        return (f"{path} is a symbolic link to {link_target} and belongs to "
+                f"{_user(st.st_uid)}, not to this user ({_user(me)}) nor to root: tierstore "
+                f"follows only links this user or root made. Point the tier at the target "
+                f"directory itself, or have the link made by this user")
     if not (_everyone_writes(holder_st) and st.st_uid not in (me, 0)):
         return None
     what = (f"{path} is a symbolic link to {link_target} and belongs to"

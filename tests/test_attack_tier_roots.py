@@ -236,3 +236,25 @@ def test_the_memory_tier_default_root_is_this_users_own():
     with tierstore.open({"tier": [{"name": "ram", "backend": "memory"}]}) as store:
         root = store._ctx.tiers[0].backend.root
     assert root == f"/dev/shm/tierstore-{os.geteuid()}/0"
+
+
+def test_a_link_another_user_owns_on_the_way_to_a_root_is_never_followed(tmp_path):
+    """A ``{node}`` directory that is a link belonging to another user, in a directory only
+    this user (or root) can write: the link was chosen by someone else (root fooled into
+    making it, a group member), so the tier is refused, and nothing is written where it
+    points."""
+    nodes, elsewhere = tmp_path / "local", tmp_path / "elsewhere"
+    nodes.mkdir()
+    elsewhere.mkdir()
+    link = nodes / "0"
+    link.symlink_to(elsewhere)
+    _give_away(link)
+    with pytest.raises(Exception) as info:
+        with tierstore.open({"tier": [{"name": "local", "backend": "local",
+                                       "path": str(nodes / "{node}")}]}) as store:
+            dcp.save(_state(1), storage_writer=store.writer(), checkpoint_id="step-1")
+            store.wait()
+    message = str(info.value)
+    assert f"{link} is a symbolic link to {elsewhere} and belongs to" in message, message
+    assert "tierstore follows only links this user or root made" in message, message
+    assert os.listdir(elsewhere) == []

@@ -5,7 +5,10 @@ drain, retention stalled on the slow tier, scrub and promote under faults on a l
 tier, 2 nodes x 2 ranks under torchrun; and a few trials of each race kind, one launch of jobs
 and one of checks each: back-to-back saves over two node-local tiers, ``every = "auto"``,
 pins racing drains and ``keep``) must keep every invariant, and the checks it relies on must
-notice a broken promise. ``make faults`` runs the whole matrix (tests/faults/)."""
+notice a broken promise. So must a few trials of each hostile kind, run on their own: a second
+user planting links and foreign directories under the tier roots (``cotenant``), and manifests
+and ``.metadata`` with one field replaced (``fuzz``). ``make faults`` runs the whole matrix
+(tests/faults/)."""
 
 from __future__ import annotations
 
@@ -17,9 +20,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import tierstore
+from faults import cotenant, fuzz
 from faults.checks import check
+from faults.hostile import make_victim, snapshot_tree
 from faults.inject import FIRST_FULL, GC_ROW, Injector
-from faults.matrix import KINDS, LOCAL_FAULTS, RACE_SAMPLE
+from faults.matrix import HOSTILE_KINDS, KINDS, LOCAL_FAULTS, RACE_SAMPLE
 from faults.plan import FIRST_FULL_ROW, ROOMS, Trial
 from faults.races import RACE_KINDS, launch, params, plan_races, trial_dict
 from faults.scenario import Place, Scenario
@@ -28,6 +34,8 @@ from faults.workload import Journal, run_job
 from helpers import script_env
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Trials of each hostile kind in CI (a few seconds each kind).
+HOSTILE_SAMPLE = 4
 
 #: Rows every job of the sample reaches, whatever the seeds draw.
 CORE_ROWS = ("save/save_begin", "save/write_file", "save/write_metadata", "save/write_manifest",
@@ -79,7 +87,9 @@ def test_the_sample_strikes_every_phase_with_every_fault(sample):
     assert report["trials"] >= len(CORE_ROWS) * len(local)
     # issue 25's kinds, each at least once
     kinds = {kind_of(r) for r in report["results"]}
-    assert set(KINDS) <= kinds, f"kinds the sample did not run: {set(KINDS) - kinds}"
+    # (the hostile kinds have their own sample: test_a_sample_of_each_hostile_kind_...)
+    assert set(KINDS) - set(HOSTILE_KINDS) <= kinds, \
+        f"kinds the sample did not run: {set(KINDS) - set(HOSTILE_KINDS) - kinds}"
     assert {"node/write_metadata", "node/drain_file"} <= {r["row"] for r in report["results"]}
     ran = [kind_of(r) for r in report["results"]]
     assert all(ran.count(kind) >= RACE_SAMPLE for kind in RACE_KINDS), ran
@@ -209,3 +219,83 @@ def test_the_race_checks_notice_lost_parts_and_pins(tmp_path):
     text = _race_check(tmp_path, "pins", (1, 1), pins)
     assert f"{cid} was evicted from tier '{tier}' at" in text and "although pinned there" in text, \
         text
+
+
+# -- the hostile kinds ---------------------------------------------------------------------------
+
+def _hostile_sample(tmp_path, kind: str) -> dict:
+    """A few trials of hostile kind ``kind`` (``python -m tests.faults --kinds KIND``)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.faults", "--kinds", kind, "--race-trials",
+         str(HOSTILE_SAMPLE), "--jobs", "2", "--json", str(tmp_path / "out.json")],
+        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "out.json").exists(), proc.stdout + proc.stderr[-6000:]
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["trials"] == HOSTILE_SAMPLE
+    return report
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", HOSTILE_KINDS)
+def test_a_sample_of_each_hostile_kind_keeps_the_invariants(tmp_path, kind):
+    """A second user planting links and foreign directories under the tier roots between the
+    phases of a job (``cotenant``), and one field of a manifest or ``.metadata`` replaced
+    (``fuzz``): nothing outside the roots is touched, nothing is hidden or lost, every failure
+    is a TierstoreError."""
+    report = _hostile_sample(tmp_path, kind)
+    failed = [f"{r['spec']} ({r['scenario']}): " + " / ".join(r["violations"])
+              for r in report["results"] if not r["passed"]]
+    assert not failed, "run one alone with python -m tests.faults --trial SPEC\n" + \
+        "\n".join(failed)
+
+
+def test_the_cotenant_checks_notice_broken_promises(tmp_path, monkeypatch):
+    """With the attacker idle the job passes its check; a victim file changed, a victim entry
+    added and a tier's kept checkpoint removed are each reported."""
+    monkeypatch.setattr(cotenant, "AT_PHASE", 0.0)
+    monkeypatch.setattr(cotenant, "AT_STEP", 0.0)
+    seed = next(s for s in range(1000) if cotenant.params(s)["pre"] is None)
+    places = cotenant.layout(str(tmp_path / "t"), seed)
+    os.makedirs(places["shared"])
+    make_victim(places["victim"], seed)
+    before = snapshot_tree(places["victim"])
+    done = cotenant.job(seed, places)
+    assert done["errors"] == [], done
+    assert cotenant.check(seed, places, before)["violations"] == []
+
+    Path(places["victim"], "secret.txt").write_text("changed")
+    Path(places["victim"], "dir", "new").write_text("added")
+    newest = done["saved"][-1]
+    shutil.rmtree(Path(places["roots"]["fs"], newest))
+    text = "\n".join(cotenant.check(seed, places, before)["violations"])
+    assert "victim tree outside the tier roots changed: 1 changed: ['secret.txt']; " \
+           "1 added: ['dir/new']" in text, text
+    assert f"tier 'fs' lost {newest}, the checkpoint it keeps" in text, text
+
+
+def test_the_fuzz_checks_notice_broken_promises(tmp_path, monkeypatch):
+    """A fuzzed field reaches every node of the manifest; the check passes an untouched store,
+    and reports a list() that fails with another exception than a TierstoreError, and a good
+    checkpoint that no longer loads."""
+    seed = next(s for s in range(1000) if fuzz.params(s)["what"] == "manifest"
+                and not fuzz.params(s)["signed"])
+    base = str(tmp_path / "f")
+    os.makedirs(base)
+    monkeypatch.setattr(fuzz, "mutation",
+                        lambda seed, fields, tree: (fields[0], fuzz.get(tree, fields[0])))
+    fuzz.make(seed, base)  # the "fuzzed" field replaced by its own value: nothing changed
+    assert fuzz.check(seed, base)["violations"] == []
+    manifest = json.loads(next(Path(base, "tier").glob("step-*/tierstore.json")).read_text())
+    assert {p[0] for p in fuzz.walk(manifest)} == {("k", k) for k in manifest}
+
+    good = "step-2" if fuzz.params(seed)["fuzzed"] == "step-1" else "step-1"
+    with monkeypatch.context() as m:
+        m.setattr(tierstore.Store, "list", lambda self: 1 / 0)
+        text = "\n".join(fuzz.check(seed, base)["violations"])
+    assert "list() failed without a TierstoreError: ZeroDivisionError" in text, text
+    data = Path(base, "tier", good, "__0_0.distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    text = "\n".join(fuzz.check(seed, base)["violations"])
+    assert f"the good {good} does not load" in text, text

@@ -25,7 +25,13 @@ tier keeps is complete there on every node and loads from that tier alone, nothi
 as an orphan), ``auto`` (``every = "auto"`` with and without ``overwrite``: every rank takes the
 same steps, every committed checkpoint holds its files and loads bitwise) and ``pins`` (pin, unpin
 and promote from a second thread while drains and ``keep`` run: nothing pinned is evicted or
-left unpinned, nothing unpinned stays pinned, ``keep`` holds for the rest).
+left unpinned, nothing unpinned stays pinned, ``keep`` holds for the rest). Two *hostile* kinds
+look for security bugs: ``cotenant`` (a second user, a process of its own, plants foreign and
+world-writable directories and symlinks under the tier roots between the phases of a job: nothing
+outside the roots changes, no tier loses what it keeps, every failure is a ``TierstoreError``)
+and ``fuzz`` (one field of a committed checkpoint's ``tierstore.json`` or ``.metadata`` replaced
+by a hostile value, signed and unsigned stores: only that checkpoint may be hidden, it loads
+bitwise or fails with a ``TierstoreError``, no process dies).
 
 Run it with ``make faults`` (the whole matrix, with a table) or ``python -m tests.faults --help``;
 ``tests/test_fault_matrix.py`` runs a sample in CI. Modules: ``state`` (state dicts),
@@ -33,5 +39,6 @@ Run it with ``make faults`` (the whole matrix, with a table) or ``python -m test
 job a trial runs), ``checks`` (the invariants), ``procs`` (forked children and workers),
 ``places`` (directories, tmpfs, server), ``plan`` (trials and which to run), ``table`` (the
 result), ``multinode`` (the torchrun trials), ``races`` (the race kinds, many trials per launch),
-``matrix`` (running it all; the command).
+``cotenant``, ``cotenant_attacker`` and ``fuzz`` (the hostile kinds), ``hostile`` (what those
+share), ``matrix`` (running it all; the command).
 """

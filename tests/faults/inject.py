@@ -32,9 +32,12 @@ __all__ = ["BALLAST", "FAULTS", "FIRST_FULL", "FULL_FAULTS", "GC_ROW", "Injector
 #: server frozen for a few seconds (``flaky``: SIGSTOP, then SIGCONT), a drain's retention on
 #: the slow tier stalled while the job saves (``stall``). ``race``: no fault at all, the column of
 #: the race kinds (``backtoback``, ``auto``, ``pins``: tests/faults/races.py), where the library's
-#: own concurrency is the adversary.
+#: own concurrency is the adversary. ``cotenant`` and ``fuzz``: the columns of the hostile
+#: kinds (tests/faults/cotenant.py: a second user plants links and directories under the tier
+#: roots; tests/faults/fuzz.py: one field of a manifest or ``.metadata`` replaced).
 FAULTS = ("raise", "sigkill", "enospc", "tmpfs-full", "first-full", "eio", "slow",
-          "server-death", "cli", "corrupt-source", "vanish-source", "flaky", "stall", "race")
+          "server-death", "cli", "corrupt-source", "vanish-source", "flaky", "stall", "race",
+          "cotenant", "fuzz")
 
 #: How long a ``stall`` holds a drain's retention on the slow tier (seconds): the first
 #: deletion of that retention sleeps this long.

@@ -17,6 +17,8 @@ that runs it again alone.
     python -m tests.faults --trial node/write_metadata@0:sigkill:3:1   # a multi-node trial
     python -m tests.faults --kinds backtoback,auto,pins --race-trials 300   # the race kinds
     python -m tests.faults --trial backtoback/3x2-sync:race:1:190001        # one race trial
+    python -m tests.faults --kinds cotenant,fuzz --race-trials 300   # the hostile kinds
+    python -m tests.faults --trial fuzz/manifest-signed:fuzz:1:197002       # one hostile trial
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ import torch
 import tierstore
 
 from .checks import check
+from .cotenant import COTENANT_FAULT, plan_cotenant, run_cotenant_trial
+from .cotenant import row_of as cotenant_row
+from .fuzz import FUZZ_FAULT, plan_fuzz, run_fuzz_trial
+from .fuzz import row_of as fuzz_row
 from .inject import FAULTS, FIRST_FULL, FULL_FAULTS, Injector
 from .multinode import dry_counts, plan_multinode, plan_parity, run_chain
 from .places import Env, mount_tmpfs, server_module, unmount
@@ -52,7 +58,7 @@ from .scenario import Place, Scenario
 from .table import table
 from .workload import Journal, checkpoint_sizes, run_job
 
-__all__ = ["Matrix", "main", "run_trial"]
+__all__ = ["HOSTILE_KINDS", "Matrix", "main", "run_trial"]
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -71,8 +77,14 @@ S3_FAULTS = ("raise", "sigkill", "eio", "slow")
 #: The race kinds (no fault: the library's own concurrency, see ``races``): ``backtoback``
 #: (node-local RAM and disk per node, saves back to back), ``auto`` (``every = "auto"``, with
 #: and without ``overwrite``) and ``pins`` (pin/unpin/promote racing drains and ``keep``).
+#: The hostile kinds (security bugs; modules ``cotenant`` and ``fuzz``): ``cotenant`` (a second
+#: user plants links and directories under the tier roots while a job runs) and ``fuzz`` (one
+#: field of a committed checkpoint's manifest or ``.metadata`` replaced); ``--race-trials`` of
+#: each, on the workers.
+#: The CI sample leaves them out (tests/test_fault_matrix.py runs a few of each on their own).
+HOSTILE_KINDS = ("cotenant", "fuzz")
 KINDS = ("classic", "keep1", "spoil", "cli", "stall", "ops", "ops-s3", "multinode", "parity",
-         *RACE_KINDS)
+         *RACE_KINDS, *HOSTILE_KINDS)
 #: The multi-node trials of the CI sample: the coordinator killed in ``finish`` (before its
 #: ``.metadata``, the other node's part already published), and a gathered drain whose
 #: source part on the other node goes bad under it.
@@ -493,6 +505,27 @@ class Matrix:
                              for k, v in by_kind.items()) + ")")
         return results
 
+    def run_hostile(self, trials: list[Trial] | None = None) -> list[dict[str, Any]]:
+        """Plan and run the hostile kinds' trials (``cotenant``, ``fuzz``): ``--race-trials``
+        of each asked for, on the workers."""
+        a = self.args
+        if trials is None:
+            trials = []
+            if "cotenant" in a.kinds and COTENANT_FAULT in a.faults:
+                trials += plan_cotenant(a.race_trials, a.seed)
+            if "fuzz" in a.kinds and FUZZ_FAULT in a.faults:
+                trials += plan_fuzz(a.race_trials, a.seed)
+        self.say(f"{len(trials)} hostile trials")
+
+        def one(i: int, env: Env) -> dict[str, Any]:
+            trial = trials[i]
+            run = run_cotenant_trial if trial.fault == COTENANT_FAULT else run_fuzz_trial
+            return run(trial, env.workdir, f"h{i}", keep=a.keep)
+
+        results = self.pool(len(trials), one, tmpfs=False, label="hostile trials")
+        return [{**failure(t, r["error"]), "scenario": t.row} if "error" in r else r
+                for t, r in zip(trials, results)]
+
     def run(self) -> int:
         """Run the matrix; print (and write) the table; 0 when every trial passed."""
         started = time.monotonic()
@@ -500,7 +533,8 @@ class Matrix:
         try:
             if any(f in (*LOCAL_FAULTS, FIRST_FULL, "cli", "corrupt-source", "vanish-source",
                           "stall") for f in self.args.faults) \
-                    and set(self.args.kinds) - {"ops-s3", "multinode", "parity", *RACE_KINDS}:
+                    and set(self.args.kinds) - {"ops-s3", "multinode", "parity", *RACE_KINDS,
+                                                *HOSTILE_KINDS}:
                 results += self.run_local()
             if self.args.s3 and {"classic", "ops-s3"} & set(self.args.kinds):
                 results += self.run_s3()
@@ -512,6 +546,9 @@ class Matrix:
                 results += self.run_multinode(parity=True)
             if set(RACE_KINDS) & set(self.args.kinds) and RACE_FAULT in self.args.faults:
                 results += self.run_races()
+            if any(k in self.args.kinds and fault in self.args.faults
+                   for k, fault in zip(HOSTILE_KINDS, (COTENANT_FAULT, FUZZ_FAULT))):
+                results += self.run_hostile()
         finally:
             if self.server is not None:
                 self.server.stop()
@@ -545,6 +582,19 @@ class Matrix:
     def run_one(self, trial: Trial) -> int:
         """Run one trial and say everything about it; its directories are kept."""
         self.args.keep = True
+        if trial.row.startswith(tuple(f"{k}/" for k in HOSTILE_KINDS)):
+            hostile = trial.row.split("/")[0]
+            row = (cotenant_row if hostile == "cotenant" else fuzz_row)(trial.seed)
+            fault = COTENANT_FAULT if hostile == "cotenant" else FUZZ_FAULT
+            trial = Trial(row, fault, 1, trial.seed)  # as the seed says
+            result = self.run_hostile([trial])[0]
+            print(f"trial {trial.spec}: {'passed' if result['passed'] else 'FAILED'} in "
+                  f"{result['seconds']} s\njob: {result['scenario']}\nfiles: {result['dir']}")
+            for v in result["violations"]:
+                print(f"  VIOLATION: {v}")
+            for n in result["notes"]:
+                print(f"  note: {n}")
+            return 0 if result["passed"] else 1
         if trial.row.startswith(tuple(f"{k}/" for k in RACE_KINDS)):
             kind = kind_of_trial(trial)
             trial = Trial(row_of(kind, trial.seed), RACE_FAULT, 1, trial.seed)  # as the seed says
@@ -654,7 +704,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--multinode-seeds", type=int, default=2,
                    help="multi-node jobs (seeds; odd ones wait after each save) (2)")
     p.add_argument("--race-trials", type=int, default=50,
-                   help="trials of each race kind asked for (backtoback, auto, pins) (50)")
+                   help="trials of each race kind asked for (backtoback, auto, pins), and of "
+                        "each hostile kind (cotenant, fuzz) (50)")
     p.add_argument("--race-batch", type=int, default=25,
                    help="race trials per launch of the worker's ranks (25)")
     p.add_argument("--no-s3", dest="s3", action="store_false", help="skip the S3 trials")
@@ -670,6 +721,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seeds, args.s3_seeds = 16, 2
         args.new_per_cell = 1
         args.race_trials = RACE_SAMPLE
+        if args.kinds == KINDS:  # (the hostile kinds' CI sample is their own test's)
+            args.kinds = tuple(k for k in KINDS if k not in HOSTILE_KINDS)
     if set(args.kinds) - set(KINDS):
         p.error(f"unknown kinds {sorted(set(args.kinds) - set(KINDS))}; choose from "
                 f"{', '.join(KINDS)}")

@@ -28,9 +28,10 @@ _SPEC = re.compile(r"(?P<row>[^:]+):(?P<fault>[^:]+):(?P<nth>\d+):(?P<seed>\d+)(
 #: Operations in the table's order (rows are ``operation/phase``); ``scrub`` and ``promote``
 #: are the operator's (the ``ops`` variant), ``node`` the multi-node trials' (``multinode``),
 #: ``parity`` those of the multi-node job whose saves are protected by parity (``parity``);
-#: ``backtoback``, ``auto`` and ``pins`` the race kinds' (``races``; their rows are variants).
+#: ``backtoback``, ``auto`` and ``pins`` the race kinds' (``races``; their rows are variants),
+#: ``cotenant`` and ``fuzz`` the hostile kinds' (``cotenant``, ``fuzz``).
 OPERATIONS = ("save", "drain", "load", "verify", "gc", "scrub", "promote", "node", "parity",
-              "backtoback", "auto", "pins")
+              "backtoback", "auto", "pins", "cotenant", "fuzz")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ __all__ = ["kind_of", "table"]
 def kind_of(result: dict[str, Any]) -> str:
     """Which kind of trial (matrix.KINDS) an outcome is."""
     variant = result.get("variant") or ""
-    if result["row"].startswith(("backtoback/", "auto/", "pins/")):
+    if result["row"].startswith(("backtoback/", "auto/", "pins/", "cotenant/", "fuzz/")):
         return result["row"].split("/", 1)[0]
     if result["row"].startswith("node/"):
         return "multinode"

@@ -69,6 +69,7 @@ from __future__ import annotations
 import copyreg
 import enum
 import io
+import math
 import operator
 import os
 import pathlib
@@ -312,6 +313,7 @@ def _check(metadata: Any) -> None:
     for index, info in storage.items():
         _check_index(index)
         _check_storage_info(info, index, names)
+    _check_every_item_stored(sdm, storage)
     meta = metadata.storage_meta
     if meta is not None and type(meta) is not StorageMeta:
         raise _Invalid(f"field 'storage_meta' must be a StorageMeta or None, not {_type(meta)}")
@@ -320,6 +322,24 @@ def _check(metadata: Any) -> None:
     _check_planner_data(getattr(metadata, "planner_data", None))
     if metadata.version is not None and not isinstance(metadata.version, str):
         raise _Invalid(f"field 'version' must be a str or None, not {_type(metadata.version)}")
+
+
+def _check_every_item_stored(sdm: dict, storage: dict) -> None:
+    """Every chunk of every tensor and every non-tensor value has a place in storage_data
+    (else DCP's read fails with a KeyError, or, for a chunk, the load leaves that part of the
+    tensor as it was)."""
+    stored = {(index.fqn, None if index.offset is None else tuple(index.offset))
+              for index in storage}
+    for fqn, md in sdm.items():
+        if type(md) is BytesStorageMetadata:
+            wanted = [(fqn, None)]
+        else:
+            wanted = [(fqn, tuple(chunk.offsets)) for chunk in md.chunks]
+        for key in wanted:
+            if key not in stored:
+                where = "" if key[1] is None else f" at offsets {key[1]}"
+                raise _Invalid(f"field 'storage_data' says nowhere where "
+                               f"{_short(fqn)}{where} is stored")
 
 
 def _check_tensor(md: TensorStorageMetadata, field: str) -> None:
@@ -337,6 +357,9 @@ def _check_tensor(md: TensorStorageMetadata, field: str) -> None:
     size = md.size
     if not _is_dims(size):
         raise _not_dims(f"{field}.size", size)
+    if math.prod(size) > _INT64_MAX:  # (torch.empty of it would overflow, or try to)
+        raise _Invalid(f"field '{field}.size' {_short(size)} holds more elements than a tensor "
+                       f"can")
     if not isinstance(md.chunks, list):
         raise _Invalid(f"field '{field}.chunks' must be a list, not {_type(md.chunks)}")
     # Runs for every chunk of every tensor (hundreds of thousands on a large job): messages are
@@ -356,6 +379,12 @@ def _check_tensor(md: TensorStorageMetadata, field: str) -> None:
         if not all(map(operator.le, map(operator.add, offsets, sizes), size)):
             raise _Invalid(f"field '{field}.chunks[{n}]' (offsets {tuple(offsets)}, sizes "
                            f"{tuple(sizes)}) reaches past the tensor's size {tuple(size)}")
+    # The chunks tile the tensor (DCP writes every element once): fewer elements leave part
+    # of the destination as it was, with no error.
+    covered = sum(math.prod(chunk.sizes) for chunk in md.chunks)
+    if covered != math.prod(size):
+        raise _Invalid(f"field '{field}.chunks' cover {covered} elements of a tensor of "
+                       f"{math.prod(size)} ({tuple(size)})")
 
 
 def _check_storage_meta(meta: StorageMeta) -> None:
@@ -429,16 +458,21 @@ def _check_storage_info(info: Any, index: MetadataIndex, names: set[str]) -> Non
 def _is_dims(value: Any) -> bool:
     """Whether ``value`` is a tuple (torch.Size is one) of ints >= 0."""
     if type(value) is torch.Size:  # holds only ints (its constructor refuses others): the sign
-        return not value or min(value) >= 0
+        return not value or (min(value) >= 0 and max(value) <= _INT64_MAX)
     return isinstance(value, tuple) and all(_natural(v) for v in value)
 
 
 def _not_dims(field: str, value: Any) -> _Invalid:
-    return _Invalid(f"field '{field}' must be a tuple of ints >= 0 (got {_short(value)})")
+    return _Invalid(f"field '{field}' must be a tuple of ints from 0 to 2**63-1 (got "
+                    f"{_short(value)})")
+
+
+#: the largest size, offset or index a file may give: what torch and DCP hold in an int64
+_INT64_MAX = 2**63 - 1
 
 
 def _natural(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _INT64_MAX
 
 
 def _missing_field(exc: AttributeError) -> str:
@@ -464,7 +498,11 @@ def _type(value: Any) -> str:
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    """``repr`` of a value from the file, cut short: it may be huge or full of control bytes."""
-    text = repr(value)
+    """``repr`` of a value from the file, cut short: it may be huge or full of control bytes,
+    or not even printable (a torch.Size holding an int past 2**63)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - the message says what it could
+        return f"{_type(value)} that cannot be shown"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
