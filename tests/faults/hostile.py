@@ -18,24 +18,10 @@ from typing import Any, Callable
 
 import tierstore
 
+from .workload import FAILURES, describe  # (shared with the fault matrix's jobs)
+
 __all__ = ["EventLog", "FAILURES", "clear_error", "describe", "make_victim", "outcome",
            "snapshot_tree", "tree_changes", "try_load"]
-
-try:  # DCP's CheckpointException is a BaseException, not an Exception
-    from torch.distributed.checkpoint.api import CheckpointException
-    FAILURES: tuple[type[BaseException], ...] = (Exception, CheckpointException)
-except ImportError:  # pragma: no cover - every torch tierstore supports has it
-    FAILURES = (Exception,)
-
-
-def describe(exc: BaseException) -> str:
-    """``Type: message`` of an exception (of what a DCP CheckpointException wraps)."""
-    inner = [f[0] for f in getattr(exc, "failures", {}).values() if isinstance(f, tuple)]
-    if inner:
-        text = f"{type(exc).__name__} <- " + "; ".join(f"{type(e).__name__}: {e}" for e in inner)
-    else:
-        text = f"{type(exc).__name__}: {exc}"
-    return text[:600]
 
 
 def clear_error(exc: BaseException) -> bool:

@@ -588,37 +588,19 @@ class Matrix:
             fault = COTENANT_FAULT if hostile == "cotenant" else FUZZ_FAULT
             trial = Trial(row, fault, 1, trial.seed)  # as the seed says
             result = self.run_hostile([trial])[0]
-            print(f"trial {trial.spec}: {'passed' if result['passed'] else 'FAILED'} in "
-                  f"{result['seconds']} s\njob: {result['scenario']}\nfiles: {result['dir']}")
-            for v in result["violations"]:
-                print(f"  VIOLATION: {v}")
-            for n in result["notes"]:
-                print(f"  note: {n}")
-            return 0 if result["passed"] else 1
+            return _print_one(trial, result, f"files: {result['dir']}", "notes")
         if trial.row.startswith(tuple(f"{k}/" for k in RACE_KINDS)):
             kind = kind_of_trial(trial)
             trial = Trial(row_of(kind, trial.seed), RACE_FAULT, 1, trial.seed)  # as the seed says
             result = self.run_races([trial])[0]
-            print(f"trial {trial.spec}: {'passed' if result['passed'] else 'FAILED'} in "
-                  f"{result['seconds']} s {result['timings']}\njob: {result['scenario']}\n"
-                  f"files: {result['dir']} (launch logs: {os.path.dirname(result['dir'])}/"
-                  f"launches)")
-            for v in result["violations"]:
-                print(f"  VIOLATION: {v}")
-            for n in result.get("details", []):
-                print(f"  note: {n}")
-            return 0 if result["passed"] else 1
+            return _print_one(trial, result, f"files: {result['dir']} (launch logs: "
+                              f"{os.path.dirname(result['dir'])}/launches)", "details",
+                              timings=f" {result['timings']}")
         if trial.row.startswith(("node/", "parity/")):
             workdir = os.path.join(self.workdir, "one")
             result = run_chain([trial], workdir, say=self.say)[0]
-            print(f"trial {trial.spec}: {'passed' if result['passed'] else 'FAILED'} in "
-                  f"{result['seconds']} s\njob: {result['scenario']}\nfiles: {result['dir']} "
-                  f"(log: {result['dir']}/log)")
-            for v in result["violations"]:
-                print(f"  VIOLATION: {v}")
-            for n in result["notes"]:
-                print(f"  note: {n}")
-            return 0 if result["passed"] else 1
+            return _print_one(trial, result, f"files: {result['dir']} (log: {result['dir']}/log)",
+                              "notes")
         try:
             if trial.s3:
                 self.start_server()
@@ -741,3 +723,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.trial is not None:
         return matrix.run_one(args.trial)
     return matrix.run()
+
+
+def _print_one(trial: Trial, result: dict[str, Any], files: str, notes_key: str,
+               timings: str = "") -> int:
+    """Print the outcome of one trial run alone (``--trial``); its exit status."""
+    print(f"trial {trial.spec}: {'passed' if result['passed'] else 'FAILED'} in "
+          f"{result['seconds']} s{timings}\njob: {result['scenario']}\n{files}")
+    for v in result["violations"]:
+        print(f"  VIOLATION: {v}")
+    for n in result.get(notes_key, []):
+        print(f"  note: {n}")
+    return 0 if result["passed"] else 1
