@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,38 @@ def _stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _dump_stacks(procs: list[subprocess.Popen]) -> None:
+    """Ask every rank below ``procs`` for its threads' stacks (worker_common registers
+    faulthandler on SIGUSR1: they go to the rank's stderr), before a timed-out job is stopped:
+    what it waited for is then in the test's report."""
+    for proc in procs:
+        for pid in _descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(1)
+
+
 def run_torchrun(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
                  timeout: float = 150, expect_ok: bool = True, killed: bool = False) -> str:
     """Run ``tests/scripts/<script>`` under torchrun, ``nproc`` ranks on each of ``nnodes``
@@ -113,6 +146,7 @@ def run_torchrun(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
                 out, err = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
+                _dump_stacks(procs)
                 for p in procs:
                     _stop(p)
                 out, err = proc.communicate()
@@ -122,7 +156,9 @@ def run_torchrun(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
         for p in procs:
             _stop(p)
     stdout, stderr = "\n".join(outs), "\n".join(errs)
-    report = f"--- stdout\n{stdout}\n--- stderr\n{stderr[-20000:]}"
+    # each node's stderr, its end: one node's long output must not hide another's
+    report = f"--- stdout\n{stdout}\n" + "".join(
+        f"--- stderr of node {n}\n{err[-20000 // len(errs):]}\n" for n, err in enumerate(errs))
     if timed_out:
         pytest.fail(f"torchrun ({script}) did not finish in {timeout} s\n{report}")
     problems = [line for line in stdout.splitlines() if any(w in line for w in PROBLEM_WORDS)]

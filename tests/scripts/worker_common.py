@@ -6,8 +6,10 @@ instead of raising, and the state dicts that both a script and a test build.
 """
 
 import atexit
+import faulthandler
 import io
 import os
+import signal
 import sys
 import traceback
 from typing import Any, Callable
@@ -27,6 +29,8 @@ from tierstore_conformance.roundtrip import _empty_like as empty_like
 # the tests set, so that a killed rank's last lines are seen) print() writes a line and its end
 # apart, so that two ranks' lines interleave ("RANK 1 ... FAILED xRANK 0 ... FAILED y").
 sys.stdout.reconfigure(line_buffering=True, write_through=False)
+# A test that times out asks every rank for its stacks (tests/helpers.py: SIGUSR1).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 __all__ = ["assert_state_dicts_equal", "assert_trees_equal", "check_equal",
            "check_node_checkpoint", "empty_like", "load_like", "local_shards", "make_async_state",

@@ -137,9 +137,23 @@ class Drainer(BackgroundJobs[DrainJob]):
         self._host, self._rank = context.host, context.rank
         self._chunk = context.copy_chunk_bytes
         self._part_timeout = context.config.part_timeout
+        #: set at interpreter exit (:meth:`exiting`): waits for other ranks end by then
+        self._exit_deadline: float | None = None
         self._pool = _CopyPool(context.config.drain_threads)
         super().__init__("tierstore-drain")
         retention.spare_with(self.protected)
+
+    def exiting(self) -> None:
+        """The process is exiting: a drain waiting for another rank (the committing rank's
+        begin, another node's part) waits at most ``collective_timeout`` more, the time after
+        which the job takes a rank that did not answer for lost. A rank that died or hangs
+        (its peer's collective timed out, and the process ends) would else hold this one
+        for ``part_timeout`` after its work is over."""
+        self._exit_deadline = time.monotonic() + min(self._part_timeout,
+                                                     self._context.config.collective_timeout)
+
+    def _past_exit_deadline(self) -> bool:
+        return self._exit_deadline is not None and time.monotonic() > self._exit_deadline
 
     def pending(self) -> list[PendingCopy]:
         """Copies not finished yet, in order."""
@@ -662,6 +676,11 @@ class Drainer(BackgroundJobs[DrainJob]):
                     f"checkpoint '{cid}': rank 0, which commits the shared copy on tier "
                     f"'{target.name}', was lost (it did not answer a collective of the store); "
                     f"this node's part was not copied", cid, target.name)
+            if self._past_exit_deadline():
+                raise DrainError(
+                    f"checkpoint '{cid}': the process is exiting and rank 0, which commits the "
+                    f"shared copy on tier '{target.name}', did not begin it within "
+                    f"collective_timeout; this node's part was not copied", cid, target.name)
             if time.monotonic() > deadline:
                 raise DrainError(
                     f"checkpoint '{cid}': the committing rank did not begin the shared copy on "
@@ -746,6 +765,11 @@ class Drainer(BackgroundJobs[DrainJob]):
                 for path in reports.values():
                     target.backend.delete(path)
                 return
+            if self._past_exit_deadline():
+                raise DrainError(
+                    f"checkpoint '{cid}': the process is exiting and the other nodes' parts "
+                    f"(not reported: {waiting or 'none'}) did not reach tier '{target.name}' "
+                    f"within collective_timeout; the copy was not committed", cid, target.name)
             if time.monotonic() > deadline:
                 raise DrainError(
                     f"checkpoint '{cid}': the other nodes' files did not reach "
@@ -1034,6 +1058,7 @@ def finish_at_exit(drainer: Drainer, adopt: Callable[[], None], timeout: float) 
     pending drains for at most ``timeout`` seconds, and say on stderr what did not reach which
     tier."""
     failures: list[DrainError] = []
+    drainer.exiting()
     try:
         adopt()
         drainer.wait(timeout)
