@@ -388,16 +388,24 @@ class Store:
         if all_ranks:
             # Each rank's failure as its class's name and message (plain data, never the
             # exception itself: unpickling one would run what the sending rank chose).
+            # (and, for a DrainError, which copy: the checkpoint and the tier)
             told = all_gather_message(
-                None if failure is None else [type(failure).__name__, str(failure)],
-                self._ctx.groups.main, optional(lambda v: as_tuple(v, as_str, as_str)),
-                "a failure's class and message")
+                None if failure is None else [
+                    type(failure).__name__, str(failure),
+                    getattr(failure, "checkpoint_id", None), getattr(failure, "tier", None)],
+                self._ctx.groups.main,
+                optional(lambda v: as_tuple(v, as_str, as_str, optional(as_str),
+                                            optional(as_str))),
+                "a failure's class, message, checkpoint and tier")
             first = next(((r, t) for r, t in enumerate(told) if t is not None), None)
             if first is not None:
-                rank, (name, message) = first
+                rank, (name, message, checkpoint_id, tier) = first
                 if rank == self._ctx.rank and failure is not None:
                     raise failure
-                raise _WAIT_FAILURES.get(name, DrainError)(message)
+                kind = _WAIT_FAILURES.get(name, DrainError)
+                if issubclass(kind, DrainError):
+                    raise kind(message, checkpoint_id, tier)
+                raise kind(message)
 
     def wait_staging(self, timeout: float | None = None) -> float:
         """Make it safe for training to change the state of the newest ``dcp.async_save``
