@@ -46,7 +46,8 @@ from tierstore.engine.context import StoreContext
 from tierstore.engine.saves import SaveSlot
 from tierstore.errors import RanksLostError
 from tierstore.events import Event, EventKind, Phase
-from tierstore.transport.collectives import MaxInFlight, make_store_group, start_all_reduce_max
+from tierstore.transport.collectives import (MaxInFlight, make_store_group, start_all_reduce_max,
+                                              stop_roll_calls_when)
 
 __all__ = ["Preemption"]
 
@@ -74,6 +75,9 @@ class Preemption:
         self._group = make_store_group(context.groups.main, context.config.collective_timeout)
         #: the agreement the last check started, which the next one collects
         self._in_flight: MaxInFlight | None = None
+        # Once the signal came, no roll call of this process (a save's thread, the next check)
+        # waits to name lost ranks: the launcher stops the survivors of a dead rank with it.
+        self._unregister_stop = stop_roll_calls_when(lambda: self.requested)
         # A process that ends without save_and_exit or close (an exception out of the loop)
         # must not keep ignoring the launcher's SIGTERM through its teardown.
         atexit.register(self._stand_down)
@@ -159,13 +163,17 @@ class Preemption:
     def close(self) -> None:
         """Put the previous signal handlers back and release the agreement group."""
         atexit.unregister(self._stand_down)
-        if self._in_flight is not None:  # every rank started it: it ends at once
-            self._in_flight.settle(seconds=5.0)
-            self._in_flight = None
+        self._unregister_stop()
+        # The agreement the last check started: ended by now on a job whose ranks are all
+        # there. If not (a rank died or stopped), its group is left to the process's end:
+        # destroying a group with work in flight may wait for it, and waiting for it held a
+        # survivor of a killed rank for seconds.
+        ended = self._in_flight is None or self._in_flight.settle(seconds=0.2)
+        self._in_flight = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-        if self._group is not None and dist.is_initialized():
+        if ended and self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group = None
 

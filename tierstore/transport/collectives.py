@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tierstore.errors import RanksLostError
 from tierstore.transport.messages import MessageError, decode_message, encode_message
 
-__all__ = ["MaxInFlight", "start_all_reduce_max", "RankContext", "rank_context", "make_store_group",
+__all__ = ["MaxInFlight", "start_all_reduce_max", "stop_roll_calls_when", "RankContext", "rank_context", "make_store_group",
            "all_gather_message", "broadcast_message", "broadcast_with_bytes", "barrier",
            "all_reduce_max", "peers_lost",
            "seen_lost", "post", "read_post", "drop_posts"]
@@ -112,6 +112,21 @@ _counters_lock = threading.Lock()
 #: about the job (a lost rank does not come back in this process's lifetime), so that work
 #: waiting on one of them, such as a drain at exit waiting for its part, stops waiting
 _lost: set[int] = set()
+#: checks that say this process is being stopped (a preemption handler that recorded SIGTERM):
+#: then no roll call, in any thread, spends the rest of its time naming ranks
+_stopping: list[Callable[[], bool]] = []
+
+
+def stop_roll_calls_when(check: Callable[[], bool]) -> Callable[[], None]:
+    """While ``check()`` is true, every roll call of this process ends at once (see
+    :func:`_roll_call`): a process told to stop must not spend its grace period, in a save's
+    thread, naming the ranks a failed collective lost. Returns what unregisters it."""
+    _stopping.append(check)
+    return lambda: _stopping.remove(check) if check in _stopping else None
+
+
+def _told_to_stop(stop: Callable[[], bool] | None) -> bool:
+    return bool(stop and stop()) or any(check() for check in list(_stopping))
 
 
 def seen_lost(group: Any, ranks: list[int]) -> list[int]:
@@ -182,7 +197,7 @@ def _roll_call(group: Any, call: int, stop: Callable[[], bool] | None = None
         deadline = time.monotonic() + min(_ROLL_CALL_S, _timeouts.get(name, _ROLL_CALL_S))
         while True:
             present = [r for r in range(world) if store.check([f"{key}/{r}"])]
-            if len(present) == world or time.monotonic() > deadline or (stop and stop()):
+            if len(present) == world or time.monotonic() > deadline or _told_to_stop(stop):
                 break
             time.sleep(0.1)
         return [dist.get_global_rank(group, r) for r in range(world) if r not in present]
@@ -310,15 +325,17 @@ class MaxInFlight:
             _collective(self._group, "agreeing with every rank", work.wait, stop)
         return int(self._flag.item())
 
-    def settle(self, seconds: float) -> None:
-        """Wait at most ``seconds`` for it and drop its outcome (before its group is
-        destroyed: every rank started it, so it ends at once unless a rank is gone)."""
+    def settle(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for it and drop its outcome; whether it ended (every rank
+        started it a step or more ago, so it has ended unless a rank is gone or stopped)."""
         work, self._work = self._work, None
-        if work is not None:
-            try:
-                work.wait(timedelta(seconds=seconds))
-            except Exception:  # noqa: BLE001 - a lost rank: the caller is ending anyway
-                log.debug("an agreement in flight did not end", exc_info=True)
+        if work is None:
+            return True
+        try:
+            return bool(work.wait(timedelta(seconds=seconds)))
+        except Exception:  # noqa: BLE001 - a lost rank: the caller is ending anyway
+            log.debug("an agreement in flight did not end", exc_info=True)
+            return False
 
 
 def start_all_reduce_max(value: int, group: Any) -> MaxInFlight:
