@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -110,17 +111,27 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _dump_stacks(procs: list[subprocess.Popen]) -> None:
-    """Ask every rank below ``procs`` for its threads' stacks (worker_common registers
-    faulthandler on SIGUSR1: they go to the rank's stderr), before a timed-out job is stopped:
-    what it waited for is then in the test's report."""
-    for proc in procs:
-        for pid in _descendants(proc.pid):
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except OSError:
-                pass
+def _dump_stacks(procs: list[subprocess.Popen]) -> str:
+    """Ask every rank below ``procs`` for its threads' stacks, before a timed-out job is
+    stopped, and return them: worker_common registers faulthandler on SIGUSR1, writing to
+    ``<tmp>/tierstore-test-stacks-<pid>.txt``. What the job waited for is then in the report."""
+    pids = [pid for proc in procs for pid in _descendants(proc.pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            pass
     time.sleep(1)
+    dumps = []
+    for pid in pids:
+        path = os.path.join(tempfile.gettempdir(), f"tierstore-test-stacks-{pid}.txt")
+        try:
+            with open(path) as f:
+                dumps.append(f"--- stacks of process {pid}\n{f.read()}")
+            os.unlink(path)
+        except OSError:
+            pass
+    return "\n".join(dumps)
 
 
 def run_torchrun(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
@@ -139,14 +150,14 @@ def run_torchrun(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
         torchrun_command(script, *args, nproc=nproc, nnodes=nnodes, node_rank=node, port=port),
         env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True) for node in range(nnodes)]
-    outs, errs, timed_out = [], [], False
+    outs, errs, timed_out, stacks = [], [], False, ""
     try:
         for proc in procs:
             try:
                 out, err = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                _dump_stacks(procs)
+                stacks = _dump_stacks(procs)
                 for p in procs:
                     _stop(p)
                 out, err = proc.communicate()
@@ -160,7 +171,7 @@ def run_torchrun(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
     report = f"--- stdout\n{stdout}\n" + "".join(
         f"--- stderr of node {n}\n{err[-20000 // len(errs):]}\n" for n, err in enumerate(errs))
     if timed_out:
-        pytest.fail(f"torchrun ({script}) did not finish in {timeout} s\n{report}")
+        pytest.fail(f"torchrun ({script}) did not finish in {timeout} s\n{report}\n{stacks}")
     problems = [line for line in stdout.splitlines() if any(w in line for w in PROBLEM_WORDS)]
     codes = [p.returncode for p in procs]
     if killed:

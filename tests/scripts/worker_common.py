@@ -11,6 +11,7 @@ import io
 import os
 import signal
 import sys
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -29,8 +30,13 @@ from tierstore_conformance.roundtrip import _empty_like as empty_like
 # the tests set, so that a killed rank's last lines are seen) print() writes a line and its end
 # apart, so that two ranks' lines interleave ("RANK 1 ... FAILED xRANK 0 ... FAILED y").
 sys.stdout.reconfigure(line_buffering=True, write_through=False)
-# A test that times out asks every rank for its stacks (tests/helpers.py: SIGUSR1).
-faulthandler.register(signal.SIGUSR1, all_threads=True)
+# A test that times out asks every rank for its stacks (tests/helpers.py: SIGUSR1), into a file
+# of its own (the ranks of a node share stderr, where two dumps would interleave).
+_STACKS = open(os.path.join(tempfile.gettempdir(), f"tierstore-test-stacks-{os.getpid()}.txt"),
+               "w")
+faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
+# (removed at a normal end; a dump is read and removed by the test that asked for it)
+atexit.register(lambda: _STACKS.tell() == 0 and os.unlink(_STACKS.name))
 
 __all__ = ["assert_state_dicts_equal", "assert_trees_equal", "check_equal",
            "check_node_checkpoint", "empty_like", "load_like", "local_shards", "make_async_state",
