@@ -34,13 +34,17 @@ supervisor finds the process it strikes.
 
 from __future__ import annotations
 
+import time
+
+#: when this module began importing: the start-up report splits the process's start-up here
+_IMPORTS_BEGAN = time.time()
+
 import dataclasses
 import faulthandler
 import json
 import os
 import signal
 import sys
-import time
 import traceback
 import warnings
 from concurrent.futures import Future
@@ -58,7 +62,9 @@ import tierstore
 from tierstore.engine.events_log import EventsLog
 from tierstore.events import Event, EventKind
 
-__all__ = ["JobSpec", "main", "make_state", "pid_file", "state_problems"]
+_IMPORTED = time.time()
+
+__all__ = ["JobSpec", "main", "make_state", "pid_file", "process_start", "state_problems"]
 
 #: columns of the sharded tensor: its rows are what is sharded
 COLUMNS = 1024
@@ -374,6 +380,29 @@ class StockCheckpoints:
 
 # --------------------------------------------------------------------------- the loop
 
+def process_start() -> float | None:
+    """When this process started (wall clock), from ``/proc``; None where there is none."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+
+
+def _startup_line(rank: int, marks: list[tuple[str, float]]) -> str:
+    """``STARTUP rank r: python 0.40 s, imports 2.10 s, ...``: where a run's start-up went
+    (a restart's cost is mostly this), one line per rank in its node's log."""
+    began = process_start()
+    parts = [] if began is None else [f"python {_IMPORTS_BEGAN - began:.2f} s"]
+    previous = _IMPORTS_BEGAN
+    for name, at in marks:
+        parts.append(f"{name} {at - previous:.2f} s")
+        previous = at
+    return f"STARTUP rank {rank}: " + ", ".join(parts)
+
+
 def _write_pid(work_dir: str, rank: int, node: int) -> None:
     """``<pid> <node>`` to this rank's pid file, whole or not at all (rename)."""
     path = pid_file(work_dir, rank)
@@ -386,14 +415,20 @@ def _write_pid(work_dir: str, rank: int, node: int) -> None:
 def run(spec: JobSpec) -> int:
     """Run the job of ``spec`` in this rank to its last step (or to an emergency exit); 0 when
     its final state is right, 1 when not."""
+    marks = [("imports", _IMPORTED)]
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec.collective_timeout_s))
+    marks.append(("init_process_group", time.time()))
     rank, world = dist.get_rank(), dist.get_world_size()
     _write_pid(spec.work_dir, rank, int(os.environ.get("GROUP_RANK", "0")))
     mesh = init_device_mesh("cpu", (world,))
     state = make_state(spec.state_bytes, rank, world, mesh)
+    marks.append(("state", time.time()))
     ckpt = TierstoreCheckpoints(spec) if spec.kind == "tierstore" else \
         StockCheckpoints(spec, rank)
+    marks.append(("open", time.time()))
     start = ckpt.restore(state)
+    marks.append(("restore", time.time()))
+    print(_startup_line(rank, marks), flush=True)
     problems = state_problems(state, start)
     if problems:
         print(f"RESTORE BAD rank {rank} step {start}: {'; '.join(problems)}", flush=True)
