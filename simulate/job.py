@@ -64,7 +64,11 @@ from tierstore.events import Event, EventKind
 
 _IMPORTED = time.time()
 
-__all__ = ["JobSpec", "main", "make_state", "pid_file", "process_start", "state_problems"]
+__all__ = ["JobSpec", "STARTUP_PHASES", "main", "make_state", "pid_file", "process_start",
+           "startup_of", "state_problems"]
+
+#: the phases of a run's start-up in the ``STARTUP`` line each rank prints, in order
+STARTUP_PHASES = ("python", "imports", "init_process_group", "state", "open", "restore")
 
 #: columns of the sharded tensor: its rows are what is sharded
 COLUMNS = 1024
@@ -389,6 +393,23 @@ def process_start() -> float | None:
         return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, StopIteration, IndexError, ValueError):
         return None
+
+
+def startup_of(log_text: str, rank: int = 0) -> dict[str, float] | None:
+    """The start-up phases (seconds by phase name) of the ``STARTUP`` line rank ``rank`` printed
+    in a node's log, or None where there is none (a rank that died before its restore)."""
+    for line in log_text.splitlines():
+        head, _, rest = line.partition(": ")
+        if head.endswith(f"STARTUP rank {rank}"):
+            phases = {}
+            for part in rest.split(", "):
+                name, _, value = part.partition(" ")
+                try:
+                    phases[name] = float(value.removesuffix(" s"))
+                except ValueError:
+                    return None  # a line cut by a process killed while printing it
+            return phases
+    return None
 
 
 def _startup_line(rank: int, marks: list[tuple[str, float]]) -> str:

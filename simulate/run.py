@@ -21,15 +21,17 @@ import json
 import os
 import secrets
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 from .goodput import ContenderReport, account, read_events, report_json, summary_table
+from .job import STARTUP_PHASES, startup_of
 from .scenario import Scenario, ScenarioError
 from .supervisor import ContenderOutcome, Supervisor
 
-__all__ = ["MARKER", "run"]
+__all__ = ["MARKER", "restart_startup", "run"]
 
 #: the file that says a work directory is the simulator's own, so a new run may replace it
 MARKER = ".tierstore-simulate"
@@ -104,6 +106,27 @@ def _draw(reports: list[ContenderReport], out_dir: Path, say: Callable[[str], No
     return draw_all(reports, out_dir)
 
 
+def restart_startup(outcomes: list[ContenderOutcome]) -> dict[str, float]:
+    """Where a restarted run's start-up went, per phase of the job's ``STARTUP`` line (Python,
+    imports, ``init_process_group``, the training state, the checkpointing's open and restore):
+    the median over every restart of every round of rank 0's seconds; empty without restarts.
+    A restart costs what the new processes take to come up, and this says how much of that is
+    ``import torch`` and how much the checkpointing's own."""
+    seen: dict[str, list[float]] = {}
+    for outcome in outcomes:
+        node0 = [p for p in outcome.logs if p.name.endswith("-node0.log")]
+        for path in node0[1:]:  # the first run's start is not a restart
+            try:
+                phases = startup_of(path.read_text(errors="replace"))
+            except OSError:
+                phases = None
+            for name, seconds in (phases or {}).items():
+                if name in STARTUP_PHASES:
+                    seen.setdefault(name, []).append(seconds)
+    return {name: round(statistics.median(seen[name]), 3) for name in STARTUP_PHASES
+            if name in seen}
+
+
 def _median_round(reports: list[ContenderReport]) -> ContenderReport:
     """The round whose goodput is the median (the lower of the middle two for an even count):
     a real run, so its failures, restores and timeline belong together."""
@@ -123,6 +146,9 @@ def _entry(outcomes: list[ContenderOutcome]) -> tuple[dict[str, Any], ContenderR
         entry["error"] = "; ".join(errors)
     chosen = next((n for n, r in reports if r is median), 1)
     entry["work_dir"] = str(outcomes[chosen - 1].work_dir)
+    startup = restart_startup(outcomes)
+    if startup:
+        entry["restart_startup_s"] = startup
     if len(outcomes) > 1:
         entry["median_round"] = chosen
         entry["rounds"] = [{"round": n, "goodput": r.goodput, "wall_s": r.wall_s,
@@ -182,6 +208,12 @@ def run(scenario: Scenario, out_dir: str | Path, progress: Callable[[str], None]
         for entry in entries:
             progress(f"  {entry['name']}: " + ", ".join(
                 f"{r['goodput']:.1%}" for r in entry.get("rounds", [])))
+    if any("restart_startup_s" in entry for entry in entries):
+        progress("a restart's start-up, rank 0's median seconds per phase:")
+    for entry in entries:
+        if "restart_startup_s" in entry:
+            progress(f"  {entry['name']}: " + ", ".join(
+                f"{name} {seconds:.2f}" for name, seconds in entry["restart_startup_s"].items()))
     for rounds_of_one in outcomes:
         for outage in rounds_of_one[-1].outages:
             progress(f"  {rounds_of_one[-1].name}: object-store-outage at step "

@@ -123,6 +123,13 @@ def test_simulate_runs_both_contenders_through_every_failure(tmp_path):
         assert c["final_step"] == 24, c
         assert 0 < c["goodput"] < 1, c
         assert [o["at_step"] for o in c["outages"]] == [7], c  # struck; nothing restarted
+        # Where a restart's start-up went, rank 0's median per phase: importing torch costs
+        # more than the checkpointing's own open and restore.
+        phases = c["restart_startup_s"]
+        assert list(phases) == ["python", "imports", "init_process_group", "state", "open",
+                                "restore"], c
+        assert phases["imports"] > phases["open"] + phases["restore"], c
+    assert "a restart's start-up, rank 0's median seconds per phase:" in proc.stdout
 
     # tierstore restores from RAM (after the lost node, the surviving node's from its RAM and
     # the new node's from its replica on the peer tier), and its emergency save at the
