@@ -10,6 +10,10 @@ TORCH_VERSION := 2.13.0
 # already and installs tierstore[torchtitan].
 TORCHTITAN_VERSION := 0.3.0
 TORCHTITAN_TEST_DEPS := 'tyro>=1,<2' spmd-types==0.2.3
+# Azurite (the Azure blob emulator the obstore backend's tests run against), from npm into
+# .venv/azurite (tierstore_simulate.servers.find_azurite looks there). 3.35 is the newest that
+# runs on Node 20; without npm the Azure tests skip, saying so.
+AZURITE_VERSION := 3.35.0
 
 .PHONY: demo test gpu-test faults bench docs clean
 
@@ -31,6 +35,7 @@ $(VENV)/.installed-test: $(VENV)/.installed examples/tierstore-example-plugin/py
 	$(PY) -m pip install --quiet -e examples/tierstore-example-plugin
 	$(PY) -m pip install --quiet $(TORCHTITAN_TEST_DEPS)
 	$(PY) -m pip install --quiet --no-deps torchtitan==$(TORCHTITAN_VERSION)
+	if command -v npm >/dev/null; then npm install --silent --no-audit --no-fund --prefix $(VENV)/azurite azurite@$(AZURITE_VERSION); else echo "npm not found: Azurite not installed, the Azure tests will skip"; fi
 	touch $@
 
 $(VENV)/.installed-docs: $(VENV)/.installed pyproject.toml

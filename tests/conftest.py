@@ -83,14 +83,15 @@ def store(local_config):
 
 
 # --- Real object-store servers (tests/servers.py) ---------------------------------------
-# `seaweed` (SeaweedFS S3) and `fake_gcs` (fake-gcs-server) start once per session, on
-# demand, and are SIGKILLed at the end. `s3_bucket` / `gcs_bucket` give each test a fresh
-# bucket URL; reach the server with e.g. `seaweed.storage_options()` / `seaweed.filesystem()`.
+# `seaweed` (SeaweedFS S3), `fake_gcs` (fake-gcs-server) and `azurite` (Azurite, Azure blob)
+# start once per session, on demand, and are SIGKILLed at the end. `s3_bucket` / `gcs_bucket`
+# / `az_container` give each test a fresh bucket URL; reach the server with e.g.
+# `seaweed.storage_options()` / `seaweed.filesystem()` (Azurite: `azurite.get_blob()`).
 # Importing servers also sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before gcsfs loads.
 import re as _re
 import uuid as _uuid
 
-from servers import FakeGCS, SeaweedS3
+from servers import Azurite, FakeGCS, SeaweedS3
 
 
 def _bucket_name(request) -> str:
@@ -144,3 +145,30 @@ def s3_bucket(seaweed, request):
 def gcs_bucket(fake_gcs, request):
     """`gs://<fresh bucket>` on the session's fake-gcs-server; options: `fake_gcs.storage_options()`."""
     yield from _fresh_bucket(fake_gcs, request)
+
+
+@pytest.fixture(scope="session")
+def azurite():
+    """A running Azurite blob service (Azurite): one account, its key enforced, data in a temp
+    dir. Skipped, saying why, where Azurite is not installed (`make test` installs it)."""
+    try:
+        server = Azurite()
+    except FileNotFoundError as e:
+        pytest.skip(f"Azurite is not available: {e}")
+    with server:
+        yield server
+
+
+@pytest.fixture
+def az_container(azurite, request):
+    """`az://<fresh container>` on the session's Azurite; options: `azurite.storage_options()`."""
+    if not azurite.running():
+        azurite.restart()
+    name = _bucket_name(request)
+    url = azurite.make_container(name)
+    yield url
+    if azurite.running():
+        try:
+            azurite.drop_container(name)
+        except Exception as e:  # noqa: BLE001 - cleanup only; the test's result stands
+            warnings.warn(f"could not delete test container {url}: {e!r}", stacklevel=1)

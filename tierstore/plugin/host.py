@@ -34,6 +34,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tierstore_plugins.atomic",
     "tierstore_plugins.manifest_last",
     "tierstore_plugins.fsspec_backend",
+    "tierstore_plugins.obstore_backend",
     "tierstore_plugins.staging_cpu",
     "tierstore_plugins.zstd",
     "tierstore_plugins.peer",
