@@ -93,6 +93,23 @@ def _url_problem(url: str) -> str | None:
     return local_path_problem(path) if protocol in (None, "file", "local") else None
 
 
+#: the keys every object-store backend takes beside its ``url`` and ``options`` (transfers,
+#: retries, leases): ``fsspec`` and ``obstore`` tiers are configured alike
+OBJECT_STORE_OPTIONS = (
+    Option("concurrency", int, default=16, check=_positive,
+           description="objects or ranges transferred at once"),
+    Option("part_mib", int, default=16, check=_positive,
+           description="multipart part size and ranged-read size in MiB"),
+    Option("max_attempts", int, default=6, check=_positive,
+           description="tries per operation on transient failures"),
+    Option("retry_seconds", (int, float), default=120, check=_positive,
+           description="longest time spent retrying one operation"),
+    Option("lease_seconds", (int, float), default=120, check=_positive,
+           description="how long a writer's lease on a prefix lasts unrenewed: what a "
+                       "killed writer left is collected this long (+60 s) after it died"),
+)
+
+
 class FsspecBackend(Backend):
     """A tier on any fsspec filesystem; for object stores, with manifest-last commits."""
 
@@ -101,17 +118,7 @@ class FsspecBackend(Backend):
                description="where the tier lives, e.g. s3://bucket/run-7 (may use {node})"),
         Option("options", dict, default={}, secret=True,  # credentials: never echoed
                description="filesystem options (endpoint, credentials: use {env = \"NAME\"})"),
-        Option("concurrency", int, default=16, check=_positive,
-               description="objects or ranges transferred at once"),
-        Option("part_mib", int, default=16, check=_positive,
-               description="multipart part size and ranged-read size in MiB"),
-        Option("max_attempts", int, default=6, check=_positive,
-               description="tries per operation on transient failures"),
-        Option("retry_seconds", (int, float), default=120, check=_positive,
-               description="longest time spent retrying one operation"),
-        Option("lease_seconds", (int, float), default=120, check=_positive,
-               description="how long a writer's lease on a prefix lasts unrenewed: what a "
-                           "killed writer left is collected this long (+60 s) after it died"),
+        *OBJECT_STORE_OPTIONS,
     )
     default_commit = "manifest-last"
     supports_rename = False

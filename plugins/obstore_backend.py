@@ -38,7 +38,7 @@ from typing import IO, Any, Callable, TypeVar
 
 from tierstore.plugin import (Backend, ConfigError, DirectoryLock, Option, RetryPolicy,
                               TierstoreError, cannot_connect, confined, hookimpl, with_retries)
-from tierstore_plugins.fsspec_backend import ObjectReader
+from tierstore_plugins.fsspec_backend import OBJECT_STORE_OPTIONS, ObjectReader
 from tierstore_plugins.leases import LEASE_PREFIX, LeaseKeeper, lease_is_current
 from tierstore_plugins.obstore_options import (FSSPEC_NAMES, STORE_NAMES, Unmappable,
                                                options_problem, secrets_in, seconds_option,
@@ -64,10 +64,6 @@ _FOREGROUND_CONNECT = "500ms"
 _PROBE = ".tierstore-reachable"
 #: what a store says about a bucket or container (not an object) that does not exist
 _NO_BUCKET = re.compile(r"NoSuchBucket|ContainerNotFound|(bucket|container) does not exist", re.I)
-
-
-def _positive(v: Any) -> str | None:
-    return None if v > 0 else f"must be positive, got {v}"
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -178,17 +174,7 @@ class ObstoreBackend(Backend):
                description="store options in fsspec's terms (endpoint_url, key/secret, token, "
                            "account_name/account_key, connection_string, ...) or obstore's "
                            "own; credentials: use {env = \"NAME\"}"),
-        Option("concurrency", int, default=16, check=_positive,
-               description="objects or ranges transferred at once"),
-        Option("part_mib", int, default=16, check=_positive,
-               description="multipart part size and ranged-read size in MiB"),
-        Option("max_attempts", int, default=6, check=_positive,
-               description="tries per operation on transient failures"),
-        Option("retry_seconds", (int, float), default=120, check=_positive,
-               description="longest time spent retrying one operation"),
-        Option("lease_seconds", (int, float), default=120, check=_positive,
-               description="how long a writer's lease on a prefix lasts unrenewed: what a "
-                           "killed writer left is collected this long (+60 s) after it died"),
+        *OBJECT_STORE_OPTIONS,
     )
     default_commit = "manifest-last"
     supports_rename = False
