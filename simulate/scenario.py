@@ -39,7 +39,7 @@ the file, the table and the key, and says how to fix it. The built-in scenario i
     tiers = [{ name = "ram", backend = "memory", every = 5 },
              { name = "peer", backend = "peer", every = 5 },   # replicas on the other node
              { name = "disk", backend = "local", every = 10 },
-             { name = "s3", backend = "s3", every = 20 }]      # the simulator's SeaweedFS
+             { name = "s3", backend = "s3", every = 20 }]      # SeaweedFS (client = "obstore" too)
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any
 
 __all__ = ["Contender", "DEFAULT_TOML", "FATAL_KINDS", "Failure", "FAILURE_KINDS",
            "CONTENDER_KINDS", "Job", "NODE_BACKENDS",
-           "Scenario", "ScenarioError", "Supervisor", "Tier", "TIER_BACKENDS",
+           "S3_CLIENTS", "Scenario", "ScenarioError", "Supervisor", "Tier", "TIER_BACKENDS",
            "default_scenario", "load_scenario", "parse_scenario", "slug"]
 
 FAILURE_KINDS = ("kill-rank", "hang-rank", "lose-node", "preempt", "object-store-outage")
@@ -64,6 +64,8 @@ CONTENDER_KINDS = ("dcp-async", "dcp-sync", "tierstore")
 STOCK_STORAGES = ("directory", "s3")
 #: backends a simulated tierstore tier may use; the simulator chooses their paths
 TIER_BACKENDS = ("memory", "peer", "local", "fsspec", "s3")
+#: the clients an ``s3`` tier may talk to the simulator's object store with (tierstore's backends)
+S3_CLIENTS = ("fsspec", "obstore")
 #: backends that hold a node's own copy: RAM, and the peer tier's replicas of other nodes
 NODE_BACKENDS = ("memory", "peer")
 
@@ -137,6 +139,8 @@ class Tier:
     every: int | str       # steps, or "auto" (the store chooses, after Young/Daly)
     keep: int | None = None
     node_local: bool = False
+    #: ``s3`` tiers: the client tierstore talks to the object store with (its backend)
+    client: str = "fsspec"
 
 
 @dataclass(frozen=True)
@@ -541,7 +545,7 @@ def _contender(source: str, index: int, data: Any, job: Job) -> Contender:
 
 
 def _tier(source: str, where: str, data: Any, every: int | None) -> Tier:
-    t = _Table(source, where, data, ("name", "backend", "every", "keep", "node_local"))
+    t = _Table(source, where, data, ("name", "backend", "every", "keep", "node_local", "client"))
     name = t.text("name")
     if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
         raise t.error("name", f"'{name}' may hold only letters, digits, '_' and '-'")
@@ -556,8 +560,12 @@ def _tier(source: str, where: str, data: Any, every: int | None) -> Tier:
     if backend == "s3" and node_local:
         raise t.error("node_local", "cannot be true for an s3 tier: the object store is "
                                     "shared by every node")
+    client = t.text("client", "fsspec", choices=S3_CLIENTS)
+    if t.has("client") and backend != "s3":
+        raise t.error("client", f"is for s3 tiers (the object-store client), and this tier's "
+                                f"backend is {backend}; remove it")
     tier_every: int | str = ("auto" if data.get("every") == "auto"
                              else t.integer("every", every, least=1))
     return Tier(name=name, backend=backend, every=tier_every,
                 keep=t.integer("keep", least=1) if t.has("keep") else None,
-                node_local=node_local)
+                node_local=node_local, client=client)

@@ -75,7 +75,7 @@ def _tier_config(tier: Any, contender: Contender, job: Job, work_dir: Path, shm_
     """One ``[[tier]]`` of the store: the scenario's tier at the simulator's own path."""
     node = "/{node}" if tier.node_local else ""
     where = shm_dir if tier.backend in ("memory", "peer") else work_dir
-    backend = "fsspec" if tier.backend == "s3" else tier.backend
+    backend = tier.client if tier.backend == "s3" else tier.backend
     out: dict[str, Any] = {"name": tier.name, "backend": backend}
     location = f"{where}/{tier.name}{node}"
     if tier.backend == "fsspec":

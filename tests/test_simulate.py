@@ -210,6 +210,15 @@ BAD = {
         'tiers = [{ name = "ram", backend = "memory", every = 4 },\n'
         '         { name = "disk", backend = "local", every = 6 }]\n',
         "tier 'disk' has every = 6, which is not a multiple of the save interval every = 4"),
+    "object-store client on a disk tier": (
+        '[[contender]]\nkind = "tierstore"\nevery = 2\n'
+        'tiers = [{ name = "disk", backend = "local", client = "obstore" }]\n',
+        "client is for s3 tiers (the object-store client), and this tier's backend is local"),
+    "unknown object-store client": (
+        '[[contender]]\nkind = "tierstore"\nevery = 2\n'
+        'tiers = [{ name = "ram", backend = "memory" },\n'
+        '         { name = "s3", backend = "s3", client = "boto" }]\n',
+        "'boto' is not one of fsspec, obstore"),
     "tiers on a stock contender": (
         '[[contender]]\nkind = "dcp-async"\nevery = 5\n'
         'tiers = [{ name = "ram", backend = "memory" }]\n',
