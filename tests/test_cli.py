@@ -80,3 +80,31 @@ def test_demo_runs_and_every_load_is_bitwise_equal():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo finished: every load was bitwise equal" in out.stdout
     assert "latest(): step-4 (from 'nvme')" in out.stdout
+
+
+def test_help_is_plain_text_and_a_plan_counts_ranks_in_words(tmp_path):
+    """`--help` shows no reStructuredText markup, and `plan` says "1 rank", not "1 ranks"."""
+    out = run_cli("--help")
+    assert out.returncode == 0 and "The tierstore command" in out.stdout
+    assert "``" not in out.stdout, out.stdout
+    config = tmp_path / "tiers.toml"
+    config.write_text(f'[[tier]]\nname = "nvme"\nbackend = "local"\npath = "{tmp_path}/nvme"\n')
+    with tierstore.open(config) as store:
+        dcp.save({"w": torch.ones(10)}, storage_writer=store.writer(), checkpoint_id="step-1")
+    out = run_cli("plan", str(config), "step-1")
+    assert out.returncode == 0, out.stderr
+    assert "step-1 (saved by 1 rank) restored by 1 rank, 1 per node:" in out.stdout, out.stdout
+
+
+def test_json_into_a_reader_that_stops_early_ends_without_a_traceback(tmp_path):
+    """`tierstore ls --json | head -1`: the reader closing the pipe is no error to report."""
+    config = tmp_path / "tiers.toml"
+    config.write_text(f'[[tier]]\nname = "nvme"\nbackend = "local"\npath = "{tmp_path}/nvme"\n')
+    with tierstore.open(config) as store:
+        for step in range(1, 200):  # a listing longer than a pipe's buffer
+            dcp.save({"w": torch.ones(1)}, storage_writer=store.writer(),
+                     checkpoint_id=f"step-{step}")
+    proc = subprocess.run(f"{sys.executable} -m tierstore.cli ls --json {config} | head -c 10",
+                          shell=True, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith("["), proc.stdout
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

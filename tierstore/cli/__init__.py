@@ -37,6 +37,7 @@ they resume none of its drains and write nothing to any tier; wait and gc are th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tierstore.cli.commands import COMMANDS
@@ -47,7 +48,8 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__,
+    # The module docstring is the help, shown as plain text (not reStructuredText markup).
+    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"tierstore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         return _error(exc, 1)
     except KeyboardInterrupt:
         return _error("interrupted", 130)
+    except BrokenPipeError:
+        # The reader of stdout went away (`tierstore ls --json | head`): what it did not
+        # read is not wanted. Point stdout at /dev/null so that the interpreter's own flush
+        # at exit does not raise again, and end as Python does on EPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:  # noqa: BLE001 - one line for the operator, never a traceback
         return _error(f"{type(exc).__name__}: {exc}", 1)
 

@@ -65,6 +65,11 @@ def _emit(args: argparse.Namespace, document: Any, text: str) -> None:
         print(text)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _size(n: int | None) -> str:
     if n is None:
         return "-"
@@ -161,8 +166,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with _store(args, read_only=True) as store:
         plan = store.plan(args.id, args.world_size, args.ranks_per_node)
     total = plan.total_bytes or 1
-    lines = [f"{plan.checkpoint_id} (saved by {plan.saved_world_size} ranks) restored by "
-             f"{plan.world_size} ranks, {plan.ranks_per_node} per node:",
+    lines = [f"{plan.checkpoint_id} (saved by {_count(plan.saved_world_size, 'rank')}) "
+             f"restored by {_count(plan.world_size, 'rank')}, {plan.ranks_per_node} per node:",
              _table(["source", "bytes", "share"],
                     [[s["tier"], _size(s["bytes"]), f"{100 * s['bytes'] / total:.1f}%"]
                      for s in plan.sources]),
