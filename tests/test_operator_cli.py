@@ -337,4 +337,21 @@ def test_every_command_answers_json_and_nothing_else_on_stdout(store_toml, tmp_p
     assert {"name": "local", "plugin": "tierstore_plugins.local", "origin": "built-in"} \
         in doc["backend"]
     proc, doc = cli("verify", store_toml, "step-9", "--json")
-    assert proc.returncode == 1 and doc["ok"] is False and "step-9" in proc.stderr
+    assert proc.returncode == 2 and doc["ok"] is False and "step-9" in proc.stderr
+
+
+def test_an_id_on_no_tier_gets_one_exit_status_and_one_hint_from_every_command(store_toml,
+                                                                               tmp_path):
+    """inspect, verify, plan, promote, export, pin and unpin all answer a missing id alike:
+    exit 2, and the same pointer to the command that lists what is stored."""
+    commands = [["inspect"], ["verify"], ["plan"], ["promote", "--to", "disk"],
+                ["export", "--format", "torch", "--out", str(tmp_path / "x.pt")], ["pin"],
+                ["unpin"]]
+    for command in commands:
+        proc, _ = cli(command[0], store_toml, "step-9", *command[1:])
+        assert proc.returncode == 2, (command, proc.stderr)
+        assert proc.stderr.startswith("tierstore: error: "), (command, proc.stderr)
+        assert "'step-9'" in proc.stderr, (command, proc.stderr)
+        assert f"`tierstore ls {store_toml}` shows what is stored" in proc.stderr, \
+            (command, proc.stderr)
+        assert "store.list()" not in proc.stderr, (command, proc.stderr)

@@ -61,5 +61,6 @@ def test_verifying_an_id_no_tier_holds_is_checkpoint_not_found(tmp_path):
     config.write_text(f'[[tier]]\nname = "disk"\nbackend = "local"\npath = "{tmp_path}/disk"\n')
     out = subprocess.run([sys.executable, "-m", "tierstore.cli", "verify", str(config), "step-9"],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "no tier holds it" in out.stderr
+    assert out.returncode == 2 and "no tier holds it" in out.stderr
+    assert f"`tierstore ls {config}` shows what is stored" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr

@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "PluginError",
     "CheckpointNotFound",
+    "LIST_HINT",
     "IntegrityError",
     "CommitError",
     "DrainError",
@@ -35,6 +36,11 @@ class PluginError(TierstoreError):
 
 class CheckpointNotFound(TierstoreError, FileNotFoundError):
     """No tier holds a complete copy of the requested checkpoint."""
+
+
+#: how a CheckpointNotFound's message ends: where to see what is stored (the ``tierstore``
+#: command says its own ``tierstore ls`` instead)
+LIST_HINT = "store.list() shows what is stored"
 
 
 class IntegrityError(TierstoreError):

@@ -41,7 +41,8 @@ import os
 import sys
 
 from tierstore.cli.commands import COMMANDS
-from tierstore.errors import CheckpointNotFound, ConfigError, PluginError, TierstoreError
+from tierstore.errors import (LIST_HINT, CheckpointNotFound, ConfigError, PluginError,
+                              TierstoreError)
 from tierstore.version import __version__
 
 __all__ = ["main"]
@@ -144,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PluginError, ValueError) as exc:
         return _error(exc, 2)
     except CheckpointNotFound as exc:  # the id named is not there: a usage error
-        return _error(exc, 2)
+        config = getattr(args, "config", None) or "tiers.toml"
+        return _error(str(exc).replace(LIST_HINT, f"`tierstore ls {config}` shows what is "
+                                                  f"stored"), 2)
     except TierstoreError as exc:  # what it did failed (a copy, a check): "bad"
         return _error(exc, 1)
     except KeyboardInterrupt:

@@ -188,12 +188,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             with _bar_for(bars, store, args.id, f"verify {args.id}",
                           lambda info: 1 if args.tier else len(info.tiers)):
                 report = store.verify(args.id, tier=args.tier)
-        except CheckpointNotFound as exc:  # what it checked is missing: "bad", not a usage error
-            if args.json:
+        except CheckpointNotFound:
+            if args.json:  # the one JSON document stdout promises, then the usage error
                 _emit(args, {"id": args.id, "ok": False, "problems": [
-                    {"tier": None, "file": None, "problem": str(exc)}]}, "")
-            print(f"tierstore: {exc}", file=sys.stderr)
-            return 1
+                    {"tier": None, "file": None, "problem": "on no tier"}]}, "")
+            raise
     _emit(args, report.to_json(), str(report))
     return 0 if report.ok else 1
 

@@ -10,7 +10,7 @@ from tierstore.engine.context import StoreContext
 from tierstore.engine.health import TierHealth
 from tierstore.engine.listings import Listings
 from tierstore.engine.retention import Retention
-from tierstore.errors import CheckpointNotFound
+from tierstore.errors import LIST_HINT, CheckpointNotFound
 from tierstore.events import Phase
 from tierstore.format.ids import validate_checkpoint_id
 from tierstore.format.manifest import MANIFEST_NAME, Manifest
@@ -180,8 +180,7 @@ class Catalog:
         if not found:
             raise CheckpointNotFound(
                 f"cannot {what} '{cid}': it is not complete on any tier "
-                f"({', '.join(t.name for t in self._context.tiers)}); store.list() shows what "
-                f"is stored")
+                f"({', '.join(t.name for t in self._context.tiers)}); {LIST_HINT}")
         return found
 
     def verify(self, checkpoint_id: str, tier: str | None = None) -> VerifyReport:
@@ -214,7 +213,7 @@ class Catalog:
         if not checked:
             raise CheckpointNotFound(
                 f"cannot verify '{cid}': no tier holds it ({', '.join(t.name for t in chosen)}); "
-                f"store.list() shows what is stored")
+                f"{LIST_HINT}")
         return VerifyReport(cid, checked, problems)
 
     def set_pinned(self, checkpoint_id: str, pinned: bool) -> None:
@@ -230,7 +229,7 @@ class Catalog:
                 self._retention.ask_pin(cid, None)
                 raise CheckpointNotFound(
                     f"cannot {'pin' if pinned else 'unpin'} '{cid}': it is not complete on any "
-                    f"tier; store.list() shows what is stored")
+                    f"tier; {LIST_HINT}")
 
 
 # -- what latest() gathers: plain data, compact ---------------------------------------------------

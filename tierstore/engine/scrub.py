@@ -39,7 +39,7 @@ from tierstore.engine.context import StoreContext
 from tierstore.engine.drain import DrainJob, Drainer
 from tierstore.engine.health import TierHealth
 from tierstore.engine.retention import Retention
-from tierstore.errors import CheckpointNotFound, DrainError
+from tierstore.errors import LIST_HINT, CheckpointNotFound, DrainError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.manifest import Manifest
 from tierstore.tiers.reports import Problem, PromoteResult, Repair, ScrubReport
@@ -93,7 +93,7 @@ class Scrubber:
         if not sources:
             raise CheckpointNotFound(
                 f"cannot promote '{cid}': no tier holds a whole copy of it (node-local tiers "
-                f"hold one node's part); store.list() shows what is stored")
+                f"hold one node's part); {LIST_HINT}")
         failures = []
         self._retention.loading(cid, begins=True)  # keep spares the source meanwhile
         try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.config.validate import StoreConfig
-from tierstore.errors import CheckpointNotFound
+from tierstore.errors import LIST_HINT, CheckpointNotFound
 from tierstore.format.manifest import Manifest
 from tierstore.plugin.host import PluginHost
 from tierstore.tiers.build import parity_tier, replica_tier, standalone_tier
@@ -118,7 +118,7 @@ def restore_plan(config: StoreConfig, host: PluginHost, checkpoint_id: str,
     if not copies:
         raise CheckpointNotFound(
             f"checkpoint '{checkpoint_id}' is on no tier ({', '.join(t.name for t in config.tiers)})"
-            f"; `tierstore ls` shows what is stored")
+            f"; {LIST_HINT}")
     coordinator = next((c for c in copies if c.manifest.has_metadata), copies[0])
     saved = coordinator.manifest.world_size
     # The save's shape: its node-local manifests say how many parts (nodes) it had.
