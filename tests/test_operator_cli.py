@@ -238,7 +238,9 @@ def test_status_reports_a_dead_object_store_and_answers_for_the_local_tiers(
     seaweed.kill()
     try:
         proc, status = cli("status", toml, "--json")
-        assert proc.returncode == 0, proc.stderr
+        # Reported, and "bad" (exit 1) so that a monitor running `status` notices it.
+        assert proc.returncode == 1, proc.stderr
+        assert "tier(s) s3 unreachable" in proc.stderr, proc.stderr
         disk, s3 = status["tiers"]
         assert (disk["name"], disk["reachable"], disk["newest"]) == ("disk", True, "step-2")
         assert (s3["name"], s3["reachable"], s3["newest"]) == ("s3", False, None)

@@ -118,7 +118,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Per tier: reachable, newest, age, steps behind, bytes, free space; pending copies."""
+    """Per tier: reachable, newest, age, steps behind, bytes, free space; pending copies (1
+    when a tier is unreachable)."""
     with _store(args, read_only=True) as store:
         status = store.status()
     rows = [[t.name, "yes" if t.reachable else "NO", t.newest or "-", _age(t.newest_age_s),
@@ -132,6 +133,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     text += ("\npending copies: " + ", ".join(f"{c} -> {t}" for c, t in status.pending)
              if status.pending else "\nno pending copies")
     _emit(args, status.to_json(), text)
+    down = [t.name for t in status.tiers if not t.reachable]
+    if down:  # what it checked is bad: monitoring that runs `status` must see it
+        print(f"tierstore: tier(s) {', '.join(down)} unreachable", file=sys.stderr)
+        return 1
     return 0
 
 
