@@ -108,3 +108,17 @@ def test_json_into_a_reader_that_stops_early_ends_without_a_traceback(tmp_path):
                           shell=True, capture_output=True, text=True, timeout=120)
     assert proc.stdout.startswith("["), proc.stdout
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_help_and_version_answer_without_importing_torch():
+    """An operator's `tierstore --help` or `--version` (or a script importing an error class)
+    pays no `import torch`: the store, and torch with it, load when a command needs them."""
+    script = ("import sys\nimport tierstore.cli\nfrom tierstore import ConfigError, __version__\n"
+              "try:\n    tierstore.cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
+              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("[]"), out.stdout
+    assert "tierstore " in out.stdout  # the version line
+    assert callable(tierstore.open) and tierstore.Store.__name__ == "Store"  # still there

@@ -10,16 +10,36 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from tierstore.errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,
                               IntegrityError, PluginError, RanksLostError, ReplicationError,
                               StagingError,
                               TierFullError, TierstoreError)
 from tierstore.events import Event, EventKind, Phase
-from tierstore.plugin.host import hookimpl
-from tierstore.store import Store, open
-from tierstore.engine.parity import ParityCheck
-from tierstore.tiers.reports import CheckpointInfo, VerifyReport
 from tierstore.version import __version__
+
+if TYPE_CHECKING:  # imported when first used (see __getattr__); listed here for tools
+    from tierstore.engine.parity import ParityCheck
+    from tierstore.plugin.host import hookimpl
+    from tierstore.store import Store, open
+    from tierstore.tiers.reports import CheckpointInfo, VerifyReport
+
+#: names whose modules import torch and DCP (seconds): imported on first use, so that what needs
+#: none of it (``tierstore --version``, an error class) starts at once
+_LAZY = {"open": "tierstore.store", "Store": "tierstore.store",
+         "hookimpl": "tierstore.plugin.host", "ParityCheck": "tierstore.engine.parity",
+         "CheckpointInfo": "tierstore.tiers.reports", "VerifyReport": "tierstore.tiers.reports"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: the next access is a plain attribute
+    return value
 
 __all__ = [
     "__version__",

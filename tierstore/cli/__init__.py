@@ -40,12 +40,25 @@ import argparse
 import os
 import sys
 
-from tierstore.cli.commands import COMMANDS
 from tierstore.errors import (LIST_HINT, CheckpointNotFound, ConfigError, PluginError,
                               TierstoreError)
 from tierstore.version import __version__
 
 __all__ = ["main"]
+
+#: the commands of :mod:`tierstore.cli.commands` (which imports the store, torch and DCP: only
+#: once a command runs, so that ``--help`` and ``--version`` answer at once)
+_COMMANDS = ("ls", "status", "inspect", "plan", "verify", "promote", "export", "scrub", "wait",
+             "gc", "pin", "unpin", "plugins", "demo")
+
+
+def _command(name: str):
+    """The function running command ``name``, imported when it runs."""
+    def run(args: argparse.Namespace) -> int:
+        from tierstore.cli.commands import COMMANDS
+
+        return COMMANDS[name](args)
+    return run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("config", nargs="?", help="a store's TOML file (its plugins too)")
         p.add_argument("--json", action="store_true",
                        help="print one JSON document on stdout (nothing else there)")
-        p.set_defaults(fn=COMMANDS.get(name))
+        p.set_defaults(fn=_command(name) if name in _COMMANDS else None)
         return p
 
     command("ls", "list checkpoints, newest first")
