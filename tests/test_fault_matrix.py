@@ -8,7 +8,8 @@ pins racing drains and ``keep``) must keep every invariant, and the checks it re
 notice a broken promise. So must a few trials of each hostile kind, run on their own: a second
 user planting links and foreign directories under the tier roots (``cotenant``), and manifests
 and ``.metadata`` with one field replaced (``fuzz``). ``make faults`` runs the whole matrix
-(tests/faults/)."""
+(tests/faults/). The sample's object-store kinds (an S3 tier) run on the ``obstore`` backend
+too: a drain slowed and the server killed under a drain, and the server frozen under scrub."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from faults import cotenant, fuzz
 from faults.checks import check
 from faults.hostile import make_victim, snapshot_tree
 from faults.inject import FIRST_FULL, GC_ROW, Injector
-from faults.matrix import HOSTILE_KINDS, KINDS, LOCAL_FAULTS, RACE_SAMPLE
+from faults.matrix import HOSTILE_KINDS, KINDS, LOCAL_FAULTS, RACE_SAMPLE, S3_SAMPLE
 from faults.plan import FIRST_FULL_ROW, ROOMS, Trial
 from faults.races import RACE_KINDS, launch, params, plan_races, trial_dict
 from faults.scenario import Place, Scenario
@@ -93,6 +94,13 @@ def test_the_sample_strikes_every_phase_with_every_fault(sample):
     assert {"node/write_metadata", "node/drain_file"} <= {r["row"] for r in report["results"]}
     ran = [kind_of(r) for r in report["results"]]
     assert all(ran.count(kind) >= RACE_SAMPLE for kind in RACE_KINDS), ran
+    # the object-store kinds on the obstore backend (an optional extra: said when not installed)
+    if not any("obstore is not installed" in line for line in report["skipped"]):
+        on_obstore = {(kind_of(r), r["fault"]) for r in report["results"]
+                      if r.get("s3_backend") == "obstore"}
+        want = {(kind, f) for (kind, backend), faults in S3_SAMPLE.items()
+                if backend == "obstore" for f in faults}
+        assert want <= on_obstore, f"obstore trials the sample did not run: {want - on_obstore}"
 
 
 def test_the_checks_notice_broken_promises(tmp_path):

@@ -385,9 +385,9 @@ def _leftovers(tier: dict, complete: set[str]) -> list[str]:
 
 @contextlib.contextmanager
 def _a_day_later() -> Iterator[None]:
-    """The fsspec backend's clock, a day ahead: every lease has expired (this process is a
-    fresh checker; no writer of its own holds one)."""
-    from tierstore_plugins import fsspec_backend
+    """The object-store backends' clock (``fsspec``'s and ``obstore``'s), a day ahead: every
+    lease has expired (this process is a fresh checker; no writer of its own holds one)."""
+    from tierstore_plugins import fsspec_backend, obstore_backend
 
     class Later:
         def __getattr__(self, attr):
@@ -397,7 +397,8 @@ def _a_day_later() -> Iterator[None]:
         def time() -> float:
             return time.time() + 86_400
 
-    with mock.patch.object(fsspec_backend, "time", Later()):
+    with mock.patch.object(fsspec_backend, "time", Later()), \
+            mock.patch.object(obstore_backend, "time", Later()):
         yield
 
 

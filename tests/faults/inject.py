@@ -19,6 +19,7 @@ from typing import Callable
 
 from tierstore_plugins.fsspec_backend import FsspecBackend
 from tierstore_plugins.local import LocalBackend, MemoryBackend
+from tierstore_plugins.obstore_backend import ObstoreBackend  # (imports obstore only when used)
 
 import tierstore
 from tierstore import Phase
@@ -399,7 +400,8 @@ def _announcing(base: type) -> type:
 #: backend name -> class: the built-in backends under ``faults-<name>``.
 FAULTY_BACKENDS = {"faults-local": _announcing(LocalBackend),
                    "faults-memory": _announcing(MemoryBackend),
-                   "faults-fsspec": _announcing(FsspecBackend)}
+                   "faults-fsspec": _announcing(FsspecBackend),
+                   "faults-obstore": _announcing(ObstoreBackend)}
 
 
 @tierstore.hookimpl

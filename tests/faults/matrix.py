@@ -1,8 +1,10 @@
 """The fault matrix: plan trials, run them on forked workers, print the table.
 
-A trial is ``ROW:FAULT:NTH:SEED[:s3][:roomN][:VARIANT]`` (see ``plan``; ``node/PHASE@RANK``
-rows are the multi-node trials, see ``multinode``): the job of ``SEED`` with ``FAULT``
-striking at the ``NTH`` announcement of ``ROW``, its slow tier on S3 with ``:s3``, the first
+A trial is ``ROW:FAULT:NTH:SEED[:s3[:obstore]][:roomN][:VARIANT]`` (see ``plan``;
+``node/PHASE@RANK`` rows are the multi-node trials, see ``multinode``): the job of ``SEED`` with
+``FAULT`` striking at the ``NTH`` announcement of ``ROW``, its slow tier on S3 with ``:s3``
+(through the ``fsspec`` backend; ``:s3:obstore``: the same bucket, options and retries through
+the ``obstore`` backend; the trials with an S3 tier run on both, ``--s3-backends``), the first
 tier's free space that checkpoint's size plus ``N`` pages with ``first-full``. Planning
 first runs each candidate job once without a fault and counts what every row announces, so
 each trial names a point the job really reaches; the job is deterministic (the order of files
@@ -14,6 +16,8 @@ that runs it again alone.
     python -m tests.faults --trial save/write_file:sigkill:6:100037
     python -m tests.faults --faults first-full --no-s3   # the almost full first tier only
     python -m tests.faults --kinds keep1,spoil,cli,stall,ops,ops-s3,multinode  # issue 25's
+    python -m tests.faults --kinds classic,ops-s3 --s3-only --s3-backends obstore  # S3, obstore
+    python -m tests.faults --trial scrub/verify_file:flaky:1:170001:s3:obstore:ops
     python -m tests.faults --trial node/write_metadata@0:sigkill:3:1   # a multi-node trial
     python -m tests.faults --kinds backtoback,auto,pins --race-trials 300   # the race kinds
     python -m tests.faults --trial backtoback/3x2-sync:race:1:190001        # one race trial
@@ -24,6 +28,7 @@ that runs it again alone.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -54,7 +59,7 @@ from .places import Env, mount_tmpfs, server_module, unmount
 from .plan import Trial, plan_cells, plan_first_full, row_key
 from .procs import ChildResult, run_child, run_pool
 from .races import RACE_FAULT, RACE_KINDS, kind_of_trial, plan_races, row_of, run_races
-from .scenario import Place, Scenario
+from .scenario import S3_BACKENDS, Place, Scenario
 from .table import table
 from .workload import Journal, checkpoint_sizes, run_job
 
@@ -94,6 +99,16 @@ MULTINODE_SAMPLE = ("node/write_metadata@0:sigkill:3:1", "node/drain_file@2:corr
 PARITY_SAMPLE = ("parity/publish@1:sigkill:2:1",)
 #: Faults of the ``ops-s3`` trials.
 OPS_S3_FAULTS = ("raise", "eio", "slow", "flaky", "server-death")
+#: The trials with an S3 tier (the object-store kinds: ``classic``'s drains and server deaths,
+#: ``ops-s3``) in the CI sample, by kind and S3 backend: the faults struck, one trial each
+#: (``classic`` on ``fsspec``: ``--s3-trials`` drawn at random, and one server death). The other
+#: backends strike the same jobs at the same points as ``fsspec`` where its plan has them: a
+#: drain slowed while it copies a file, the server killed under a drain, and frozen under
+#: scrub or promote.
+S3_SAMPLE = {("ops-s3", "fsspec"): ("flaky", "server-death"),
+             ("classic", "obstore"): ("slow", "server-death"), ("ops-s3", "obstore"): ("flaky",)}
+#: Where the sample's ``slow`` trial on the other S3 backends strikes, when the plan has it.
+S3_SAMPLE_SLOW_ROW = "drain/drain_file"
 #: Drain rows where a ``cli`` trial holds the drain (no copy thread is running then).
 CLI_ROWS = ("drain/drain_begin", "drain/drain_commit", "drain/publish", "drain/retain")
 #: The race trials of the CI sample, per kind (backtoback: 2 nodes x 1 rank only): each kind one
@@ -116,11 +131,12 @@ def _prepare(scenario: Scenario, place: Place) -> ChildResult:
     return run_child(job, log_path=place.log, timeout=CHILD_TIMEOUT)
 
 
-def dry_run(seed: int, s3: bool, env: Env, variant: str = "") -> dict[str, int]:
+def dry_run(seed: int, s3: bool, env: Env, variant: str = "",
+            s3_backend: str = S3_BACKENDS[0]) -> dict[str, int]:
     """How many times each row is announced in the job of ``seed`` without a fault."""
-    trial = Trial("dry", "raise", 0, seed, s3, variant=variant)
+    trial = Trial("dry", "raise", 0, seed, s3, variant=variant, s3_backend=s3_backend)
     scenario = trial.scenario()
-    place = env.place_for(trial, f"dry-{seed}{'-s3' if s3 else ''}{variant}-"
+    place = env.place_for(trial, f"dry-{seed}{f'-s3-{s3_backend}' if s3 else ''}{variant}-"
                                  f"{uuid.uuid4().hex[:6]}")
     try:
         if scenario.restart_after:
@@ -214,6 +230,7 @@ def run_trial(trial: Trial, env: Env, name: str) -> dict[str, Any]:
         notes = checked.value["notes"]
     passed = not violations
     outcome = {"spec": trial.spec, "row": trial.row, "fault": trial.fault, "s3": trial.s3,
+               "s3_backend": trial.s3_backend if trial.s3 else None,
                "room": trial.room, "variant": trial.variant, "backend": scenario.fast_backend,
                "passed": passed, "violations": violations, "notes": notes,
                "scenario": scenario.describe(), "seconds": round(time.monotonic() - started, 3),
@@ -249,7 +266,8 @@ def stalled_saves(journal: list[tuple[str, str]]) -> list[str]:
 def failure(trial: Trial, error: str) -> dict[str, Any]:
     """The outcome of a trial the harness itself failed to run (``error``: a traceback)."""
     return {"spec": trial.spec, "row": trial.row, "fault": trial.fault, "s3": trial.s3,
-            "variant": trial.variant, "passed": False, "violations": [f"the harness failed: {error}"], "notes": [],
+            "s3_backend": trial.s3_backend if trial.s3 else None, "variant": trial.variant,
+            "passed": False, "violations": [f"the harness failed: {error}"], "notes": [],
             "scenario": trial.scenario().describe(), "seconds": 0,
             "timings": {}, "dir": None}
 
@@ -266,6 +284,8 @@ class Matrix:
         self.skipped: list[str] = []
         self.server = None
         self.bucket = None
+        #: dry runs' counts with an S3 tier, by (seeds, variant, backend)
+        self._s3_counts: dict[tuple, dict[int, dict[str, int]]] = {}
 
     def env(self, worker: int | str, *, tmpfs: bool) -> Env:
         """A fresh Env (with its own tmpfs when asked and possible)."""
@@ -391,42 +411,85 @@ class Matrix:
         if made.value is None:
             raise RuntimeError(f"could not create the bucket: {made.describe()}")
 
-    def s3_trials(self) -> list[Trial]:
-        """Plan the trials with an S3 tier: drains only, a few server deaths; then scrub and
-        promote against it (``ops-s3``)."""
-        trials = self.classic_s3_trials() if "classic" in self.args.kinds else []
-        if "ops-s3" in self.args.kinds:
+    def s3_backends(self) -> list[str]:
+        """The S3 backends asked for (``--s3-backends``) that can run here; the others are
+        said to be skipped (obstore is an optional extra)."""
+        out = []
+        for backend in self.args.s3_backends:
+            if backend == "obstore" and importlib.util.find_spec("obstore") is None:
+                self.skipped.append("the S3 trials on the obstore backend (obstore is not "
+                                    "installed: pip install 'tierstore[obstore]')")
+                continue
+            out.append(backend)
+        return out
+
+    def s3_counts(self, seeds: list[int], variant: str,
+                  backend: str) -> dict[int, dict[str, int]]:
+        """What each job of ``seeds`` (with ``variant``) announces with its slow tier on S3
+        through ``backend``, from dry runs (one by one: the server is shared). The CI sample
+        counts on the first backend only and strikes the others at the same points: the rows
+        are the core's announcements, and the whole matrix counts on each backend."""
+        if self.args.sample:
+            backend = S3_BACKENDS[0]
+        key = (tuple(seeds), variant, backend)
+        if key not in self._s3_counts:
             env = self.env("s3", tmpfs=False)
-            seeds = [self.args.seed * 100_000 + 70_000 + i for i in range(self.args.s3_seeds)]
-            counts = {s: dry_run(s, True, env, "ops") for s in seeds}
-            rows = sorted({r for c in counts.values() for r in c
-                           if r.startswith(("scrub/", "promote/"))}, key=row_key)
-            faults = tuple(f for f in OPS_S3_FAULTS if f in self.args.faults)
-            ops = plan_cells(counts, faults, self.args.s3_per_cell,
-                             random.Random(f"{self.args.seed}-ops-s3"), s3=True, rows=rows,
-                             variant="ops")
-            if self.args.sample:  # the CI sample: the server frozen, and killed, once each
-                ops = [next(t for t in ops if t.fault == f) for f in ("flaky", "server-death")
-                       if any(t.fault == f for t in ops)]
-            trials += ops
+            self._s3_counts[key] = {s: dry_run(s, True, env, variant, backend) for s in seeds}
+        return self._s3_counts[key]
+
+    def s3_trials(self) -> list[Trial]:
+        """Plan the trials with an S3 tier, on every S3 backend asked for: drains only, a few
+        server deaths; then scrub and promote against it (``ops-s3``). Each backend draws
+        with the same random numbers: where the jobs announce the same rows, its trials are the
+        first backend's, on another client."""
+        trials = []
+        for backend in self.s3_backends():
+            if "classic" in self.args.kinds:
+                trials += self.classic_s3_trials(backend)
+            if "ops-s3" in self.args.kinds:
+                trials += self.ops_s3_trials(backend)
         return trials
 
-    def classic_s3_trials(self) -> list[Trial]:
-        """The S3 trials of the matrix as it was: drains under every fault."""
-        env = self.env("s3", tmpfs=False)
+    def ops_s3_trials(self, backend: str) -> list[Trial]:
+        """``ops-s3``: scrub and promote under every fault of :data:`OPS_S3_FAULTS` against
+        the S3 tier through ``backend``."""
+        seeds = [self.args.seed * 100_000 + 70_000 + i for i in range(self.args.s3_seeds)]
+        counts = self.s3_counts(seeds, "ops", backend)
+        rows = sorted({r for c in counts.values() for r in c
+                       if r.startswith(("scrub/", "promote/"))}, key=row_key)
+        faults = tuple(f for f in OPS_S3_FAULTS if f in self.args.faults)
+        ops = plan_cells(counts, faults, self.args.s3_per_cell,
+                         random.Random(f"{self.args.seed}-ops-s3"), s3=True, rows=rows,
+                         variant="ops", s3_backend=backend)
+        if self.args.sample:  # the CI sample: the server frozen (and killed) once each
+            ops = [next(t for t in ops if t.fault == f)
+                   for f in S3_SAMPLE[("ops-s3", backend)] if any(t.fault == f for t in ops)]
+        return ops
+
+    def classic_s3_trials(self, backend: str) -> list[Trial]:
+        """The S3 trials of the matrix as it was, through ``backend``: drains under every
+        fault, and the server killed under a few."""
         seeds = [self.args.seed * 100_000 + 50_000 + i for i in range(self.args.s3_seeds)]
-        counts = {s: dry_run(s, True, env) for s in seeds}
+        counts = self.s3_counts(seeds, "", backend)
         drain_rows = sorted({r for c in counts.values() for r in c if r.startswith("drain/")},
                             key=row_key)
         rng = random.Random(self.args.seed + 1)
         faults = tuple(f for f in S3_FAULTS if f in self.args.faults)
-        trials = plan_cells(counts, faults, self.args.s3_per_cell, rng, s3=True, rows=drain_rows)
+        planned = plan_cells(counts, faults, self.args.s3_per_cell, rng, s3=True,
+                             rows=drain_rows, s3_backend=backend)
+        trials = planned
         if self.args.s3_trials is not None:
-            trials = rng.sample(trials, min(len(trials), self.args.s3_trials))
+            trials = rng.sample(planned, min(len(planned), self.args.s3_trials))
+        deaths = []
         if "server-death" in self.args.faults:
-            deaths = plan_cells(counts, ("server-death",), 1, rng, s3=True, rows=drain_rows)
-            trials += deaths[:self.args.server_deaths]
-        return trials
+            deaths = plan_cells(counts, ("server-death",), 1, rng, s3=True, rows=drain_rows,
+                                s3_backend=backend)[:self.args.server_deaths]
+        if self.args.sample and ("classic", backend) in S3_SAMPLE:
+            # one trial of each fault the sample names, from the first backend's plan
+            pool = sorted(planned, key=lambda t: t.row != S3_SAMPLE_SLOW_ROW) + deaths
+            return [next(t for t in pool if t.fault == f)
+                    for f in S3_SAMPLE[("classic", backend)] if any(t.fault == f for t in pool)]
+        return trials + deaths
 
     def run_local(self) -> list[dict[str, Any]]:
         """Plan and run the trials on memory/local tiers, on the workers."""
@@ -530,23 +593,27 @@ class Matrix:
         """Run the matrix; print (and write) the table; 0 when every trial passed."""
         started = time.monotonic()
         results: list[dict[str, Any]] = []
+        kinds = set(self.args.kinds)
+        if self.args.s3_only:
+            kinds &= {"classic", "ops-s3"}
+            self.skipped.append("the trials without an S3 tier (--s3-only)")
         try:
             if any(f in (*LOCAL_FAULTS, FIRST_FULL, "cli", "corrupt-source", "vanish-source",
                           "stall") for f in self.args.faults) \
-                    and set(self.args.kinds) - {"ops-s3", "multinode", "parity", *RACE_KINDS,
-                                                *HOSTILE_KINDS}:
+                    and kinds - {"ops-s3", "multinode", "parity", *RACE_KINDS, *HOSTILE_KINDS} \
+                    and not self.args.s3_only:
                 results += self.run_local()
-            if self.args.s3 and {"classic", "ops-s3"} & set(self.args.kinds):
+            if self.args.s3 and {"classic", "ops-s3"} & kinds:
                 results += self.run_s3()
             elif not self.args.s3:
                 self.skipped.append("the S3 tier (--no-s3)")
-            if "multinode" in self.args.kinds:
+            if "multinode" in kinds:
                 results += self.run_multinode()
-            if "parity" in self.args.kinds:
+            if "parity" in kinds:
                 results += self.run_multinode(parity=True)
-            if set(RACE_KINDS) & set(self.args.kinds) and RACE_FAULT in self.args.faults:
+            if set(RACE_KINDS) & kinds and RACE_FAULT in self.args.faults:
                 results += self.run_races()
-            if any(k in self.args.kinds and fault in self.args.faults
+            if any(k in kinds and fault in self.args.faults
                    for k, fault in zip(HOSTILE_KINDS, (COTENANT_FAULT, FUZZ_FAULT))):
                 results += self.run_hostile()
         finally:
@@ -659,16 +726,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trial", type=Trial.parse, help="run this one trial (ROW:FAULT:NTH:SEED"
-                   "[:s3][:roomN]) and show its journal and findings")
+                   "[:s3[:obstore]][:roomN][:VARIANT]) and show its journal and findings")
     p.add_argument("--sample", action="store_true",
                    help="the CI sample: one trial per cell, few S3 trials")
     p.add_argument("--per-cell", type=int, default=10,
                    help="trials per row and fault, and per room and backend of first-full (10)")
     p.add_argument("--s3-per-cell", type=int, default=1,
-                   help="trials per drain row and fault on the S3 tier (1)")
+                   help="trials per drain row and fault on the S3 tier, on each S3 backend (1)")
     p.add_argument("--s3-trials", type=int, default=None,
                    help="at most this many of those (drawn at random)")
-    p.add_argument("--server-deaths", type=int, default=5, help="server-death trials (5)")
+    p.add_argument("--server-deaths", type=int, default=5,
+                   help="server-death trials under drains, on each S3 backend (5)")
     p.add_argument("--seeds", type=int, default=40,
                    help="how many jobs (seeds) the local trials are drawn from (40)")
     p.add_argument("--s3-seeds", type=int, default=4,
@@ -691,6 +759,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--race-batch", type=int, default=25,
                    help="race trials per launch of the worker's ranks (25)")
     p.add_argument("--no-s3", dest="s3", action="store_false", help="skip the S3 trials")
+    p.add_argument("--s3-only", action="store_true",
+                   help="only the trials with an S3 tier (the object-store kinds: classic's "
+                        "drains and server deaths, ops-s3)")
+    p.add_argument("--s3-backends", type=lambda s: tuple(s.split(",")), default=S3_BACKENDS,
+                   help=f"comma-separated subset of {','.join(S3_BACKENDS)}: the backends the "
+                        f"S3 tier's trials run on (all)")
     p.add_argument("--seed", type=int, default=1, help="draws the jobs and the points (1)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel workers")
     p.add_argument("--table", help="also write the table (Markdown) to this file")
@@ -711,6 +785,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.faults) - set(FAULTS)
     if unknown:
         p.error(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")
+    unknown = set(args.s3_backends) - set(S3_BACKENDS)
+    if unknown:
+        p.error(f"unknown S3 backends {sorted(unknown)}; choose from {', '.join(S3_BACKENDS)}")
+    if args.s3_only and not args.s3:
+        p.error("--s3-only and --no-s3 leave nothing to run")
     return args
 
 

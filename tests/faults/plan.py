@@ -1,10 +1,12 @@
 """Trials and their plan: which fault strikes where, in which job.
 
-A trial is ``ROW:FAULT:NTH:SEED[:s3][:roomN]``: the job of ``SEED`` (see ``scenario``) with
-``FAULT`` striking at the ``NTH`` announcement of ``ROW`` (see ``inject``), its slow tier on S3
-with ``:s3``. The plan draws trials from counts of what each job announces without a fault.
-``first-full`` trials (``plan_first_full``) strike the ``NTH`` save to the first tier, whose
-filesystem is left with room for that checkpoint plus ``N`` blocks (``:room-2``: two short).
+A trial is ``ROW:FAULT:NTH:SEED[:s3[:obstore]][:roomN]``: the job of ``SEED`` (see ``scenario``)
+with ``FAULT`` striking at the ``NTH`` announcement of ``ROW`` (see ``inject``), its slow tier on
+S3 with ``:s3`` (through the ``fsspec`` backend; ``:s3:obstore``: the same bucket and options
+through the ``obstore`` backend). The plan draws trials from counts of what each job announces
+without a fault. ``first-full`` trials (``plan_first_full``) strike the ``NTH`` save to the
+first tier, whose filesystem is left with room for that checkpoint plus ``N`` blocks
+(``:room-2``: two short).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import sys
 from dataclasses import dataclass
 
 from .inject import FAULTS, FIRST_FULL
-from .scenario import VARIANTS, Scenario
+from .scenario import S3_BACKENDS, VARIANTS, Scenario
 
 __all__ = ["FIRST_FULL_ROW", "OPERATIONS", "PHASE_ORDER", "ROOMS", "Trial", "plan_cells",
            "plan_first_full", "row_key"]
 
-_SPEC = re.compile(r"(?P<row>[^:]+):(?P<fault>[^:]+):(?P<nth>\d+):(?P<seed>\d+)(?P<s3>:s3)?"
+_SPEC = re.compile(r"(?P<row>[^:]+):(?P<fault>[^:]+):(?P<nth>\d+):(?P<seed>\d+)"
+                   r"(?P<s3>:s3(?::(?P<s3_backend>obstore))?)?"
                    r"(?::room(?P<room>[+-]?\d+))?(?::(?P<variant>[a-z0-9]+))?")
 
 #: Operations in the table's order (rows are ``operation/phase``); ``scrub`` and ``promote``
@@ -47,17 +50,21 @@ class Trial:
     room: int | None = None
     #: the job's variant (scenario.VARIANTS), "" for the job as drawn
     variant: str = ""
+    #: the backend of the S3 tier (scenario.S3_BACKENDS), with ``s3``
+    s3_backend: str = "fsspec"
 
     @property
     def spec(self) -> str:
-        """``ROW:FAULT:NTH:SEED[:s3][:roomN][:VARIANT]``, what ``--trial`` takes."""
-        return (f"{self.row}:{self.fault}:{self.nth}:{self.seed}" + (":s3" if self.s3 else "")
+        """``ROW:FAULT:NTH:SEED[:s3[:obstore]][:roomN][:VARIANT]``, what ``--trial`` takes."""
+        s3 = (":s3" + (f":{self.s3_backend}" if self.s3_backend != "fsspec" else "")
+              if self.s3 else "")
+        return (f"{self.row}:{self.fault}:{self.nth}:{self.seed}{s3}"
                 + (f":room{self.room:+d}" if self.room is not None else "")
                 + (f":{self.variant}" if self.variant else ""))
 
     def scenario(self) -> Scenario:
         """The job this trial runs."""
-        return Scenario.from_seed(self.seed, self.s3, self.variant)
+        return Scenario.from_seed(self.seed, self.s3, self.variant, s3_backend=self.s3_backend)
 
     @classmethod
     def parse(cls, spec: str) -> "Trial":
@@ -66,11 +73,12 @@ class Trial:
         if m is None or m["fault"] not in FAULTS or (m["fault"] == FIRST_FULL) != bool(m["room"]) \
                 or (m["variant"] or "") not in ("", *VARIANTS):
             raise argparse.ArgumentTypeError(
-                f"{spec!r} is not ROW:FAULT:NTH:SEED[:s3][:roomN][:VARIANT] with FAULT one of "
-                f"{', '.join(FAULTS)} (roomN, e.g. room-2, with {FIRST_FULL} only) and VARIANT "
-                f"one of {', '.join(VARIANTS)}")
+                f"{spec!r} is not ROW:FAULT:NTH:SEED[:s3[:obstore]][:roomN][:VARIANT] with FAULT "
+                f"one of {', '.join(FAULTS)} (roomN, e.g. room-2, with {FIRST_FULL} only) and "
+                f"VARIANT one of {', '.join(VARIANTS)}")
         return cls(m["row"], m["fault"], int(m["nth"]), int(m["seed"]), bool(m["s3"]),
-                   int(m["room"]) if m["room"] else None, m["variant"] or "")
+                   int(m["room"]) if m["room"] else None, m["variant"] or "",
+                   m["s3_backend"] or S3_BACKENDS[0])
 
     @property
     def delay(self) -> float:
@@ -101,7 +109,7 @@ def row_key(row: str) -> tuple:
 
 def plan_cells(counts: dict[int, dict[str, int]], faults: tuple[str, ...], per_cell: int,
                rng: random.Random, *, s3: bool, rows: list[str] | None = None,
-               variant: str = "") -> list[Trial]:
+               variant: str = "", s3_backend: str = "fsspec") -> list[Trial]:
     """``per_cell`` trials for every (row, fault) pair: each on a job (seed) that reaches the
     row, spread over as many jobs as there are, at a random announcement of it."""
     reached: dict[str, list[tuple[int, int]]] = {}
@@ -118,7 +126,8 @@ def plan_cells(counts: dict[int, dict[str, int]], faults: tuple[str, ...], per_c
             picks = rng.sample(jobs, len(jobs))
             for k in range(per_cell):
                 seed, n = picks[k % len(picks)]
-                trials.append(Trial(row, fault, rng.randint(1, n), seed, s3, variant=variant))
+                trials.append(Trial(row, fault, rng.randint(1, n), seed, s3, variant=variant,
+                                    s3_backend=s3_backend))
     return trials
 
 

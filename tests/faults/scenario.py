@@ -2,10 +2,11 @@
 
 Every choice comes from ``random.Random(seed)``, so a seed names one job exactly. The tiers are
 a fast first tier (``memory`` or ``local``) and a slower second tier (``local``, or an S3 bucket
-through ``fsspec``) with varied ``every`` and ``keep``; the slow tier may compress (``zstd``:
-drains re-encode every item). The job saves a few steps (plain or ``dcp.async_save``), maybe an
-emergency save, and may first be killed half-way and restarted (``restart_after``), so that
-resumed drains and leftovers of a dead process are part of it.
+through ``fsspec`` or ``obstore``, :data:`S3_BACKENDS`) with varied ``every`` and ``keep``; the
+slow tier may compress (``zstd``: drains re-encode every item). The job saves a few steps
+(plain or ``dcp.async_save``), maybe an emergency save, and may first be killed half-way and
+restarted (``restart_after``), so that resumed drains and leftovers of a dead process are part
+of it.
 
 A *variant* (:data:`VARIANTS`) bends the drawn job towards one kind of trial: ``keep1`` (``keep =
 1`` on every tier), ``cli`` (``keep = 1``, a wait after every save, so that a drain held at its
@@ -20,10 +21,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-__all__ = ["Place", "Scenario", "VARIANTS"]
+__all__ = ["Place", "S3_BACKENDS", "Scenario", "VARIANTS"]
 
 #: The variants of a drawn job (see the module docstring); "" is the job as drawn.
 VARIANTS = ("keep1", "cli", "stall", "ops")
+#: The backends an S3 slow tier is tried on: the same URL, options and retries on each (the
+#: first is the default, and a trial's spec names only the others). A seed draws the same job
+#: whichever it is.
+S3_BACKENDS = ("fsspec", "obstore")
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class Place:
     slow: str                         # directory of the second tier, or an s3:// URL
     journal: str                      # what the job did, one line per step (see workload)
     log: str                          # stdout and stderr of the trial's processes
-    s3_options: dict | None = None    # fsspec options when ``slow`` is an S3 URL
+    s3_options: dict | None = None    # options of an S3 ``slow`` (fsspec's terms: both take them)
     mount: str | None = None          # the small tmpfs holding both tiers (tmpfs-full trials)
     server_pid: int | None = None     # the S3 server's pid (server-death trials)
 
@@ -58,12 +63,16 @@ class Scenario:
     prepare_kill: str | None   # the row (see inject.row_of) of that step where it dies
     slow_zstd: bool = False    # the slow tier compresses: drains re-encode every item
     variant: str = ""          # one of VARIANTS, or "" (see the module docstring)
+    s3_backend: str = "fsspec"  # the S3 tier's backend, one of S3_BACKENDS (with ``s3``)
 
     @classmethod
-    def from_seed(cls, seed: int, s3: bool = False, variant: str = "") -> "Scenario":
-        """The job of ``seed`` (``s3``: the second tier is an S3 bucket), bent by
-        ``variant``."""
-        drawn = cls._drawn(seed, s3)
+    def from_seed(cls, seed: int, s3: bool = False, variant: str = "", *,
+                  s3_backend: str = "fsspec") -> "Scenario":
+        """The job of ``seed`` (``s3``: the second tier is an S3 bucket, through
+        ``s3_backend``), bent by ``variant``."""
+        if s3_backend not in S3_BACKENDS:
+            raise ValueError(f"unknown S3 backend {s3_backend!r}")
+        drawn = cls._drawn(seed, s3, s3_backend if s3 else "fsspec")
         if not variant:
             return drawn
         if variant not in VARIANTS:
@@ -83,7 +92,7 @@ class Scenario:
         return dataclasses.replace(drawn, **change)
 
     @classmethod
-    def _drawn(cls, seed: int, s3: bool) -> "Scenario":
+    def _drawn(cls, seed: int, s3: bool, s3_backend: str) -> "Scenario":
         rng = random.Random(seed)
         fast_every = rng.choice([1, 1, 1, 2])
         # The contract asks for a tier with every = 1; with the fast one at 2, odd steps go
@@ -111,6 +120,7 @@ class Scenario:
             restart_after=restart_after,
             prepare_kill=rng.choice(kills) if restart else None,
             slow_zstd=rng.random() < 0.3,
+            s3_backend=s3_backend,
         )
 
     # -- ids -------------------------------------------------------------------------------------
@@ -152,7 +162,7 @@ class Scenario:
         if self.s3:
             # Few, short retries: a dead server must fail a drain in about a second, not two
             # minutes, or the matrix would spend its time waiting.
-            slow = {"name": "slow", "backend": prefix + "fsspec", "url": place.slow,
+            slow = {"name": "slow", "backend": prefix + self.s3_backend, "url": place.slow,
                     "options": place.s3_options or {}, "max_attempts": 2, "retry_seconds": 2}
         else:
             slow = {"name": "slow", "backend": prefix + "local", "path": place.slow}
@@ -167,11 +177,17 @@ class Scenario:
         """The whole store config (several data files per save: ``io_threads = 2``)."""
         return {"store": {"io_threads": 2}, "tier": self.tiers(place, faulty=faulty)}
 
+    def slow_kind(self) -> str:
+        """What the slow tier is, for reports: ``local``, ``s3`` (fsspec) or ``s3/obstore``."""
+        if not self.s3:
+            return "local"
+        return "s3" if self.s3_backend == S3_BACKENDS[0] else f"s3/{self.s3_backend}"
+
     def describe(self) -> str:
         """One line for reports."""
         keep = f"keep {self.fast_keep}/{self.slow_keep}"
         return ((f"[{self.variant}] " if self.variant else "") + f"{self.fast_backend}(every {self.fast_every}) -> "
-                f"{'s3' if self.s3 else 'local'}(every {self.slow_every}"
+                f"{self.slow_kind()}(every {self.slow_every}"
                 f"{', zstd' if self.slow_zstd else ''}), {keep}, "
                 f"{self.saves} {'async ' if self.async_saves else ''}saves"
                 f"{', wait each' if self.wait_each else ''}"

@@ -26,6 +26,26 @@ def kind_of(result: dict[str, Any]) -> str:
     return variant or "classic"
 
 
+def _s3_table(on_s3: list[dict[str, Any]]) -> list[str]:
+    """The trials with an S3 tier: rows = kind and S3 backend, columns = fault."""
+    faults = [f for f in FAULTS if any(r["fault"] == f for r in on_s3)]
+    cell: dict[tuple[str, str], list[int]] = {}
+    for r in on_s3:
+        row = f"{kind_of(r)} ({r.get('s3_backend') or 'fsspec'})"
+        for key in ((row, r["fault"]), (row, "all")):
+            c = cell.setdefault(key, [0, 0])
+            c[0] += r["passed"]
+            c[1] += 1
+    rows = sorted({key[0] for key in cell})
+    lines = ["| kind (backend) | " + " | ".join(faults) + " | all |",
+             "|---|" + "---:|" * (len(faults) + 1)]
+    for row in rows:
+        lines.append(f"| {row} | " + " | ".join(
+            "{}/{}".format(*cell[(row, f)]) if (row, f) in cell else "-"
+            for f in [*faults, "all"]) + " |")
+    return lines
+
+
 def table(results: list[dict[str, Any]], wall_s: float, skipped: list[str]) -> str:
     """The matrix as Markdown: rows = phase, columns = fault, cells = passed/total."""
     rows = sorted({r["row"] for r in results}, key=row_key)
@@ -67,6 +87,8 @@ def table(results: list[dict[str, Any]], wall_s: float, skipped: list[str]) -> s
                       "parity; races: backtoback, auto, pins):",
                   "", "| kind | passed/run |", "|---|---:|"]
         lines += [f"| {k} | {c[0]}/{c[1]} |" for k, c in kinds.items()]
+    if on_s3:
+        lines += ["", "with an S3 tier, by kind and backend:", ""] + _s3_table(on_s3)
     rooms = sorted({r["room"] for r in results if r.get("room") is not None})
     if rooms:
         def by(room, backend):
