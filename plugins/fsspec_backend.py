@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import threading
-import time
 from typing import IO, Any
 
 import fsspec
@@ -34,7 +33,7 @@ from fsspec.registry import known_implementations, registry
 
 from tierstore.plugin import (Backend, cannot_connect, confined, DirectoryLock, hookimpl, Option,
                               RetryPolicy, with_retries)
-from tierstore_plugins.leases import LEASE_PREFIX, LeaseKeeper, lease_is_current
+from tierstore_plugins.leases import LeaseKeeper, lock_by_leases
 from tierstore_plugins.local import LocalBackend, local_path_problem
 
 log = logging.getLogger("tierstore.fsspec")
@@ -442,19 +441,7 @@ class FsspecBackend(Backend):
     def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:
         """Shared: a lease on prefix ``path``, renewed while held (plugins/leases.py).
         Exclusive (gc, keep): granted unless some writer's lease on ``path`` is current."""
-        if not exclusive:
-            return self.leases.take(path)
-        now = time.time()
-        for name in self.list(path):
-            if not name.startswith(LEASE_PREFIX) or self.leases.released_here(f"{path}/{name}"):
-                continue
-            try:
-                raw = self.read_bytes(f"{path}/{name}")
-            except FileNotFoundError:
-                continue  # released meanwhile
-            if lease_is_current(raw, now):
-                return None
-        return DirectoryLock()
+        return lock_by_leases(self, self.leases, path, exclusive=exclusive)
 
     def close(self) -> None:
         self.leases.close()

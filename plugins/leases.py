@@ -27,7 +27,7 @@ from typing import Callable
 
 from tierstore.plugin import DirectoryLock
 
-__all__ = ["LEASE_PREFIX", "Lease", "LeaseKeeper", "lease_is_current"]
+__all__ = ["LEASE_PREFIX", "Lease", "LeaseKeeper", "lease_is_current", "lock_by_leases"]
 
 log = logging.getLogger("tierstore.leases")
 
@@ -138,3 +138,23 @@ class LeaseKeeper:
                     with self._renewed:
                         self._renewing.discard(lease)
                         self._renewed.notify_all()
+
+
+def lock_by_leases(backend, keeper: "LeaseKeeper", path: str, *,
+                   exclusive: bool) -> DirectoryLock | None:
+    """``Backend.lock_directory`` for a store without file locks (an object store): shared, a
+    lease on prefix ``path`` taken by ``keeper`` and renewed while held; exclusive (gc, keep),
+    granted unless some writer's lease on ``path`` is current. ``backend`` lists and reads."""
+    if not exclusive:
+        return keeper.take(path)
+    now = time.time()
+    for name in backend.list(path):
+        if not name.startswith(LEASE_PREFIX) or keeper.released_here(f"{path}/{name}"):
+            continue
+        try:
+            raw = backend.read_bytes(f"{path}/{name}")
+        except FileNotFoundError:
+            continue  # released meanwhile
+        if lease_is_current(raw, now):
+            return None
+    return DirectoryLock()

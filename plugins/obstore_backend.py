@@ -30,7 +30,6 @@ import logging
 import re
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import IO, Any, Callable, TypeVar
 from tierstore.plugin import (Backend, ConfigError, DirectoryLock, Option, RetryPolicy,
                               TierstoreError, cannot_connect, confined, hookimpl, with_retries)
 from tierstore_plugins.fsspec_backend import OBJECT_STORE_OPTIONS, ObjectReader
-from tierstore_plugins.leases import LEASE_PREFIX, LeaseKeeper, lease_is_current
+from tierstore_plugins.leases import LeaseKeeper, lock_by_leases
 from tierstore_plugins.obstore_options import (FSSPEC_NAMES, STORE_NAMES, Unmappable,
                                                options_problem, secrets_in, seconds_option,
                                                split_url, store_config, url_problem)
@@ -472,19 +471,7 @@ class ObstoreBackend(Backend):
     def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:
         """Shared: a lease on prefix ``path``, renewed while held (plugins/leases.py).
         Exclusive (gc, keep): granted unless some writer's lease on ``path`` is current."""
-        if not exclusive:
-            return self.leases.take(path)
-        now = time.time()
-        for name in self.list(path):
-            if not name.startswith(LEASE_PREFIX) or self.leases.released_here(f"{path}/{name}"):
-                continue
-            try:
-                raw = self.read_bytes(f"{path}/{name}")
-            except FileNotFoundError:
-                continue  # released meanwhile
-            if lease_is_current(raw, now):
-                return None
-        return DirectoryLock()
+        return lock_by_leases(self, self.leases, path, exclusive=exclusive)
 
     def close(self) -> None:
         self.leases.close()
