@@ -142,7 +142,11 @@ def test_simulate_runs_both_contenders_through_every_failure(tmp_path):
     assert tier["failures"][2]["resumed_from_step"] in (10, 12), tier["failures"]
     assert tier["failures"][3]["steps_lost"] == 0, tier["failures"]
     assert stock["failures"][3]["steps_lost"] > 0, stock["failures"]
-    assert [f["restored_from"] for f in stock["failures"]] == ["shared"] * 4
+    # Stock restores from its directory, or from scratch when its first async save had not
+    # finished when the first rank was killed (a loaded machine); by the lost node it has one.
+    for f in stock["failures"]:
+        assert f["restored_from"] == ("shared" if f["resumed_from_step"] else None), f
+    assert [f["restored_from"] for f in stock["failures"][2:]] == ["shared"] * 2, stock
     # Saves reached the object store around the outage (time-to-durable measured there).
     assert tier["time_to_durable_s"]["s3"] > 0, tier
 
