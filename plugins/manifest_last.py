@@ -22,6 +22,8 @@ from tierstore.plugin import (MANIFEST_NAME, Backend, CommitError, CommitProtoco
 from tierstore_plugins.leases import LEASE_PREFIX
 
 MARKER = ".tierstore-pending"
+#: hidden objects a save's begin leaves in place (the manifest is deleted on its own, first)
+_KEPT_AT_BEGIN = (MARKER, MANIFEST_NAME, ".metadata")
 
 
 class ManifestLastCommit(CommitProtocol):
@@ -34,9 +36,17 @@ class ManifestLastCommit(CommitProtocol):
             current = None
         if current != token:
             # An old checkpoint being overwritten, or what an interrupted save left: its
-            # manifest goes first, so it is invisible before any object changes. Its objects
-            # stay until the commit (this save overwrites most of them; the rest are strays).
+            # manifest goes first, so it is invisible before any object changes. Its data
+            # objects stay until the commit (this save overwrites most of them; the commit
+            # deletes the rest), but its hidden bookkeeping goes now (a node's pending mark, a
+            # drain's part reports): no rank of this save has written any yet, and a stale one
+            # would be taken for this save's. Writers' leases stay: a faster rank of this save
+            # may hold one here already.
             backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")
+            for name in backend.list(checkpoint_id):
+                if name.startswith(".") and name not in _KEPT_AT_BEGIN \
+                        and not name.startswith(LEASE_PREFIX):
+                    backend.delete(f"{checkpoint_id}/{name}")
             backend.makedirs(checkpoint_id)
             backend.write_bytes(f"{checkpoint_id}/{MARKER}", token.encode())
         return checkpoint_id
@@ -52,12 +62,20 @@ class ManifestLastCommit(CommitProtocol):
                 f"checkpoint '{checkpoint_id}' at {backend.describe()} cannot be committed: "
                 f"objects not confirmed: {', '.join(wrong[:5])}" + (" ..." if len(wrong) > 5 else "")
             )
-        for stray in sorted(set(held) - set(files)):
-            if not _is_bookkeeping(stray):
+        # What the listing holds beyond the save's files: an overwritten checkpoint's or an
+        # interrupted save's data objects (deleted before the manifest makes the prefix a
+        # checkpoint), and the leases of this save's writers and of writers killed here
+        # before (deleted after it: until then they keep gc in other processes away).
+        strays = sorted(set(held) - set(files))
+        for stray in strays:
+            if not stray.startswith("."):
                 backend.delete(f"{staging}/{stray}")
         announce(Phase.PUBLISH)
         backend.write_bytes(f"{staging}/{MANIFEST_NAME}", manifest)
         backend.delete(f"{staging}/{MARKER}")
+        for lease in strays:
+            if lease.startswith(LEASE_PREFIX):
+                backend.delete(f"{staging}/{lease}")
 
     def begin_delete(self, backend: Backend, checkpoint_id: str) -> None:
         backend.write_bytes(f"{checkpoint_id}/{MARKER}", b"deleting")
@@ -102,11 +120,6 @@ def _held_objects(backend: Backend, staging: str, files: Collection[str]) -> dic
         if name not in held and (size := backend.size(f"{staging}/{name}")) is not None:
             held[name] = size
     return held
-
-
-def _is_bookkeeping(rel: str) -> bool:
-    """The save's marker, the manifest, a writer's lease: objects the commit leaves alone."""
-    return rel in (MARKER, MANIFEST_NAME) or rel.startswith(LEASE_PREFIX)
 
 
 @hookimpl

@@ -385,9 +385,10 @@ def _leftovers(tier: dict, complete: set[str]) -> list[str]:
 
 @contextlib.contextmanager
 def _a_day_later() -> Iterator[None]:
-    """The object-store backends' clock (``fsspec``'s and ``obstore``'s), a day ahead: every
-    lease has expired (this process is a fresh checker; no writer of its own holds one)."""
-    from tierstore_plugins import fsspec_backend, obstore_backend
+    """The object-store backends' lease clock (``tierstore_plugins.leases``, which both the
+    ``fsspec`` and the ``obstore`` backend judge leases by), a day ahead: every lease has
+    expired (this process is a fresh checker; no writer of its own holds one)."""
+    from tierstore_plugins import leases
 
     class Later:
         def __getattr__(self, attr):
@@ -397,8 +398,7 @@ def _a_day_later() -> Iterator[None]:
         def time() -> float:
             return time.time() + 86_400
 
-    with mock.patch.object(fsspec_backend, "time", Later()), \
-            mock.patch.object(obstore_backend, "time", Later()):
+    with mock.patch.object(leases, "time", Later()):
         yield
 
 
