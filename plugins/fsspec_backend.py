@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import fsspec
@@ -35,13 +36,11 @@ from tierstore.plugin import (Backend, cannot_connect, confined, DirectoryLock, 
                               RetryPolicy, with_retries)
 from tierstore_plugins.leases import LeaseKeeper, lock_by_leases
 from tierstore_plugins.local import LocalBackend, local_path_problem
+from tierstore_plugins.object_reader import ObjectReader
 
 log = logging.getLogger("tierstore.fsspec")
 
 _SECRET_KEY = re.compile(r"key|secret|token|passw|credential|signature|auth|sas", re.I)
-# Sequential reads fetch up to this much ahead, in ranges of _WINDOW_CHUNK read concurrently.
-_WINDOW_CHUNK = 8 << 20
-_WINDOW_BYTES = 64 << 20
 # What a file:// tier copies at a time from another tier's file (put_files).
 _COPY_CHUNK = 8 << 20
 # Connect timeout (s) of calls that can do without the tier (RetryPolicy.in_foreground(): queries,
@@ -133,6 +132,8 @@ class FsspecBackend(Backend):
         # Longest first, so that a secret containing another option value is replaced whole.
         self._secrets = sorted(set(_secrets_in(options)), key=len, reverse=True)
         self.concurrency = concurrency
+        self._read_pool: ThreadPoolExecutor | None = None
+        self._read_pool_made = threading.Lock()
         self.part_size = part_mib << 20
         self.policy = RetryPolicy(max_attempts=max_attempts, max_seconds=float(retry_seconds))
         self.leases = LeaseKeeper(float(lease_seconds), self.write_bytes, self.delete)
@@ -424,6 +425,16 @@ class FsspecBackend(Backend):
             return None
         return int(info.get("size", -1))
 
+    def read_pool(self) -> ThreadPoolExecutor:
+        """Threads that fetch the ranges a sequential read wants next (ObjectReader): each
+        hands its request to the filesystem's event loop and waits for it."""
+        if self._read_pool is None:
+            with self._read_pool_made:
+                if self._read_pool is None:
+                    self._read_pool = ThreadPoolExecutor(max_workers=self.concurrency,
+                                                         thread_name_prefix="tierstore-fsspec")
+        return self._read_pool
+
     def read_ranges(self, full: str, starts: list[int], ends: list[int]) -> list[bytes]:
         """Several byte ranges of one object, fetched concurrently."""
         def fetch():
@@ -445,66 +456,10 @@ class FsspecBackend(Backend):
 
     def close(self) -> None:
         self.leases.close()
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=False, cancel_futures=True)
         if self._disk is not None:
             self._disk.close()
-
-
-class ObjectReader(io.RawIOBase):
-    """A seekable reader over one object: sequential reads fetch a window of up to 64 MiB as
-    concurrent 8 MiB ranges; ``pread`` fetches exactly what is asked."""
-
-    def __init__(self, backend: FsspecBackend, full: str, size: int):
-        super().__init__()
-        self._b, self._full, self._size = backend, full, size
-        self._pos = 0
-        self._buf = b""
-        self._buf_start = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def pread(self, n: int, offset: int) -> bytes:
-        end = min(self._size, offset + n)
-        if end <= offset:
-            return b""
-        return self._b.read_ranges(self._full, [offset], [end])[0]
-
-    def read_ranges(self, starts: list[int], ends: list[int]) -> list[bytes]:
-        """Bytes ``[starts[i], ends[i])`` of the object for each i, fetched concurrently, and
-        nothing else (a load that needs some blocks of a file reads those)."""
-        return self._b.read_ranges(self._full, starts, ends)
-
-    def _fill(self) -> None:
-        chunk = _WINDOW_CHUNK
-        window = chunk * max(1, min(self._b.concurrency, _WINDOW_BYTES // chunk))
-        starts = list(range(self._pos, min(self._size, self._pos + window), chunk))
-        ends = [min(self._size, s + chunk) for s in starts]
-        self._buf = b"".join(self._b.read_ranges(self._full, starts, ends))
-        self._buf_start = self._pos
-
-    def readinto(self, b) -> int:
-        view = memoryview(b).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        offset = self._pos - self._buf_start
-        if not (0 <= offset < len(self._buf)):
-            self._fill()
-            offset = 0
-        n = min(len(view), len(self._buf) - offset)
-        view[:n] = self._buf[offset:offset + n]
-        self._pos += n
-        return n
 
 
 @hookimpl

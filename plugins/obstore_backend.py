@@ -37,7 +37,8 @@ from typing import IO, Any, Callable, TypeVar
 
 from tierstore.plugin import (Backend, ConfigError, DirectoryLock, Option, RetryPolicy,
                               TierstoreError, cannot_connect, confined, hookimpl, with_retries)
-from tierstore_plugins.fsspec_backend import OBJECT_STORE_OPTIONS, ObjectReader
+from tierstore_plugins.fsspec_backend import OBJECT_STORE_OPTIONS
+from tierstore_plugins.object_reader import ObjectReader
 from tierstore_plugins.leases import LeaseKeeper, lock_by_leases
 from tierstore_plugins.obstore_options import (FSSPEC_NAMES, STORE_NAMES, Unmappable,
                                                options_problem, secrets_in, seconds_option,
@@ -286,7 +287,7 @@ class ObstoreBackend(Backend):
         return with_retries(lambda: self._call(fn), self.policy,
                             f"{what} at {self.describe()}", self.redact)
 
-    def _threads(self) -> ThreadPoolExecutor:
+    def read_pool(self) -> ThreadPoolExecutor:
         """Threads for concurrent ranged reads (obstore's calls release the GIL)."""
         if self._pool is None:
             with self._making:
@@ -448,23 +449,23 @@ class ObstoreBackend(Backend):
             return None
         return int(meta["size"])
 
-    def read_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[bytes]:
+    def read_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[memoryview]:
         """Byte ranges ``[starts[i], ends[i])`` of object ``key`` (already confined), fetched
         concurrently, one request each (obstore's ``get_ranges`` would merge adjacent ranges
-        into one request)."""
+        into one request), as views of the buffers obstore returned (no copy)."""
         obs = self._obstore
 
         def fetch() -> list[bytes]:
             store = self._current_store()  # the caller's (the pool's threads are not in
             # foreground when the caller is)
 
-            def one(start: int, end: int) -> bytes:
+            def one(start: int, end: int) -> memoryview:
                 if end <= start:
-                    return b""
-                return bytes(obs.get_range(store, key, start=start, end=end))
+                    return memoryview(b"")
+                return memoryview(obs.get_range(store, key, start=start, end=end))
             if len(starts) == 1:
                 return [one(starts[0], ends[0])]
-            return list(self._threads().map(one, starts, ends))
+            return list(self.read_pool().map(one, starts, ends))
         return self._retry(fetch, "reading byte ranges")
 
     # -- ownership of work in progress (no file locks here: leases) --------------------------
