@@ -36,7 +36,7 @@ from tierstore.plugin import (Backend, cannot_connect, confined, DirectoryLock, 
                               RetryPolicy, with_retries)
 from tierstore_plugins.leases import LeaseKeeper, lock_by_leases
 from tierstore_plugins.local import LocalBackend, local_path_problem
-from tierstore_plugins.object_reader import ObjectReader
+from tierstore_plugins.object_reader import LazyPool, ObjectReader
 
 log = logging.getLogger("tierstore.fsspec")
 
@@ -132,8 +132,7 @@ class FsspecBackend(Backend):
         # Longest first, so that a secret containing another option value is replaced whole.
         self._secrets = sorted(set(_secrets_in(options)), key=len, reverse=True)
         self.concurrency = concurrency
-        self._read_pool: ThreadPoolExecutor | None = None
-        self._read_pool_made = threading.Lock()
+        self._read_pool = LazyPool(concurrency, "tierstore-fsspec")
         self.part_size = part_mib << 20
         self.policy = RetryPolicy(max_attempts=max_attempts, max_seconds=float(retry_seconds))
         self.leases = LeaseKeeper(float(lease_seconds), self.write_bytes, self.delete)
@@ -428,12 +427,7 @@ class FsspecBackend(Backend):
     def read_pool(self) -> ThreadPoolExecutor:
         """Threads that fetch the ranges a sequential read wants next (ObjectReader): each
         hands its request to the filesystem's event loop and waits for it."""
-        if self._read_pool is None:
-            with self._read_pool_made:
-                if self._read_pool is None:
-                    self._read_pool = ThreadPoolExecutor(max_workers=self.concurrency,
-                                                         thread_name_prefix="tierstore-fsspec")
-        return self._read_pool
+        return self._read_pool.get()
 
     def read_ranges(self, full: str, starts: list[int], ends: list[int]) -> list[bytes]:
         """Several byte ranges of one object, fetched concurrently."""
@@ -456,8 +450,7 @@ class FsspecBackend(Backend):
 
     def close(self) -> None:
         self.leases.close()
-        if self._read_pool is not None:
-            self._read_pool.shutdown(wait=False, cancel_futures=True)
+        self._read_pool.shutdown()
         if self._disk is not None:
             self._disk.close()
 

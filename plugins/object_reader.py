@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import collections
 import io
-from concurrent.futures import Future
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
 from tierstore.plugin import RetryPolicy, foreground
 
-__all__ = ["AHEAD_BYTES", "CHUNK", "ObjectReader", "RangeSource"]
+__all__ = ["AHEAD_BYTES", "CHUNK", "LazyPool", "ObjectReader", "RangeSource"]
 
 #: bytes of each ranged GET a sequential read asks for
 CHUNK = 8 << 20
@@ -39,6 +40,30 @@ class RangeSource(Protocol):
 
     def read_pool(self) -> Any:
         """The executor whose threads make the backend's concurrent requests."""
+
+
+class LazyPool:
+    """A backend's request threads, started on first use (a store that never reads from the
+    tier starts none) and stopped by ``shutdown`` (the backend's ``close``)."""
+
+    def __init__(self, threads: int, name: str):
+        self._threads, self._name = threads, name
+        self._pool: ThreadPoolExecutor | None = None
+        self._making = threading.Lock()
+
+    def get(self) -> ThreadPoolExecutor:
+        """The executor, made on the first call."""
+        if self._pool is None:
+            with self._making:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=self._threads,
+                                                    thread_name_prefix=self._name)
+        return self._pool
+
+    def shutdown(self) -> None:
+        """Stop the threads (requests queued and not started are cancelled)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class ObjectReader(io.RawIOBase):

@@ -38,7 +38,7 @@ from typing import IO, Any, Callable, TypeVar
 from tierstore.plugin import (Backend, ConfigError, DirectoryLock, Option, RetryPolicy,
                               TierstoreError, cannot_connect, confined, hookimpl, with_retries)
 from tierstore_plugins.fsspec_backend import OBJECT_STORE_OPTIONS
-from tierstore_plugins.object_reader import ObjectReader
+from tierstore_plugins.object_reader import LazyPool, ObjectReader
 from tierstore_plugins.leases import LeaseKeeper, lock_by_leases
 from tierstore_plugins.obstore_options import (FSSPEC_NAMES, STORE_NAMES, Unmappable,
                                                options_problem, secrets_in, seconds_option,
@@ -206,7 +206,7 @@ class ObstoreBackend(Backend):
         self._store = self._make_store(self._config.client)
         self._foreground_store: Any = None
         self._making = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = LazyPool(self.concurrency, "tierstore-obstore")
 
     # -- construction ------------------------------------------------------------------------
     def _unmappable(self, exc: Unmappable) -> str:
@@ -289,12 +289,7 @@ class ObstoreBackend(Backend):
 
     def read_pool(self) -> ThreadPoolExecutor:
         """Threads for concurrent ranged reads (obstore's calls release the GIL)."""
-        if self._pool is None:
-            with self._making:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=self.concurrency,
-                                                    thread_name_prefix="tierstore-obstore")
-        return self._pool
+        return self._pool.get()
 
     # -- Backend primitives ------------------------------------------------------------------
     def check_reachable(self) -> str | None:
@@ -476,8 +471,7 @@ class ObstoreBackend(Backend):
 
     def close(self) -> None:
         self.leases.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
 
 class ObjectWriter(io.RawIOBase):
