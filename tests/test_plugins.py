@@ -66,6 +66,77 @@ def test_store_plugins_key_adds_a_backend_a_config_can_use(tmp_path, monkeypatch
     assert '"backend": "fancy"' in manifest
 
 
+#: A backend written from docs/plugins.md alone: the constructor the page gives, its own
+#: ``path`` option, the seven primitives, and nothing else (no rename, no default_commit).
+PAGE_BACKEND = """
+    import os
+    import shutil
+
+    from tierstore.plugin import Backend, Option, hookimpl
+
+    class PlainDirBackend(Backend):
+        '''A directory, without rename.'''
+
+        options = (Option("path", str, required=True, expand=True, description="where"),)
+
+        def __init__(self, root, path):
+            self.root = path
+
+        def _abs(self, path):
+            return os.path.join(self.root, path) if path else self.root
+
+        def check_reachable(self):
+            return None
+
+        def open_write(self, path):
+            return open(self._abs(path), "wb")
+
+        def open_read(self, path):
+            return open(self._abs(path), "rb")
+
+        def size(self, path):
+            full = self._abs(path)
+            return os.path.getsize(full) if os.path.isfile(full) else None
+
+        def list(self, path):
+            full = self._abs(path)
+            return sorted(os.listdir(full)) if os.path.isdir(full) else []
+
+        def makedirs(self, path):
+            os.makedirs(self._abs(path), exist_ok=True)
+
+        def delete(self, path):
+            full = self._abs(path)
+            if os.path.isdir(full):
+                shutil.rmtree(full)
+            elif os.path.lexists(full):
+                os.unlink(full)
+
+    @hookimpl
+    def tierstore_register_backends(register):
+        register("plaindir", PlainDirBackend)
+    """
+
+
+def test_a_backend_written_from_the_page_saves_and_loads_with_the_default_settings(
+        tmp_path, monkeypatch):
+    """A backend without rename that names no commit protocol gets ``manifest-last`` (the one
+    it can run; ``atomic`` needs rename), so the defaults work: saves, an overwrite and loads."""
+    module = write_module(tmp_path, monkeypatch, "acme_plain", PAGE_BACKEND)
+    config = {"store": {"plugins": [module], "overwrite": True},
+              "tier": [tier(tmp_path, backend="plaindir")]}
+    with tierstore.open(config) as store:
+        backend = store._ctx.tiers.named("nvme").backend
+        assert type(backend).default_commit == "manifest-last"
+        for step in (1, 2, 2):
+            sd = {"w": torch.randn(64, 64), "step": step}
+            dcp.save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{step}")
+        out = {"w": torch.zeros(64, 64), "step": 0}
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id="step-2")
+        assert sorted(c.id for c in store.list()) == ["step-1", "step-2"]
+    assert torch.equal(out["w"], sd["w"]) and out["step"] == 2
+
+
 def test_entry_point_plugins_are_found(tmp_path, monkeypatch):
     write_module(tmp_path, monkeypatch, "acme_ep", THIRD_PARTY_BACKEND)
     write_distribution(tmp_path, monkeypatch, "acme-tierstore", {"acme": "acme_ep"})

@@ -41,8 +41,10 @@ class Backend(abc.ABC):
 
     #: config keys of this backend, beside the core tier keys (name, backend, every, keep, codecs)
     options: ClassVar[tuple[Option, ...]] = ()
-    #: name of the commit protocol used when ``[store] commit`` is not set
-    default_commit: ClassVar[str] = "atomic"
+    #: name of the commit protocol used when ``[store] commit`` is not set; a backend that
+    #: does not name one gets the one its ``supports_rename`` can run: ``atomic`` (a staging
+    #: directory renamed into place) with rename, ``manifest-last`` without
+    default_commit: ClassVar[str] = "manifest-last"
     #: True when ``rename`` is cheap and atomic (POSIX); object stores say False
     supports_rename: ClassVar[bool] = False
     #: True when the backend survives a power loss (files are fsynced); tmpfs says False
@@ -58,6 +60,16 @@ class Backend(abc.ABC):
     #: table: ``strategy`` names a replication strategy, the rest are its options. None: this
     #: backend holds no replicas.
     replication: dict[str, Any] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A backend (or a base of it) that names its default_commit keeps it; any other gets
+        # the protocol its own supports_rename can run (``atomic`` needs rename), so that a
+        # backend without rename works with the default settings.
+        if "default_commit" in vars(cls):
+            cls._names_default_commit = True
+        elif not getattr(cls, "_names_default_commit", False):
+            cls.default_commit = "atomic" if cls.supports_rename else "manifest-last"
 
     root: str
 
