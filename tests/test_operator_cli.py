@@ -246,6 +246,13 @@ def test_status_reports_a_dead_object_store_and_answers_for_the_local_tiers(
         assert (s3["name"], s3["reachable"], s3["newest"]) == ("s3", False, None)
         proc, _ = cli("status", toml)
         assert "tier 's3' is unreachable" in proc.stdout
+        # `ls` lists what the local tier holds, and says (exit 1, stderr) that the listing
+        # lacks the dead tier's: a script must not take it for everything there is.
+        proc, listed = cli("ls", toml, "--json")
+        assert proc.returncode == 1, proc.stderr
+        assert "tier 's3' is unreachable, so what it holds is not listed" in proc.stderr
+        assert [(c["id"], c["tiers"]) for c in listed] == [("step-2", ["disk"]),
+                                                           ("step-1", ["disk"])], listed
     finally:
         seaweed.restart()
 

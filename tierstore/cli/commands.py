@@ -106,15 +106,21 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # -- the commands -----------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """Checkpoints, newest first, and the tiers holding them."""
+    """Checkpoints, newest first, and the tiers holding them (1 when a tier is unreachable:
+    the listing lacks what it holds)."""
     with _store(args, read_only=True) as store:
         infos = store.list()
+        # (status() asks what list() asked; a tier that did not answer is marked down by then)
+        down = {t.name: t.problem for t in store.status().tiers if not t.reachable}
     rows = [[i.id, _size(i.size_bytes), _when(i.committed), "yes" if i.pinned else "",
              ", ".join(i.tiers)] for i in infos]
     _emit(args, [i.to_json() for i in infos],
           _table(["id", "size", "committed", "pinned", "tiers"], rows) if infos
           else "no checkpoints")
-    return 0
+    for name, why in sorted(down.items()):
+        print(f"tierstore: tier '{name}' is unreachable, so what it holds is not listed: {why}",
+              file=sys.stderr)
+    return 1 if down else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
