@@ -28,6 +28,7 @@ from typing import IO
 from tierstore.plugin import (Backend, confined, DirectoryLock, hookimpl, IntegrityError,
                               Option, TransferEnd)
 
+from .claims import claim_root, holder_of
 from .recycle import RECYCLE_DIR, PageRecycler
 from .safe_fs import (TierTree, mapped_end, open_dir_at, open_regular_at, remove_at, root_problem,
                       written_end)
@@ -409,6 +410,27 @@ class LocalBackend(Backend):
             if exclusive:
                 return DirectoryLock()
             raise
+
+    def claim(self, job: str) -> DirectoryLock | str:
+        """Claim the root for ``job`` (see :mod:`tierstore_plugins.claims`), making it if
+        needed, through the checked way to it (another user's root is refused)."""
+        fd = self._tree.open_root(create=True)
+        try:
+            return claim_root(fd, job)
+        finally:
+            os.close(fd)
+
+    def claimed_by(self, job: str) -> str | None:
+        """Who else holds the root (see :mod:`tierstore_plugins.claims`); None when nobody
+        does or the root is not there yet. Writes nothing."""
+        try:
+            fd = self._tree.open_root()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            return holder_of(fd, job)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _lock_at(dir_fd: int, name: str, full: str, exclusive: bool) -> DirectoryLock | None:

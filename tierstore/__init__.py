@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierstore.errors import (CheckpointNotFound, CommitError, ConfigError, DrainError,
                               IntegrityError, PluginError, RanksLostError, ReplicationError,
-                              StagingError,
-                              TierFullError, TierstoreError)
+                              StagingError, TierFullError, TierInUseError, TierstoreError)
 from tierstore.events import Event, EventKind, Phase
 from tierstore.version import __version__
 
@@ -63,4 +62,5 @@ __all__ = [
     "RanksLostError",
     "StagingError",
     "TierFullError",
+    "TierInUseError",
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "ReplicationError",
     "StagingError",
     "TierFullError",
+    "TierInUseError",
     "RanksLostError",
 ]
 
@@ -49,6 +50,12 @@ class IntegrityError(TierstoreError):
 
 class CommitError(TierstoreError):
     """A checkpoint could not be made visible (e.g. the id already exists and overwrite is off)."""
+
+
+class TierInUseError(CommitError):
+    """A save was refused because another job (or another open store of this process) saves
+    into the same tier directory; the message names the tier, its directory and the holder.
+    Nothing was written."""
 
 
 class DrainError(TierstoreError):

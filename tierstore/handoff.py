@@ -33,9 +33,10 @@ class HandOff:
     """The training process's side of saves handed to DCP's checkpoint process."""
 
     def __init__(self, spec: StoreSpec, tiers: TierSet, rank: int, drainer: Drainer,
-                 retention: Retention, health: TierHealth, reopen: Callable[[StoreSpec], Any],
-                 listings: Listings):
+                 retention: Retention, health: TierHealth, reopen: Callable[[StoreSpec, str | None], Any],
+                 listings: Listings, job: str | None):
         self._spec, self._tiers, self._rank, self._health = spec, tiers, rank, health
+        self._job = job  # the job's token: the checkpoint process claims tiers with it
         self._listings = listings
         self._drainer, self._retention, self._reopen = drainer, retention, reopen
         self._handed_off = False  # this store gave saves to DCP's checkpoint process
@@ -54,7 +55,7 @@ class HandOff:
         self._handed_off = True
         # Another process commits from now on: a look at a tier may miss its commits.
         self._listings.max_age_s = 0.0
-        return functools.partial(self._reopen, self._spec)
+        return functools.partial(self._reopen, self._spec, self._job)
 
     def adopt(self) -> None:
         """Queue the drains (and apply the retention) of saves that DCP's checkpoint process

@@ -25,6 +25,7 @@ from tierstore.dcp.contents import describe, export
 from tierstore.dcp.reader import ReaderServices, TierstoreReader
 from tierstore.dcp.writer import TierstoreWriter, WriterServices
 from tierstore.engine.catalog import Catalog
+from tierstore.engine.claims import TierClaims, agree_job_token
 from tierstore.engine.context import Groups, StoreContext
 from tierstore.engine.events_log import EventsLog
 from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_unfinished
@@ -72,7 +73,8 @@ class Store:
 
     def __init__(self, config: Any, *, process_group: Any = None,
                  plugins: Iterable[object] = (), hand_off: bool = False,
-                 tolerate_unreachable: bool = False, read_only: bool = False):
+                 tolerate_unreachable: bool = False, read_only: bool = False,
+                 job_token: str | None = None):
         plugins = tuple(plugins)
         opening = time.perf_counter()
         #: queries only (see :func:`open`): nothing is started that writes to a tier
@@ -100,6 +102,10 @@ class Store:
         timeout = config.collective_timeout
         main = make_store_group(process_group, timeout)
         io = make_store_group(process_group, timeout)
+        # The job's token for claiming its tiers' directories before its first save (DCP's
+        # checkpoint process is given its job's); a store that never saves claims nothing.
+        self._claims = claims = TierClaims(
+            None if read_only else job_token or agree_job_token(main))
         unreachable: dict[str, str] = {}
         try:
             tiers = build_tiers(config, host, job, main, unreachable, tolerate_unreachable)
@@ -131,13 +137,14 @@ class Store:
             self._background_scrub = BackgroundScrub(self._scrubber, config.scrub_every_s,
                                                      host, job.rank)
         self._hand_off = HandOff(spec, tiers, job.rank, self._drainer, self._retention, health,
-                                 _checkpoint_process_services, listings)
+                                 _checkpoint_process_services, listings, claims.job)
         self._publisher = publisher = Publisher(ctx, self._drainer, self._retention, commits,
                                                 in_checkpoint_process=hand_off)
         self._writer_services = WriterServices(ctx, self._ledger, stager, publisher, gc,
                                                self._replicator, self._hand_off.reopen_callable,
                                                self._hand_off.adopt_later, watchdog,
-                                               intervals if intervals.active else None)
+                                               intervals if intervals.active else None,
+                                               claims)
         self._reader_services = ReaderServices(ctx, self._retention, self._ledger.slot,
                                                self._catalog, health, watchdog, listings)
         watchdog.start(config.watchdog, host, job.rank)
@@ -166,7 +173,8 @@ class Store:
     def _resume_drains(self) -> None:
         """Queue the drains an earlier process left unmade (the open's background scan)."""
         try:
-            queue_missing_copies(list(self._ctx.tiers), self._drainer, self._health,
+            queue_missing_copies(self._claims.unclaimed_elsewhere(self._ctx.tiers),
+                                 self._drainer, self._health,
                                  self._listings, before=self._opened_at)
         except Exception:  # noqa: BLE001 - the next open scans again
             log.exception("could not look for the drains an earlier process left unmade")
@@ -466,6 +474,7 @@ class Store:
             self._ledger.release_spill()
             if self._stager is not None:
                 self._stager.close()
+            self._claims.release()  # after the drains: they write to the tiers too
             for tier in [*ctx.tiers, *ctx.tiers.all_replicas,
                          *([ctx.tiers.parity_tier] if ctx.tiers.parity_tier else [])]:
                 tier.backend.close()
@@ -556,11 +565,12 @@ def _exit_handler(store_ref: "weakref.ref[Store]"):
     return handler
 
 
-def _checkpoint_process_services(spec: StoreSpec) -> WriterServices:
+def _checkpoint_process_services(spec: StoreSpec, job: str | None) -> WriterServices:
     """In DCP's checkpoint process: the writer services of this process's store for ``spec``
     (opened on first use). Pickled by reference into handed-off writers."""
     store = checkpoint_process_store(
-        spec, lambda s: Store(s.config, plugins=s.resolved_plugins(), hand_off=True))
+        spec, lambda s: Store(s.config, plugins=s.resolved_plugins(), hand_off=True,
+                              job_token=job))
     return store._writer_services
 
 

@@ -41,6 +41,7 @@ from tierstore.format.ids import is_valid_checkpoint_id, validate_checkpoint_id
 from tierstore.format.item_io import (HashingWriter, ItemLocation, block_bytes_for, item_size,
                                       split_items, write_items)
 from tierstore.format.manifest import METADATA_NAME, FileEntry
+from tierstore.engine.claims import TierClaims, refuse
 from tierstore.plugin.bases import Stager
 from tierstore.plugin.staging import StagingJob
 from tierstore.tiers.tier import Tier
@@ -73,6 +74,8 @@ class WriterServices:
     watchdog: Watchdog | None = None
     #: chooses the intervals of ``every = "auto"`` tiers (None: the store has none)
     intervals: IntervalChooser | None = None
+    #: the job's claims on its tiers' directories, taken before its first save
+    claims: TierClaims | None = None
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         tier, *slower = ([ctx.tiers[0]] if self._emergency
                          else ctx.tiers.take_save(step))
         ctx.host.phase(Phase.SAVE_BEGIN, cid, tier.name, ctx.rank)
+        # Claimed before anything is looked at: another job's checkpoints there are not this
+        # job's, whether the id exists there or not.
+        refused = services.claims.take(ctx.tiers) if services.claims is not None else None
         held: list[Holding] = []
         if not ctx.config.overwrite:
             # The first tier and slower tiers on this machine's filesystems are asked now; a
@@ -253,9 +259,12 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         if ctx.tiers.node_local and ctx.groups.io is not None:
             # Ranks see different directories: decide together, before DCP's collectives, so
             # that no rank raises while the others go on (and hang in them).
-            exists = self._settle_parts(cid, held)
+            exists, refused = self._settle_parts(cid, held, refused)
         else:
+            # One directory per tier (this machine's, or one every rank shares): the ranks
+            # find the same there.
             exists = whole_copies(held)
+        refuse(refused)
         if exists:
             raise CommitError(
                 f"checkpoint '{cid}' already exists on {exists[0]}; save under a new id, or "
@@ -270,7 +279,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         if services.watchdog is not None:
             self._save.watch = services.watchdog.begin(f"save of '{cid}'")
 
-    def _settle_parts(self, cid: str, held: list[Holding]) -> list[str]:
+    def _settle_parts(self, cid: str, held: list[Holding], refused: str | None
+                      ) -> tuple[list[str], str | None]:
         """Collective (every rank, in ``reset``): settle the pending parts of node-local tiers
         (``tierstore.engine.publish``) and agree whether ``cid`` exists. Each group's leader
         names its pending parts (id and save token); the coordinator's rank says, for each,
@@ -279,7 +289,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         is an orphan that gc removes now (so that saving its id again succeeds everywhere), and
         an unknown one stays pending until a later save. Returns where ``cid`` exists, the same list
         on every rank (:func:`~tierstore.engine.existing.whole_copies` over every rank's
-        ``held``, a pending part counting when its save committed)."""
+        ``held``, a pending part counting when its save committed), and why the first rank
+        whose tiers refuse the save (``refused``: another job holds one) refused it."""
         services = self._services
         ctx = services.context
         group = ctx.groups.io
@@ -292,11 +303,16 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 mine[t.name] = services.publisher.pending_parts(t)
             except Exception:  # noqa: BLE001 - never raise on one rank only: settled next time
                 log.warning("tier '%s': could not list its pending parts", t.name, exc_info=True)
-        gathered = all_gather_message([[_holding_fields(h) for h in held], mine], group,
-                                      _held_from, "the copies and pending parts a rank holds")
-        asked = sorted({(pid, token) for _, pending in gathered for parts in pending.values()
+        gathered = all_gather_message([[_holding_fields(h) for h in held], mine, refused],
+                                      group, _held_from,
+                                      "the copies and pending parts a rank holds")
+        refused = next((r for _, _, r in gathered if r is not None), None)
+        if refused is not None:
+            # Another job's directory: its pending parts are not this job's to settle.
+            return [], refused
+        asked = sorted({(pid, token) for _, pending, _ in gathered for parts in pending.values()
                         for pid, token in parts.items()}
-                       | {(cid, h.token) for found, _ in gathered for h in found
+                       | {(cid, h.token) for found, _, _ in gathered for h in found
                           if h.pending})
         verdicts: list = []
         if asked:
@@ -324,8 +340,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 except Exception:  # noqa: BLE001 - never raise on one rank only
                     log.warning("tier '%s': settling the part %s failed; the next save "
                                 "tries again", name, pid, exc_info=True)
-        return whole_copies([h for found, _ in gathered for h in found],
-                            lambda h: not h.pending or answer.get((cid, h.token)) is True)
+        return whole_copies([h for found, _, _ in gathered for h in found],
+                            lambda h: not h.pending or answer.get((cid, h.token)) is True), refused
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember this rank's role; refuse a save that did not come with a checkpoint id
@@ -701,12 +717,12 @@ def _holding_from(value: Any) -> Holding:
     return Holding(tier, where, shared, token, tuple(ranks), world, has_metadata, pending)
 
 
-def _held_from(value: Any) -> tuple[list[Holding], dict[str, dict[str, str]]]:
-    """What one rank holds of a checkpoint and the pending parts it leads (see
-    ``_settle_parts``), from the plain data it sent."""
-    held, pending = as_tuple(value, lambda v: as_list(v, _holding_from),
-                             lambda v: as_dict(v, as_str, lambda p: as_dict(p, as_str, as_str)))
-    return held, pending
+def _held_from(value: Any) -> tuple[list[Holding], dict[str, dict[str, str]], str | None]:
+    """What one rank holds of a checkpoint, the pending parts it leads and why its tiers
+    refuse the save (see ``_settle_parts``), from the plain data it sent."""
+    return as_tuple(value, lambda v: as_list(v, _holding_from),
+                    lambda v: as_dict(v, as_str, lambda p: as_dict(p, as_str, as_str)),
+                    optional(as_str))
 
 
 def _verdicts_from(value: Any, count: int) -> list[bool | None]:

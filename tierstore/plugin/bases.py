@@ -127,6 +127,21 @@ class Backend(abc.ABC):
         locks nothing, refuses nothing."""
         return DirectoryLock()
 
+    def claim(self, job: str) -> "DirectoryLock | str":
+        """Claim this tier's directory for the job whose token is ``job`` before its first
+        save (every process of the job that writes here claims it, with the same token): the
+        claim, held until the store closes, or, when live processes of another job hold it,
+        who they are, in words (the save is then refused: two jobs saving into one directory
+        replace each other's checkpoints). Optional: the default claims nothing, refuses
+        nothing (an object store cannot tell a live job from a dead one)."""
+        return DirectoryLock()
+
+    def claimed_by(self, job: str) -> str | None:
+        """Who, other than the job whose token is ``job``, holds this tier's directory (see
+        :meth:`claim`), in words; None when nobody else does. Asks without claiming and writes
+        nothing. Optional: the default says nobody."""
+        return None
+
     def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
         """Atomically move ``src`` to ``dst``. Without ``replace``, raise ``FileExistsError`` when
         ``dst`` exists (even an empty directory: the ``atomic`` protocol relies on it); with
