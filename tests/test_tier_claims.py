@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from helpers import assert_state_dicts_equal, load_like, make_state_dict, run_script
+from helpers import (assert_state_dicts_equal, load_like, make_state_dict, run_script,
+                     run_torchrun)
 from scripts.claim_job import config
 
 import tierstore
@@ -118,3 +119,45 @@ def test_readers_and_queries_beside_a_job_claim_nothing(ram, tmp_path):
                                      make_state_dict(1))
         dcp.save(make_state_dict(2), storage_writer=store.writer(), checkpoint_id="step-2")
         store.wait()
+
+
+def test_a_claim_file_of_garbage_held_by_someone_is_an_unknown_job(ram, tmp_path):
+    """A claim's bytes are untrusted: a record that is no JSON object still refuses the save
+    (someone holds the directory), naming no process rather than failing to parse."""
+    import fcntl
+
+    from tierstore_plugins.claims import CLAIMS_DIR
+
+    os.makedirs(ram)
+    st = os.stat(ram)
+    os.makedirs(CLAIMS_DIR, exist_ok=True)
+    path = os.path.join(CLAIMS_DIR, f"{st.st_dev:x}-{st.st_ino:x}")
+    with open(path, "wb") as f:
+        f.write(b"\xff[not json")
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_SH)  # held, as a live job's would be
+        with tierstore.open(config(ram, str(tmp_path / "disk"))) as store:
+            with pytest.raises(TierInUseError, match=r"another job \(its claim names no process\)"):
+                dcp.save(make_state_dict(1), storage_writer=store.writer(),
+                         checkpoint_id="step-1")
+    os.unlink(path)
+
+
+def test_every_rank_is_refused_alike_when_another_job_holds_one_nodes_directory(tmp_path):
+    """Under torchrun, a node-local RAM tier of two parts, the second held by another job:
+    both ranks get the TierInUseError naming it (none goes on into DCP's collectives alone),
+    and nothing is written on either."""
+    from tierstore_plugins.claims import claim_root
+
+    held_dir = tmp_path / "ram" / "1"
+    held_dir.mkdir(parents=True)
+    fd = os.open(held_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        claim = claim_root(fd, "another-job")
+    finally:
+        os.close(fd)
+    assert not isinstance(claim, str)
+    try:
+        run_torchrun("claim_ranks_worker.py", tmp_path)
+    finally:
+        claim.release()

@@ -37,8 +37,11 @@ def _config(tmp_path):
 
 
 def test_another_stores_gc_spares_a_save_in_progress(tmp_path):
-    _another_stores_gc_spares_a_save_in_progress(_config(tmp_path))
-    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["a", "b"]
+    """On a local directory the second store may not save beside the first (one job per
+    directory: its save is refused before it writes), but its gc, as an operator's
+    ``tierstore gc`` beside the job, must still spare the save in progress."""
+    _another_stores_gc_spares_a_save_in_progress(_config(tmp_path), second_saves=False)
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["a"]
 
 
 def test_another_stores_gc_spares_a_save_in_progress_on_an_object_store(seaweed, s3_bucket):
@@ -52,10 +55,13 @@ def test_another_stores_gc_spares_a_save_in_progress_on_an_object_store(seaweed,
     assert not [k for k in fs.find(bucket) if ".tierstore-" in k]  # markers and leases gone
 
 
-def _another_stores_gc_spares_a_save_in_progress(config, slow: float = 0):
+def _another_stores_gc_spares_a_save_in_progress(config, slow: float = 0,
+                                                  second_saves: bool = True):
     """Two stores on one tier: save "a" is held just before its metadata while the other store
     saves "b" (its gc runs first) and runs gc; then "a" goes on and commits. ``slow``: seconds
-    "a" stays held (longer than a lease, so that only renewal keeps it)."""
+    "a" stays held (longer than a lease, so that only renewal keeps it). Without
+    ``second_saves`` (a tier that takes one job's saves only), the other store's save is
+    refused as another job's and only its gc runs."""
     hold = HoldAt(Phase.WRITE_METADATA)
     sd_a = {"a": torch.arange(10_000, dtype=torch.float32)}
     sd_b = {"b": torch.arange(10_000, dtype=torch.float64)}
@@ -71,17 +77,24 @@ def _another_stores_gc_spares_a_save_in_progress(config, slow: float = 0):
         thread.start()
         assert hold.reached.wait(60)
         time.sleep(slow)
-        dcp.save(sd_b, storage_writer=second.writer(), checkpoint_id="b")  # gc runs first
+        if second_saves:
+            dcp.save(sd_b, storage_writer=second.writer(), checkpoint_id="b")  # gc runs first
+        else:
+            with pytest.raises(tierstore.TierInUseError, match="another store of this process"):
+                dcp.save(sd_b, storage_writer=second.writer(), checkpoint_id="b")
         assert second.gc() == []  # and an explicit gc spares it too
         hold.release.set()
         thread.join(60)
         assert errors == []
+        ids = {"a", "b"} if second_saves else {"a"}
         for store in (first, second):
-            assert {c.id for c in store.list()} == {"a", "b"}
+            assert {c.id for c in store.list()} == ids
         out_a, out_b = {"a": torch.zeros(10_000)}, {"b": torch.zeros(10_000, dtype=torch.float64)}
         dcp.load(out_a, storage_reader=second.reader(), checkpoint_id="a")
-        dcp.load(out_b, storage_reader=first.reader(), checkpoint_id="b")
-    assert torch.equal(out_a["a"], sd_a["a"]) and torch.equal(out_b["b"], sd_b["b"])
+        if second_saves:
+            dcp.load(out_b, storage_reader=first.reader(), checkpoint_id="b")
+    assert torch.equal(out_a["a"], sd_a["a"])
+    assert not second_saves or torch.equal(out_b["b"], sd_b["b"])
 
 
 def test_gc_still_removes_what_a_dead_writer_left(tmp_path):
