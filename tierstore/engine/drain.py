@@ -51,6 +51,9 @@ log = logging.getLogger("tierstore.drain")
 #: what a rank that does not commit a gathered copy leaves in the shared staging directory for
 #: the committing rank: its part's report (see Drainer._part_done)
 _PART_REPORT = ".tierstore-part-{}.json"
+#: longest wait between two looks for the other parts of a gathered copy (or for the begin of
+#: it): a look is one listing, and the wait is straight on the time to durable
+_PART_POLL_MAX_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -712,37 +715,36 @@ class Drainer(BackgroundJobs[DrainJob]):
         as checked (see :meth:`_part_done`) and its files are there with their sizes; a part
         that failed its check, or vouches for other bytes than this copy's manifest lists,
         fails the copy before anything is committed. The reports are removed before the
-        commit (they are not files of the checkpoint)."""
+        commit (they are not files of the checkpoint).
+
+        Each look at the staging directory is one listing where the tier offers it (an object
+        store): what the committing rank asks per look does not grow with the parts or their
+        files, and each report is read once."""
         cid, layout = job.checkpoint_id, source.layout
         others = [p for p in range(layout.parts) if p != layout.part]
         reports = {p: f"{staging}/{_PART_REPORT.format(p)}" for p in others}
+        vouched = {rel: e.checksum for rel, e in manifest.files.items()}
+        reported: set[int] = set()
         deadline = time.monotonic() + self._part_timeout
         delay = 0.02
         while True:
-            vouched = {rel: e.checksum for rel, e in manifest.files.items()}
-            waiting = []
+            listed = target.backend.inventory(staging)
             for p, path in reports.items():
-                try:
-                    record = json.loads(target.backend.read_bytes(path))
-                except FileNotFoundError:
-                    waiting.append(p)
+                if p in reported or (listed is not None
+                                     and _PART_REPORT.format(p) not in listed):
                     continue
-                except ValueError:
-                    # Not whole yet: a report is written in one call, but on a filesystem
-                    # another node can read it between its creation and its last byte. It
-                    # counts as not reported, and is read again until it is whole (or the part
-                    # times out, naming it).
-                    waiting.append(p)
-                    continue
-                if not isinstance(record, dict):
-                    waiting.append(p)
+                record = self._read_report(target, path)
+                if record is None:
                     continue
                 if not record.get("ok"):
                     raise DrainError(
                         f"checkpoint '{cid}': the part of ranks {list(layout.all_parts[p])} "
                         f"failed on its node, so the copy on tier '{target.name}' was not "
                         f"committed: {record.get('error')}", cid, target.name)
-                vouched.update(record.get("files", {}))
+                files = record.get("files", {})
+                vouched.update(files if isinstance(files, dict) else {})
+                reported.add(p)
+            waiting = [p for p in others if p not in reported]
             lost = [p for p in waiting
                     if seen_lost(self._context.groups.main, list(layout.all_parts[p]))]
             if lost:
@@ -752,7 +754,8 @@ class Drainer(BackgroundJobs[DrainJob]):
                     f"was lost (it did not answer a collective of the store), so the copy on "
                     f"tier '{target.name}' was not committed", cid, target.name)
             missing = [rel for rel, e in job.all_files.items()
-                       if target.backend.size(f"{staging}/{rel}") != e.size]
+                       if (listed.get(rel) if listed is not None
+                           else target.backend.size(f"{staging}/{rel}")) != e.size]
             if not waiting and not missing:
                 wrong = sorted(rel for rel, e in job.all_files.items()
                                if not isinstance(vouched.get(rel), str)
@@ -778,7 +781,19 @@ class Drainer(BackgroundJobs[DrainJob]):
                     f"{waiting or 'none'}); see those ranks' store.wait() errors",
                     cid, target.name)
             time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            delay = min(delay * 2, _PART_POLL_MAX_S)
+
+    @staticmethod
+    def _read_report(target: Tier, path: str) -> dict | None:
+        """A part's report (untrusted: a JSON object or nothing), or None while it is not
+        there or not whole yet: a report is written in one call, but on a filesystem another
+        node can read it between its creation and its last byte, so it is read again until it
+        is whole (or the part times out, naming it)."""
+        try:
+            record = json.loads(target.backend.read_bytes(path))
+        except (FileNotFoundError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
 
     def _copy_file(self, source: Tier, target: Tier, cid: str, staging: str, rel: str,
                    manifest: Manifest, publish_each: bool) -> int:
