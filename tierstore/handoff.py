@@ -33,7 +33,8 @@ class HandOff:
     """The training process's side of saves handed to DCP's checkpoint process."""
 
     def __init__(self, spec: StoreSpec, tiers: TierSet, rank: int, drainer: Drainer,
-                 retention: Retention, health: TierHealth, reopen: Callable[[StoreSpec, str | None], Any],
+                 retention: Retention, health: TierHealth,
+                 reopen: Callable[[StoreSpec, str | None], Any],
                  listings: Listings, job: str | None):
         self._spec, self._tiers, self._rank, self._health = spec, tiers, rank, health
         self._job = job  # the job's token: the checkpoint process claims tiers with it
