@@ -131,13 +131,21 @@ def holder_of(root_fd: int, job: str) -> str | None:
     return None if record.get("job") == job else _describe(record)
 
 
-def _free(fd: int) -> bool:
-    """Whether nobody holds the claim file ``fd`` (an exclusive lock taken and dropped)."""
+def _lock_if_free(fd: int) -> bool:
+    """Take an exclusive lock of the claim file ``fd`` if nobody holds it (never waiting);
+    whether it was taken."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise
+        return False
+    return True
+
+
+def _free(fd: int) -> bool:
+    """Whether nobody holds the claim file ``fd`` (an exclusive lock taken and dropped)."""
+    if not _lock_if_free(fd):
         return False
     fcntl.flock(fd, fcntl.LOCK_UN)
     return True
@@ -159,21 +167,17 @@ def _remove_if_free(dir_fd: int, key: str) -> None:
 def _claim_file(fd: int, job: str) -> str | None:
     """Under the mutex: take the claim file ``fd`` for ``job`` (its shared lock held on
     return), or say who holds it for another job."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise
-        # Held: by this job's other processes (the ranks of a node), or by another job.
-        record = _read_record(fd)
-        if record.get("job") != job:
-            return _describe(record)
-    else:
+    if _lock_if_free(fd):
         # Nobody holds it (never claimed, or every process of the last job is gone): ours.
         data = json.dumps({"job": job, "pid": os.getpid(),
                            "host": socket.gethostname()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
+    else:
+        # Held: by this job's other processes (the ranks of a node), or by another job.
+        record = _read_record(fd)
+        if record.get("job") != job:
+            return _describe(record)
     fcntl.flock(fd, fcntl.LOCK_SH)  # (no claimant can come between: we hold the mutex)
     return None
 

@@ -51,8 +51,8 @@ log = logging.getLogger("tierstore.drain")
 #: what a rank that does not commit a gathered copy leaves in the shared staging directory for
 #: the committing rank: its part's report (see Drainer._part_done)
 _PART_REPORT = ".tierstore-part-{}.json"
-#: longest wait between two looks for the other parts of a gathered copy (or for the begin of
-#: it): a look is one listing, and the wait is straight on the time to durable
+#: longest wait between two looks of the committing rank for the other parts of a gathered
+#: copy: a look is one listing, and the wait is straight on the time to durable
 _PART_POLL_MAX_S = 0.1
 
 
