@@ -331,3 +331,50 @@ def test_killed_mid_drain_restart_shows_a_complete_checkpoint_and_resumes(tmp_pa
     shutil.rmtree(tmp_path / "ram")
     with tierstore.open(two_tiers(tmp_path)) as store:
         assert_state_dicts_equal(load_like(store, store.latest(), expected), expected)
+
+
+class _LateSubmits:
+    """A drainer whose submits wait for ``go``: the open's scan for unmade drains has listed
+    the tiers, and queues what it found only once the test says so."""
+
+    def __init__(self, drainer, go):
+        self._drainer, self._go = drainer, go
+
+    def pending(self):
+        return self._drainer.pending()
+
+    def submit(self, job):
+        assert self._go.wait(60)
+        self._drainer.submit(job)
+
+
+def test_keep_spares_a_checkpoint_the_open_is_still_resuming(tmp_path, monkeypatch):
+    """A drain an earlier process left unmade is resumed even when the first save of the next
+    one would evict its source under ``keep`` (the fault matrix found it: the open's scan listed
+    step-1, the first save's keep evicted it from 'ram', and the queued drain found no source:
+    "DrainError: checkpoint 'step-1' is no longer complete on tier 'ram'")."""
+    import threading
+
+    import tierstore.store as store_module
+
+    config = {"tier": [
+        {"name": "ram", "backend": "memory", "path": str(tmp_path / "ram"), "keep": 1},
+        {"name": "nvme", "backend": "local", "path": str(tmp_path / "nvme")}]}
+    with tierstore.open(config) as store:   # an emergency save queues no drain
+        dcp.save(state(1), storage_writer=store.writer(emergency=True), checkpoint_id="step-1")
+    assert ids_on(tmp_path / "nvme") == []
+
+    saved = threading.Event()
+    scan = store_module.queue_missing_copies
+    monkeypatch.setattr(store_module, "queue_missing_copies",
+                        lambda tiers, drainer, *args, **kwargs:
+                        scan(tiers, _LateSubmits(drainer, saved), *args, **kwargs))
+    with tierstore.open(config) as store:
+        dcp.save(state(2), storage_writer=store.writer(), checkpoint_id="step-2")
+        assert ids_on(tmp_path / "ram") == ["step-1", "step-2"]   # kept for the scan
+        saved.set()
+        store.wait()                                               # raises nothing
+        assert ids_on(tmp_path / "nvme") == ["step-1", "step-2"]
+        assert ids_on(tmp_path / "ram") == ["step-2"]              # keep applies once drained
+        assert_holds_step(store, "step-1", 1)
+        assert_holds_step(store, "step-2", 2)

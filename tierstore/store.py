@@ -161,6 +161,7 @@ class Store:
             # Off the open's path: the scan looks at every tier (on an object store a listing
             # and the manifests, a look latest() then reuses). wait(), pending() and close()
             # wait for it.
+            self._retention.hold_older(self._opened_at)
             self._resuming = threading.Thread(target=self._resume_drains, daemon=True,
                                               name="tierstore-resume")
             self._resuming.start()
@@ -178,6 +179,9 @@ class Store:
                                  self._listings, before=self._opened_at)
         except Exception:  # noqa: BLE001 - the next open scans again
             log.exception("could not look for the drains an earlier process left unmade")
+        finally:
+            # What the scan queued is spared by its drains from now on: keep applies again.
+            self._retention.release_older()
 
     def _resumed(self) -> None:
         """Wait for the open's scan for unmade drains (they are queued once it ends)."""

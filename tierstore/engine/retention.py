@@ -11,7 +11,10 @@ The rule, in one place: on a tier with ``keep = N``, a complete checkpoint is ev
    sending it, no load reading it (each tells retention what to spare, see :meth:`spare_with`
    and :meth:`loading`), and
 4. no other process sharing the directory (a rank of the same node sending it to its peers)
-   holds its directory lock; then it is left for the next pass.
+   holds its directory lock; then it is left for the next pass, and
+5. it was not committed before the store opened while the open's scan for the drains an
+   earlier process left unmade is still running (:meth:`hold_older`): the scan lists first and
+   queues after, and a checkpoint evicted between the two would be queued with no source left.
 
 Retention runs after every commit on a tier (a save, a drained copy, a replica) and after each
 background job ends on its source, so what was spared is evicted as soon as it is free. Passes
@@ -70,6 +73,25 @@ class Retention:
         # its reading of the flag to its rewrite of its copy's: a drain never writes a flag it
         # read before a pin that has finished since (see Drainer._settle_pin).
         self._pinning = threading.RLock()
+        # Checkpoints committed before this time are not evicted yet (see hold_older), and
+        # the tiers where that spared a victim (a pass runs there again at the release).
+        self._held_before: float | None = None
+        self._held_on: dict[str, Tier] = {}
+
+    def hold_older(self, before: float) -> None:
+        """Spare every checkpoint committed before ``before`` until :meth:`release_older`:
+        the open's scan for unmade drains may still queue a copy of one of them."""
+        with self._lock:
+            self._held_before = before
+
+    def release_older(self) -> None:
+        """End :meth:`hold_older`; on each tier where the hold spared a victim, apply ``keep``
+        again (what the queued drains do not spare goes now)."""
+        with self._lock:
+            self._held_before = None
+            held_on, self._held_on = list(self._held_on.values()), {}
+        for tier in held_on:
+            self.apply_quietly(tier)
 
     def pinning(self) -> threading.RLock:
         """The lock that orders pins, unpins and the flags drains give their copies."""
@@ -129,7 +151,17 @@ class Retention:
             busy: set[str] = set()
             for spared in self._spares:
                 busy |= spared(tier)
-            victims = [cid for cid in tier.retention_victims(tier.complete())
+            complete = tier.complete()
+            with self._lock:
+                # (read and noted under one lock: a release either comes first, and nothing
+                # is held, or after, and its pass on this tier waits for this one's end)
+                if self._held_before is not None:
+                    held = {cid for cid, m in complete.items()
+                            if m.committed < self._held_before}
+                    if held & set(tier.retention_victims(complete)):
+                        self._held_on[tier.name] = tier
+                    busy |= held
+            victims = [cid for cid in tier.retention_victims(complete)
                        if cid not in busy and self._evict_unless_loading(tier, cid)]
         for cid in victims:
             self._host.event(Event(EventKind.EVICTED, cid, tier.name, self._rank))
