@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def test_node_local_ram_tier_with_a_shared_tier_behind_it(tmp_path):
         list(shared["files"]) + ["tierstore.json"])
     for path in (tmp_path / "ram/0", tmp_path / "ram/1", tmp_path / "shared"):
         assert hidden(path) == [], path
+    # Every rank copied the files it wrote to the shared tier itself (the ranks of a node side
+    # by side, not one rank per node), and rank 0 also .metadata; no rank copied another's.
+    drained = re.findall(r"^RANK (\d) DRAINED (\S+) TO shared$", out, re.M)
+    assert sorted(file for _, file in drained) == sorted(
+        set(node0["files"]) | set(node1["files"])), out
+    for rank, file in drained:
+        assert file == ".metadata" and rank == "0" or file.startswith(f"__{rank}_"), drained
+    assert {rank for rank, _ in drained} == {"0", "1", "2", "3"}, drained
 
     # Both nodes intact: each rank reads its own files from its node's RAM; files written on
     # the other node come from the shared tier.

@@ -86,7 +86,7 @@ class Faults:
         if phase == Phase.DRAIN_FILE and tier == "shared" and self.first_file is None:
             if self.action == "torn" and self.rank == 2:
                 report = os.path.join(self.root, "shared", checkpoint_id,
-                                      ".tierstore-part-1.json")
+                                      ".tierstore-rank-2.json")
                 with open(report, "w") as f:
                     f.write('{"ok": true, "fi')
                 time.sleep(3)

@@ -2,7 +2,7 @@
 
 Tiers: "ram" is node-local (``{node}`` in its path), "shared" is one directory every rank sees.
 argv: ROOT PHASE [EXPECTED_LATEST]. PHASE "save" saves step-1 and step-2 and waits for the
-drains; PHASE "load" checks latest() and loads it bitwise, printing which tier each rank read
+drains, printing which files each rank copied to which tier; PHASE "load" checks latest() and loads it bitwise, printing which tier each rank read
 each file from.
 """
 
@@ -24,15 +24,19 @@ OWN_NUMEL = 1000  # floats of each rank's own in the state
 
 
 class Reads:
-    """Records (file, tier) of every file this rank reads."""
+    """Records (file, tier) of every file this rank reads, and of every file it copies to a
+    slower tier."""
 
     def __init__(self):
         self.reads = []
+        self.drained = []
 
     @tierstore.hookimpl
     def tierstore_phase(self, phase, tier, detail):
         if phase == Phase.READ_FILE:
             self.reads.append((detail["file"], tier))
+        if phase == Phase.DRAIN_FILE:
+            self.drained.append((detail["file"], tier))
 
 
 def config(root):
@@ -57,6 +61,8 @@ def main() -> int:
             dcp.save(node_state(step, rank, mesh, OWN_NUMEL), storage_writer=store.writer(),
                      checkpoint_id=f"step-{step}", process_group=store.process_group)
         store.wait()
+        for file, tier in sorted(set(reads.drained)):
+            print(f"RANK {rank} DRAINED {file} TO {tier}", flush=True)
         dist.barrier()
         latest = store.latest()
         if latest != "step-2":

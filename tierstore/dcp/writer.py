@@ -599,11 +599,22 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         gathered = all_gather_message(
             [rank, failure is None, [[rel, entry_fields(e)] for rel, e in mine]],
             services.context.groups.io, _written_from, "what a rank wrote")
-        if failure is not None or rank != layout.leader or layout.part == layout.part_of(0):
+        if failure is not None:
             return
         failed = [r for r, ok, _ in gathered if not ok]
         if failed:
-            log.info("not publishing %s: ranks %s failed to write", save.checkpoint_id, failed)
+            if rank == layout.leader:
+                log.info("not publishing %s: ranks %s failed to write", save.checkpoint_id,
+                         failed)
+            return
+        if rank != layout.leader:
+            if save.drain and mine:  # its own files go to the shared tiers from this rank
+                services.publisher.copy_own_files(
+                    tier, save.checkpoint_id, save.token,
+                    {rel: entry for _, _, entries in gathered for rel, entry in entries},
+                    save.slower)
+            return
+        if layout.part == layout.part_of(0):
             return
         files = {rel: entry for r, _, entries in gathered if r in layout.part_ranks
                  for rel, entry in entries}

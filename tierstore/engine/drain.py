@@ -10,6 +10,7 @@ source copy is never propagated. ``Store.wait()`` waits for the drain and raises
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import pickle
@@ -31,6 +32,8 @@ from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
 from tierstore.engine.manifests import build_manifest
 from tierstore.engine.mismatch import explain_mismatch
+from tierstore.engine.notices import FAILED as NOTICE_FAILED
+from tierstore.engine.notices import notice_key
 from tierstore.engine.parts import PENDING_PART, KnownCommits, is_pending, unmark
 from tierstore.engine.retention import Retention
 from tierstore.errors import DrainError, IntegrityError
@@ -40,17 +43,19 @@ from tierstore.format.item_io import HashingWriter, decode_item, encode_to
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.format.metadata import load_metadata
 from tierstore.format.checksum import same_digest
+from tierstore.tiers.layout import TierLayout
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import drop_posts, post, read_post, seen_lost
 from tierstore.transport.transfer import MessageError, decode_message, encode_message
 
-__all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished", "finish_at_exit"]
+__all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished", "finish_at_exit",
+           "own_share"]
 
 log = logging.getLogger("tierstore.drain")
 
 #: what a rank that does not commit a gathered copy leaves in the shared staging directory for
-#: the committing rank: its part's report (see Drainer._part_done)
-_PART_REPORT = ".tierstore-part-{}.json"
+#: the committing rank: its report on the files it copied (see Drainer._part_done)
+_RANK_REPORT = ".tierstore-rank-{}.json"
 #: longest wait between two looks of the committing rank for the other parts of a gathered
 #: copy: a look is one listing, and the wait is straight on the time to durable
 _PART_POLL_MAX_S = 0.1
@@ -72,7 +77,12 @@ class DrainJob(BackgroundJob):
     """Copy ``checkpoint_id`` from ``source`` to each of ``targets`` (in order).
 
     ``token`` is the save's token; ``all_files`` every file of the checkpoint (all parts), which
-    the rank that commits a shared copy of a node-local checkpoint waits for."""
+    the rank that commits a shared copy of a node-local checkpoint waits for.
+
+    A copy of a node-local checkpoint to a shared tier is *gathered*: every rank of every node
+    runs its own job of it and copies the files it wrote (its part's leader also those no rank
+    of the part wrote, such as ``.metadata``), so that the ranks of a node upload side by side;
+    each reports what it copied, and rank 0 commits once every rank's files are there."""
 
     targets: list[Tier]
     token: str
@@ -220,7 +230,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                 f"repair it from a copy with the same codecs", cid, target.name)
         started = time.perf_counter()
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
-                         nbytes=manifest.size_bytes, detail={"source": source.name}))
+                         nbytes=share.size_bytes, detail={"source": source.name}))
         staging = target.begin_repair(cid, uuid.uuid4().hex[:16])
         try:
             order = sorted(manifest.files, key=lambda r: -manifest.files[r].size)
@@ -276,8 +286,10 @@ class Drainer(BackgroundJobs[DrainJob]):
 
     def after_job(self, job: DrainJob) -> None:
         # Retention on the source may have spared this id while it was being copied: apply it
-        # before wait() returns.
-        self._retention.apply_quietly(job.source)
+        # before wait() returns. Only the rank that publishes the source's part applies keep
+        # there (as after a save): another rank would not know of that rank's drains and loads.
+        if job.source.layout.leader == self._rank:
+            self._retention.apply_quietly(job.source)
 
     def failure(self, job: DrainJob, exc: BaseException) -> DrainError:
         return DrainError(f"the drain of checkpoint '{job.checkpoint_id}' failed: "
@@ -299,16 +311,49 @@ class Drainer(BackgroundJobs[DrainJob]):
         self._host.event(Event(EventKind.FAILED, job.checkpoint_id, target.name, self._rank,
                                detail={"during": "drain", "error": str(err)}))
 
-    def _source_manifest(self, job: DrainJob, target: Tier) -> Manifest:
-        """Announce a copy's begin; the manifest of its source, complete, or DrainError."""
+    def _source_manifest(self, job: DrainJob, target: Tier, gathering: bool) -> Manifest:
+        """Announce a copy's begin; the manifest of its source, complete, or DrainError
+        (also where a copy of a node's part finds another save's part there)."""
         source, cid = job.source, job.checkpoint_id
         self._host.phase(Phase.DRAIN_BEGIN, cid, target.name, self._rank, source=source.name)
         manifest = source.complete_manifest(cid)
+        if manifest is not None and gathering and manifest.save_token != job.token:
+            manifest = None
         if manifest is None:
             raise DrainError(f"checkpoint '{cid}' is no longer complete on tier "
                              f"'{source.name}', so it cannot be copied to '{target.name}'",
                              cid, target.name)
         return manifest
+
+    def _wait_for_part(self, job: DrainJob, target: Tier) -> None:
+        """Wait until the node's part of ``job``'s save is committed on its source tier (or
+        the tier holds another save's copy of it, which the copy then refuses)."""
+        source, cid, leader = job.source, job.checkpoint_id, job.source.layout.leader
+        deadline = time.monotonic() + self._part_timeout
+        delay = 0.005
+        while True:
+            if source.read_manifest(cid) is not None:
+                return
+            if read_post(notice_key(job.token)) == NOTICE_FAILED:
+                raise DrainError(f"checkpoint '{cid}': its save failed on the coordinator, so "
+                                 f"it was not copied to tier '{target.name}'", cid, target.name)
+            if seen_lost(self._context.groups.main, [leader]) or self._past_exit_deadline() \
+                    or time.monotonic() > deadline:
+                raise DrainError(
+                    f"checkpoint '{cid}': rank {leader}, which commits this node's part on tier "
+                    f"'{source.name}', did not commit it (lost, the process is exiting, or "
+                    f"past part_timeout); this rank's files were not copied to "
+                    f"'{target.name}'", cid, target.name)
+            time.sleep(delay)
+            delay = min(delay * 2, _PART_POLL_MAX_S)
+
+    def _reporters(self, job: DrainJob, source: Tier) -> dict[int, str]:
+        """The ranks whose reports the committing rank waits for, with their reports' names:
+        every other rank that wrote files of the checkpoint (files of no rank, or of a rank
+        no part holds, are their part leader's to copy and report)."""
+        placed = {r for ranks in source.layout.all_parts for r in ranks}
+        writers = {e.rank for e in job.all_files.values() if e.rank in placed}
+        return {r: _RANK_REPORT.format(r) for r in sorted(writers) if r != self._rank}
 
     @staticmethod
     def _copy_there(target: Tier, cid: str) -> Manifest | None:
@@ -348,16 +393,43 @@ class Drainer(BackgroundJobs[DrainJob]):
                     self._copy_locks[key] = (lock, users - 1)
 
     def _drain_one(self, job: DrainJob, target: Tier) -> None:
-        with self._copying(job.checkpoint_id, target) as waited:
+        with self._copying(job.checkpoint_id, target) as waited, \
+                self._holding_part(job, target):
             self._copy_one(job, target, waited)
+
+    @contextlib.contextmanager
+    def _holding_part(self, job: DrainJob, target: Tier):
+        """A rank that copies its own files of its node's part, not the part's leader (a
+        gathered copy: see :class:`DrainJob`): wait until the leader (on the coordinator's node, the
+        coordinator) has committed the part of this save on the node's tier, then hold the
+        part's directory shared while copying, so that the leader's ``keep`` does not evict it
+        under this rank. It queued its copy when its own files were written, a moment before
+        that commit. Anywhere else: nothing to wait for or hold."""
+        source = job.source
+        if not (target.layout.shared and not source.layout.shared
+                and self._rank != source.layout.leader):
+            yield
+            return
+        self._wait_for_part(job, target)
+        try:
+            hold = source.backend.lock_directory(job.checkpoint_id, exclusive=False)
+        except FileNotFoundError:
+            hold = None  # evicted meanwhile: the copy finds it gone and says so
+        try:
+            yield
+        finally:
+            if hold is not None:
+                hold.release()
 
     def _copy_one(self, job: DrainJob, target: Tier, waited: bool = False) -> None:
         source, cid = job.source, job.checkpoint_id
         host, rank = self._host, self._rank
-        manifest = self._source_manifest(job, target)
         # A node-local checkpoint going to a shared tier: every group copies its part into one
         # staging directory (named by the save), and rank 0 commits once all parts are there.
         gathering = target.layout.shared and not source.layout.shared
+        manifest = self._source_manifest(job, target, gathering)
+        # What this rank copies: the whole checkpoint (or part), or its own files of it.
+        share = own_share(manifest, source.layout, rank) if gathering else manifest
         overwrite = self._context.config.overwrite
         # The copy there, read once: asked where a copy of it must not be replaced, or where
         # another copy of it to this tier (a promote, or the drain it raced) went first.
@@ -369,7 +441,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         commits = not gathering or rank == 0
         started = time.perf_counter()
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
-                         nbytes=manifest.size_bytes, detail={"source": source.name}))
+                         nbytes=share.size_bytes, detail={"source": source.name}))
         if there is not None and not overwrite:
             # The save asked only this machine's tiers up front (see TierstoreWriter.reset).
             raise DrainError(
@@ -397,20 +469,20 @@ class Drainer(BackgroundJobs[DrainJob]):
         try:
             if transcode:
                 copy = self._transcode(job, source, target, manifest, staging)
-            elif self._can_upload(source, target, cid, manifest):
-                self._upload(source, target, cid, staging, manifest)
+            elif self._can_upload(source, target, cid, share):
+                self._upload(source, target, cid, staging, share)
             else:
-                self._run_all([(self._copy_file, source, target, cid, staging, rel, manifest,
+                self._run_all([(self._copy_file, source, target, cid, staging, rel, share,
                                 gathering)
-                               for rel in sorted(manifest.files,
-                                                 key=lambda r: -manifest.files[r].size)])
+                               for rel in sorted(share.files,
+                                                 key=lambda r: -share.files[r].size)])
             if gathering and not commits:
-                self._part_done(target, staging, source.layout.part, manifest, None)
+                self._part_done(target, staging, _RANK_REPORT.format(rank), share, None)
             if commits:
                 if not transcode:
                     copy = self._target_manifest(job, source, target, manifest, gathering)
                 if gathering:
-                    self._wait_for_parts(job, target, staging, source, manifest)
+                    self._wait_for_parts(job, target, staging, source, share)
                 elif is_pending(source, cid) and \
                         not self._commits.knows(cid, manifest.save_token):
                     # A node's part whose checkpoint's commit is not known yet: pending on the
@@ -428,6 +500,11 @@ class Drainer(BackgroundJobs[DrainJob]):
                     unmark(target, cid)
         except BaseException as exc:
             if commits:
+                if gathering:
+                    # The other ranks may still be uploading: removed now, what they write
+                    # after would stay behind, a copy nobody commits or collects.
+                    self._safely(lambda: self._await_reports(job, target, staging, source),
+                                 f"waiting for the other ranks' files of {cid}")
                 self._safely(lambda: target.abort_save(cid, staging),
                              f"removing the partial copy of {cid} on '{target.name}'")
             elif gathering:
@@ -435,17 +512,17 @@ class Drainer(BackgroundJobs[DrainJob]):
                 # this rank wrote is removed, and the committing rank is told why, so that it
                 # never commits the shared copy with this part's files (sizes alone would not
                 # tell it that they failed their check).
-                self._safely(lambda exc=exc: self._part_done(target, staging,
-                                                             source.layout.part, manifest, exc),
-                             f"withdrawing this node's part of {cid} on '{target.name}'")
+                self._safely(lambda exc=exc: self._part_done(
+                    target, staging, _RANK_REPORT.format(rank), share, exc),
+                    f"withdrawing this rank's part of {cid} on '{target.name}'")
             raise
         finally:
             target.end_writing(staging)  # this rank's part is there; rank 0 commits the rest
         seconds = time.perf_counter() - started
         host.event(Event(EventKind.DRAIN_FINISHED, cid, target.name, rank, seconds,
-                         manifest.size_bytes, {"source": source.name, "committed": commits}))
+                         share.size_bytes, {"source": source.name, "committed": commits}))
         log.info("drained %s from '%s' to '%s' (%d bytes in %.2f s)", cid, source.name,
-                 target.name, manifest.size_bytes, seconds)
+                 target.name, share.size_bytes, seconds)
         if commits:
             self._retention.apply_quietly(target)
 
@@ -692,11 +769,12 @@ class Drainer(BackgroundJobs[DrainJob]):
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def _part_done(self, target: Tier, staging: str, part: int, manifest: Manifest,
+    def _part_done(self, target: Tier, staging: str, report: str, manifest: Manifest,
                    failure: BaseException | None) -> None:
-        """A rank that does not commit a gathered copy reports its part to the committing
-        rank, in the shared staging directory: the checksums it checked every file of its part
-        against (``failure`` None), or why it failed, once the objects it wrote are removed."""
+        """A rank that does not commit a gathered copy reports what it copied (``manifest``:
+        its node's part, or its own files of it) to the committing rank, in the shared staging
+        directory, as ``report``: the checksums it checked every file against (``failure``
+        None), or why it failed, once the objects it wrote are removed."""
         if failure is None:
             record = {"ok": True, "files": {rel: e.checksum for rel, e in manifest.files.items()}}
         else:
@@ -707,7 +785,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                     except FileNotFoundError:
                         pass
             record = {"ok": False, "error": f"{type(failure).__name__}: {failure}"}
-        target.write_bytes(f"{staging}/{_PART_REPORT.format(part)}", json.dumps(record).encode())
+        target.write_bytes(f"{staging}/{report}", json.dumps(record).encode())
 
     def _wait_for_parts(self, job: DrainJob, target: Tier, staging: str, source: Tier,
                         manifest: Manifest) -> None:
@@ -720,38 +798,34 @@ class Drainer(BackgroundJobs[DrainJob]):
         Each look at the staging directory is one listing where the tier offers it (an object
         store): what the committing rank asks per look does not grow with the parts or their
         files, and each report is read once."""
-        cid, layout = job.checkpoint_id, source.layout
-        others = [p for p in range(layout.parts) if p != layout.part]
-        reports = {p: f"{staging}/{_PART_REPORT.format(p)}" for p in others}
+        cid = job.checkpoint_id
+        reporters = self._reporters(job, source)
         vouched = {rel: e.checksum for rel, e in manifest.files.items()}
         reported: set[int] = set()
         deadline = time.monotonic() + self._part_timeout
         delay = 0.02
         while True:
             listed = target.backend.inventory(staging)
-            for p, path in reports.items():
-                if p in reported or (listed is not None
-                                     and _PART_REPORT.format(p) not in listed):
+            for r, name in reporters.items():
+                if r in reported or (listed is not None and name not in listed):
                     continue
-                record = self._read_report(target, path)
+                record = self._read_report(target, f"{staging}/{name}")
                 if record is None:
                     continue
                 if not record.get("ok"):
                     raise DrainError(
-                        f"checkpoint '{cid}': the part of ranks {list(layout.all_parts[p])} "
-                        f"failed on its node, so the copy on tier '{target.name}' was not "
-                        f"committed: {record.get('error')}", cid, target.name)
+                        f"checkpoint '{cid}': rank {r} failed to copy its files, so the copy "
+                        f"on tier '{target.name}' was not committed: {record.get('error')}",
+                        cid, target.name)
                 files = record.get("files", {})
                 vouched.update(files if isinstance(files, dict) else {})
-                reported.add(p)
-            waiting = [p for p in others if p not in reported]
-            lost = [p for p in waiting
-                    if seen_lost(self._context.groups.main, list(layout.all_parts[p]))]
+                reported.add(r)
+            waiting = [r for r in reporters if r not in reported]
+            lost = seen_lost(self._context.groups.main, waiting) if waiting else []
             if lost:
                 raise DrainError(
-                    f"checkpoint '{cid}': the part of ranks "
-                    f"{[list(layout.all_parts[p]) for p in lost]} will not come: a rank of it "
-                    f"was lost (it did not answer a collective of the store), so the copy on "
+                    f"checkpoint '{cid}': the files of ranks {lost} will not come: they were "
+                    f"lost (they did not answer a collective of the store), so the copy on "
                     f"tier '{target.name}' was not committed", cid, target.name)
             missing = [rel for rel, e in job.all_files.items()
                        if (listed.get(rel) if listed is not None
@@ -765,21 +839,43 @@ class Drainer(BackgroundJobs[DrainJob]):
                         f"checkpoint '{cid}': no part vouches for {', '.join(wrong[:5])} with "
                         f"the checksum the save recorded; the copy on tier '{target.name}' was "
                         f"not committed", cid, target.name)
-                for path in reports.values():
-                    target.backend.delete(path)
+                for name in reporters.values():
+                    target.backend.delete(f"{staging}/{name}")
                 return
             if self._past_exit_deadline():
                 raise DrainError(
-                    f"checkpoint '{cid}': the process is exiting and the other nodes' parts "
-                    f"(not reported: {waiting or 'none'}) did not reach tier '{target.name}' "
+                    f"checkpoint '{cid}': the process is exiting and the other ranks' files "
+                    f"(of ranks not reported: {waiting or 'none'}) did not reach tier "
+                    f"'{target.name}' "
                     f"within collective_timeout; the copy was not committed", cid, target.name)
             if time.monotonic() > deadline:
                 raise DrainError(
                     f"checkpoint '{cid}': the other nodes' files did not reach "
                     f"tier '{target.name}' within {self._part_timeout:.0f} s (missing: "
-                    f"{', '.join(sorted(missing)[:5]) or 'none'}; parts not reported: "
+                    f"{', '.join(sorted(missing)[:5]) or 'none'}; ranks not reported: "
                     f"{waiting or 'none'}); see those ranks' store.wait() errors",
                     cid, target.name)
+            time.sleep(delay)
+            delay = min(delay * 2, _PART_POLL_MAX_S)
+
+    def _await_reports(self, job: DrainJob, target: Tier, staging: str, source: Tier) -> None:
+        """The committing rank, whose gathered copy failed: wait until every other rank has
+        reported (done or failed, its objects then removed by itself), was lost, or the wait
+        is past ``part_timeout`` (or the exit's deadline), so that the copy is removed after
+        the last upload to it."""
+        reporters = self._reporters(job, source)
+        deadline = time.monotonic() + self._part_timeout
+        delay = 0.02
+        while True:
+            listed = target.backend.inventory(staging)
+            waiting = [r for r, name in reporters.items()
+                       if (name not in listed if listed is not None
+                           else target.backend.size(f"{staging}/{name}") is None)]
+            if waiting:  # (a lost rank uploads nothing more)
+                lost = seen_lost(self._context.groups.main, waiting)
+                waiting = [r for r in waiting if r not in lost]
+            if not waiting or self._past_exit_deadline() or time.monotonic() > deadline:
+                return
             time.sleep(delay)
             delay = min(delay * 2, _PART_POLL_MAX_S)
 
@@ -1029,6 +1125,17 @@ class _PartExchange:
         except Exception:  # noqa: BLE001 - the other side waits its time out instead
             log.warning("could not tell the other nodes' drains of %s that this one failed",
                         job.checkpoint_id, exc_info=True)
+
+
+def own_share(manifest: Manifest, layout: TierLayout, rank: int) -> Manifest:
+    """The part of ``manifest`` (a node's part) that ``rank`` copies when every rank copies
+    its own files: those it wrote, and for the part's leader also those no rank of the part
+    wrote (``.metadata``, files of a rank the layout no longer places there)."""
+    ours = set(layout.part_ranks)
+    leads = rank == layout.leader
+    files = {rel: e for rel, e in manifest.files.items()
+             if e.rank == rank or (leads and (e.rank is None or e.rank not in ours))}
+    return dataclasses.replace(manifest, files=files)
 
 
 def _item_of(item) -> tuple[MetadataIndex, _StorageInfo]:

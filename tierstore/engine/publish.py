@@ -122,6 +122,16 @@ class Publisher:
             self.confirm(tier, checkpoint_id)
             self._retention.apply_quietly(tier)
 
+    def copy_own_files(self, tier: Tier, checkpoint_id: str, token: str,
+                       all_files: dict[str, FileEntry], drain: Sequence[Tier]) -> None:
+        """A rank of a node that does not publish the node's part of a save on ``tier``: copy
+        the files it wrote to the shared tiers of ``drain`` itself, beside the part's leader,
+        once the leader has committed the part (a gathered copy: see ``DrainJob``). ``all_files``: every
+        data file of the save, as the ranks told each other."""
+        targets = [t for t in drain if t is not tier and t.layout.shared]
+        if targets and not self._in_checkpoint_process:
+            self._drainer.submit(DrainJob(checkpoint_id, tier, targets, token, all_files))
+
     def tell_failed(self, tier: Tier, checkpoint_id: str, token: str) -> None:
         """The coordinator: the save ``token`` of ``checkpoint_id`` on ``tier`` failed; unless
         it committed before it failed, the nodes stop waiting for it (their parts stay pending
