@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import time
@@ -74,6 +75,7 @@ class Findings:
 def check(scenario: Scenario, place: Place, trial: Trial | None = None) -> dict[str, list[str]]:
     """Check the invariants on ``place`` (see the module docstring) after ``trial``'s job."""
     found = Findings()
+    _log_what_moves_copies()
     journal = Journal.read(place.journal)
     if trial is not None and trial.fault in FULL_FAULTS:
         _check_full(trial, journal, found)
@@ -141,6 +143,17 @@ def _check_full(trial: Trial, journal: list[tuple[str, str]], found: Findings) -
             and ("saved", struck) not in journal:
         found.violations.append(f"the save of {struck} failed although the first tier had room "
                                 f"for it ({trial.room:+d} pages to spare)")
+
+
+def _log_what_moves_copies() -> None:
+    """In the check's log (kept with a failed trial): every eviction, collection, resumed
+    drain and copy of the stores the check opens, so that a failure says what removed or
+    moved what."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s "
+                        "%(message)s")
+    for name in ("tierstore.retention", "tierstore.gc", "tierstore.recovery",
+                 "tierstore.drain"):
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def _single_tier(tier: dict) -> dict:
