@@ -32,7 +32,7 @@ from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.interval import IntervalChooser
 from tierstore.engine.publish import Publisher
 from tierstore.engine.replication import ReplicationJob, Replicator
-from tierstore.engine.saves import SaveLedger
+from tierstore.engine.saves import SaveLedger, save_call_watch
 from tierstore.dcp.spill import Spill, SpilledRecord, SpillIndex, SpillReader
 from tierstore.engine.watchdog import Watchdog
 from tierstore.errors import CommitError
@@ -612,7 +612,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
                 services.publisher.copy_own_files(
                     tier, save.checkpoint_id, save.token,
                     {rel: entry for _, _, entries in gathered for rel, entry in entries},
-                    save.slower)
+                    save.slower, save_call_watch())
             return
         if layout.part == layout.part_of(0):
             return

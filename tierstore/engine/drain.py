@@ -92,6 +92,9 @@ class DrainJob(BackgroundJob):
     replace: bool = False
     #: commit the copies pinned (``promote --pin``): ``keep`` there never evicts them
     pin: bool = False
+    #: a gathered copy queued by a rank that does not commit its node's part: whether the
+    #: save call that queued it is over (its part is committed by then, or never will be)
+    save_over: Callable[[], bool] | None = None
 
 
 class _CopyPool:
@@ -326,14 +329,24 @@ class Drainer(BackgroundJobs[DrainJob]):
         return manifest
 
     def _wait_for_part(self, job: DrainJob, target: Tier) -> None:
-        """Wait until the node's part of ``job``'s save is committed on its source tier (or
-        the tier holds another save's copy of it, which the copy then refuses)."""
+        """Wait until the node's part of ``job``'s save is committed on its source tier
+        (an older copy of the same id may still be there until then); DrainError once the
+        save is over without it."""
         source, cid, leader = job.source, job.checkpoint_id, job.source.layout.leader
         deadline = time.monotonic() + self._part_timeout
         delay = 0.005
+        over = False
         while True:
-            if source.read_manifest(cid) is not None:
+            manifest = source.read_manifest(cid)
+            if manifest is not None and manifest.save_token == job.token:
                 return
+            if over:
+                raise DrainError(f"checkpoint '{cid}': its save ended without committing this "
+                                 f"node's part on tier '{source.name}', so it was not copied "
+                                 f"to tier '{target.name}'", cid, target.name)
+            if job.save_over is not None and job.save_over():
+                over = True  # one more look: the commit may have come just before
+                continue
             if read_post(notice_key(job.token)) == NOTICE_FAILED:
                 raise DrainError(f"checkpoint '{cid}': its save failed on the coordinator, so "
                                  f"it was not copied to tier '{target.name}'", cid, target.name)

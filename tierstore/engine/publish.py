@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.drain import DrainJob, Drainer
@@ -123,14 +123,17 @@ class Publisher:
             self._retention.apply_quietly(tier)
 
     def copy_own_files(self, tier: Tier, checkpoint_id: str, token: str,
-                       all_files: dict[str, FileEntry], drain: Sequence[Tier]) -> None:
+                       all_files: dict[str, FileEntry], drain: Sequence[Tier],
+                       save_over: Callable[[], bool]) -> None:
         """A rank of a node that does not publish the node's part of a save on ``tier``: copy
         the files it wrote to the shared tiers of ``drain`` itself, beside the part's leader,
-        once the leader has committed the part (a gathered copy: see ``DrainJob``). ``all_files``: every
-        data file of the save, as the ranks told each other."""
+        once the leader has committed the part (a gathered copy: see ``DrainJob``).
+        ``all_files``: every data file of the save, as the ranks told each other;
+        ``save_over``: whether the save call is over."""
         targets = [t for t in drain if t is not tier and t.layout.shared]
         if targets and not self._in_checkpoint_process:
-            self._drainer.submit(DrainJob(checkpoint_id, tier, targets, token, all_files))
+            self._drainer.submit(DrainJob(checkpoint_id, tier, targets, token, all_files,
+                                          save_over=save_over))
 
     def tell_failed(self, tier: Tier, checkpoint_id: str, token: str) -> None:
         """The coordinator: the save ``token`` of ``checkpoint_id`` on ``tier`` failed; unless

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from tierstore.format.ids import step_of
 
-__all__ = ["SaveSlot", "SaveLedger"]
+__all__ = ["SaveSlot", "SaveLedger", "save_call_watch"]
 
 log = logging.getLogger("tierstore")
 
@@ -186,6 +186,15 @@ def _stack(top: Any) -> list[Any]:
         top = top.f_back
     frames.reverse()
     return frames
+
+
+def save_call_watch() -> Callable[[], bool]:
+    """For a writer call made inside DCP's save: a callable that says whether that save call
+    is over (it returned or raised, or its thread ended). DCP's last collectives of a save
+    come after its ``finish``: once over, whatever the save was to commit is committed."""
+    thread, entry = threading.current_thread(), _dcp_entry()
+    return lambda: not thread.is_alive() or (entry is not None
+                                             and not _still_inside(thread, entry))
 
 
 class SaveLedger:
