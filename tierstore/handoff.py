@@ -21,6 +21,7 @@ from typing import Any, Callable
 from tierstore.config.spec import StoreSpec
 from tierstore.engine.drain import Drainer
 from tierstore.engine.health import TierHealth
+from tierstore.engine.listings import Listings
 from tierstore.engine.recovery import queue_missing_copies
 from tierstore.engine.retention import Retention
 from tierstore.errors import ConfigError

@@ -223,8 +223,7 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         already exists there (unless ``overwrite``)."""
         if self._services is None:  # unpickled in DCP's checkpoint process
             self._services = self._reopen()
-        services = self._services
-        ctx, ledger = services.context, services.ledger
+        ledger = self._services.ledger
         ledger.slot.carried_here()  # waits for another thread's save still in flight
         try:
             self._begin(checkpoint_id)

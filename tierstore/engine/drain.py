@@ -233,7 +233,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                 f"repair it from a copy with the same codecs", cid, target.name)
         started = time.perf_counter()
         host.event(Event(EventKind.DRAIN_STARTED, cid, target.name, rank,
-                         nbytes=share.size_bytes, detail={"source": source.name}))
+                         nbytes=manifest.size_bytes, detail={"source": source.name}))
         staging = target.begin_repair(cid, uuid.uuid4().hex[:16])
         try:
             order = sorted(manifest.files, key=lambda r: -manifest.files[r].size)
@@ -314,13 +314,15 @@ class Drainer(BackgroundJobs[DrainJob]):
         self._host.event(Event(EventKind.FAILED, job.checkpoint_id, target.name, self._rank,
                                detail={"during": "drain", "error": str(err)}))
 
-    def _source_manifest(self, job: DrainJob, target: Tier, gathering: bool) -> Manifest:
+    def _source_manifest(self, job: DrainJob, target: Tier, *,
+                         same_save: bool = False) -> Manifest:
         """Announce a copy's begin; the manifest of its source, complete, or DrainError
-        (also where a copy of a node's part finds another save's part there)."""
+        (``same_save``: also where the source holds another save's copy of the id, as a
+        gathered copy's node part may after an overwrite)."""
         source, cid = job.source, job.checkpoint_id
         self._host.phase(Phase.DRAIN_BEGIN, cid, target.name, self._rank, source=source.name)
         manifest = source.complete_manifest(cid)
-        if manifest is not None and gathering and manifest.save_token != job.token:
+        if manifest is not None and same_save and manifest.save_token != job.token:
             manifest = None
         if manifest is None:
             raise DrainError(f"checkpoint '{cid}' is no longer complete on tier "
@@ -440,7 +442,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         # A node-local checkpoint going to a shared tier: every group copies its part into one
         # staging directory (named by the save), and rank 0 commits once all parts are there.
         gathering = target.layout.shared and not source.layout.shared
-        manifest = self._source_manifest(job, target, gathering)
+        manifest = self._source_manifest(job, target, same_save=gathering)
         # What this rank copies: the whole checkpoint (or part), or its own files of it.
         share = own_share(manifest, source.layout, rank) if gathering else manifest
         overwrite = self._context.config.overwrite
