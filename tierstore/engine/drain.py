@@ -415,8 +415,8 @@ class Drainer(BackgroundJobs[DrainJob]):
     @contextlib.contextmanager
     def _holding_part(self, job: DrainJob, target: Tier):
         """A rank that copies its own files of its node's part, not the part's leader (a
-        gathered copy: see :class:`DrainJob`): wait until the leader (on the coordinator's node, the
-        coordinator) has committed the part of this save on the node's tier, then hold the
+        gathered copy: see :class:`DrainJob`): wait until the leader (on the coordinator's
+        node, the coordinator) has committed the part of this save on the node's tier, then hold the
         part's directory shared while copying, so that the leader's ``keep`` does not evict it
         under this rank. It queued its copy when its own files were written, a moment before
         that commit. Anywhere else: nothing to wait for or hold."""
@@ -439,8 +439,8 @@ class Drainer(BackgroundJobs[DrainJob]):
     def _copy_one(self, job: DrainJob, target: Tier, waited: bool = False) -> None:
         source, cid = job.source, job.checkpoint_id
         host, rank = self._host, self._rank
-        # A node-local checkpoint going to a shared tier: every group copies its part into one
-        # staging directory (named by the save), and rank 0 commits once all parts are there.
+        # A node-local checkpoint going to a shared tier: every rank copies its own files into
+        # one staging directory (named by the save), and rank 0 commits once all are there.
         gathering = target.layout.shared and not source.layout.shared
         manifest = self._source_manifest(job, target, same_save=gathering)
         # What this rank copies: the whole checkpoint (or part), or its own files of it.
@@ -804,10 +804,10 @@ class Drainer(BackgroundJobs[DrainJob]):
 
     def _wait_for_parts(self, job: DrainJob, target: Tier, staging: str, source: Tier,
                         manifest: Manifest) -> None:
-        """Wait until every other group has reported its part in the shared staging directory
-        as checked (see :meth:`_part_done`) and its files are there with their sizes; a part
-        that failed its check, or vouches for other bytes than this copy's manifest lists,
-        fails the copy before anything is committed. The reports are removed before the
+        """Wait until every other rank that wrote files has reported them in the shared
+        staging directory as checked (see :meth:`_part_done`) and every file is there with its
+        size; a rank whose copy failed its check, or that vouches for other bytes than this
+        copy's manifest lists, fails the copy before anything is committed. The reports are removed before the
         commit (they are not files of the checkpoint).
 
         Each look at the staging directory is one listing where the tier offers it (an object
@@ -861,11 +861,11 @@ class Drainer(BackgroundJobs[DrainJob]):
                 raise DrainError(
                     f"checkpoint '{cid}': the process is exiting and the other ranks' files "
                     f"(of ranks not reported: {waiting or 'none'}) did not reach tier "
-                    f"'{target.name}' "
-                    f"within collective_timeout; the copy was not committed", cid, target.name)
+                    f"'{target.name}' within collective_timeout; the copy was not committed",
+                    cid, target.name)
             if time.monotonic() > deadline:
                 raise DrainError(
-                    f"checkpoint '{cid}': the other nodes' files did not reach "
+                    f"checkpoint '{cid}': the other ranks' files did not reach "
                     f"tier '{target.name}' within {self._part_timeout:.0f} s (missing: "
                     f"{', '.join(sorted(missing)[:5]) or 'none'}; ranks not reported: "
                     f"{waiting or 'none'}); see those ranks' store.wait() errors",

@@ -152,16 +152,17 @@ class Retention:
             for spared in self._spares:
                 busy |= spared(tier)
             complete = tier.complete()
+            candidates = tier.retention_victims(complete)
             with self._lock:
                 # (read and noted under one lock: a release either comes first, and nothing
                 # is held, or after, and its pass on this tier waits for this one's end)
                 if self._held_before is not None:
-                    held = {cid for cid, m in complete.items()
-                            if m.committed < self._held_before}
-                    if held & set(tier.retention_victims(complete)):
+                    held = {cid for cid in candidates
+                            if complete[cid].committed < self._held_before}
+                    if held:
                         self._held_on[tier.name] = tier
                     busy |= held
-            victims = [cid for cid in tier.retention_victims(complete)
+            victims = [cid for cid in candidates
                        if cid not in busy and self._evict_unless_loading(tier, cid)]
         for cid in victims:
             self._host.event(Event(EventKind.EVICTED, cid, tier.name, self._rank))
