@@ -142,6 +142,22 @@ def test_a_part_report_read_before_it_is_whole_is_waited_for(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_an_overwrite_reaches_the_shared_tier_from_every_rank_while_the_old_part_is_there(
+        tmp_path):
+    # Each rank copies its own files of the second save of "ck" while its node's part of the
+    # first save may still be in the RAM tier (the leader replaces it a moment later): a rank
+    # must copy the new save's files, never refuse or take the old part. The shared tier
+    # alone then restores the second save, bitwise, on every rank.
+    out = run_nodes(tmp_path, "overwrite")
+    for rank in range(4):
+        assert f"RANK {rank} OVERWRITTEN" in out, out
+    copy = manifest(tmp_path / "shared/ck")
+    assert copy["ranks"] == [0, 1, 2, 3]
+    assert sorted(os.listdir(tmp_path / "shared/ck")) == sorted(
+        [*copy["files"], "tierstore.json"])
+
+
+@pytest.mark.timeout(600)
 def test_an_id_whose_copy_lost_a_file_or_a_node_part_can_be_saved_again(tmp_path):
     # step-2 lost a file of node 0's part; step-3 lost node 1's whole part (a node replaced
     # with its RAM tier empty). Neither loads, so latest() is step-1, and a restarted job that

@@ -21,6 +21,10 @@ argv: ROOT ACTION. Actions:
   tier, it first leaves its part report there cut short (what rank 0 reads when it looks while
   the report is being written) and waits 3 s before going on: rank 0 must wait for the whole
   report, not fail the copy.
+- ``overwrite``: ``overwrite = true``; ``ck`` saved with step 1's state and drained to the
+  shared tier, then saved again with step 2's and drained again (each rank copies its own
+  files, while its node's old part of ``ck`` may still be there); then every node's RAM tier
+  is removed and ``ck`` must load bitwise as step 2 from the shared tier alone.
 - ``damage`` (``keep = 3``): step-1, step-2 and step-3 saved; then rank 0 removes one file of
   node 0's part of step-2 and rank 2 removes node 1's whole part of step-3 (a node replaced
   with its RAM tier lost): neither id can load any more.
@@ -101,7 +105,7 @@ class Faults:
 
 def config(root: str, action: str) -> dict:
     tiers = [{"name": "ram", "backend": "memory", "path": root + "/ram/{node}", "keep": 1}]
-    if action in ("corrupt", "order", "torn"):
+    if action in ("corrupt", "order", "torn", "overwrite"):
         tiers.append({"name": "shared", "backend": "fsspec", "url": f"file://{root}/shared"})
     if action in ("damage", "resave"):
         tiers[0]["keep"] = 3
@@ -113,7 +117,7 @@ def config(root: str, action: str) -> dict:
         for tier in tiers:
             del tier["keep"]
     store = {"part_timeout": 60, "collective_timeout": 60}
-    if action == "stale":
+    if action in ("stale", "overwrite"):
         store["overwrite"] = True
     return {"store": store, "tier": tiers}
 
@@ -203,6 +207,23 @@ def main() -> int:
         dist.barrier()
         store = tierstore.open(config(root, action), plugins=[faults])
         check_node_steps(store, problems, rank, mesh, range(1, 9), numel, "the disk tiers")
+        dist.barrier()
+    elif action == "overwrite":
+        for step in (1, 2):
+            save(store, faults, mesh, rank, "ck", step)
+            store.wait()  # raises the drain's failure, if any
+        store.close()
+        dist.barrier()
+        if int(os.environ["LOCAL_RANK"]) == 0:
+            shutil.rmtree(os.path.join(root, "ram", os.environ.get("GROUP_RANK", "0")))
+        dist.barrier()
+        store = tierstore.open(config(root, action), plugins=[faults])
+        out = node_state(2, rank, mesh, OWN_NUMEL, zero=True)
+        dcp.load(out, storage_reader=store.reader(), checkpoint_id="ck",
+                 process_group=store.process_group)
+        check_equal(problems, local_shards(out),
+                    local_shards(node_state(2, rank, mesh, OWN_NUMEL)), "ck")
+        print(f"RANK {rank} OVERWRITTEN", flush=True)
         dist.barrier()
     elif action in ("corrupt", "order", "torn"):
         save(store, faults, mesh, rank, "step-1", 1)
