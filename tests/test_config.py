@@ -63,7 +63,7 @@ def test_unknown_tier_key_names_line_and_suggests(tmp_path):
     assert f"{path}:6" in msg
     assert "tier 'nvme'" in msg and "unknown key 'evry'" in msg
     assert "Did you mean 'every'?" in msg
-    assert "Valid keys: backend, codecs, every, fsync, keep, name, path, shared" in msg
+    assert "Valid keys: backend, codecs, dedup, every, fsync, keep, name, path, shared" in msg
 
 
 def test_wrong_type_names_key_and_expected_type(tmp_path):

@@ -343,7 +343,7 @@ class Store:
     def export(self, checkpoint_id: str, fmt: str, path: str) -> ExportResult:
         """Write one consolidated file of a checkpoint from its fastest good copy: ``torch``
         (``torch.save`` of ``{fully qualified name: value}``) or ``safetensors`` (its tensors);
-        shards are joined into whole tensors."""
+        or ``dcp``, a stock DCP checkpoint directory; shards are joined into whole tensors."""
         self._check_open()
         cid = validate_checkpoint_id(checkpoint_id)
         self._catalog.complete_copies(cid, "export")

@@ -10,7 +10,7 @@
                                             tier, or nowhere
     tierstore verify tiers.toml ID          re-read and check sizes and checksums (exit 1 if bad)
     tierstore promote tiers.toml ID --to T  copy a checkpoint to tier T whatever its `every`
-    tierstore export tiers.toml ID --format torch|safetensors --out PATH
+    tierstore export tiers.toml ID --format torch|safetensors|dcp --out PATH
                                             one consolidated file from the fastest good copy
     tierstore scrub tiers.toml [--repair]   verify every copy; replace bad ones from good ones
     tierstore wait tiers.toml               finish the copies pending to slower tiers
@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", action="store_true", help="pin it there (keep never evicts it)")
     p = command("export", "write a checkpoint as one consolidated file")
     p.add_argument("id")
-    p.add_argument("--format", required=True, choices=("torch", "safetensors"))
+    p.add_argument("--format", required=True, choices=("torch", "safetensors", "dcp"))
     p.add_argument("--out", required=True, metavar="PATH", help="the file to write")
     p = command("scrub", "verify every copy on every tier")
     p.add_argument("--repair", action="store_true",

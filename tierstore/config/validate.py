@@ -158,6 +158,9 @@ TIER_OPTIONS: tuple[Option, ...] = (
     Option("shared", bool, default=None,
            description="true: every rank sees one directory (a shared filesystem); default: "
                        "decided at open from each rank's host and path"),
+    Option("dedup", bool, default=False,
+           description="store data files as chunks addressed by their digest: a save, drain "
+                       "or repair writes only the chunks this tier does not hold yet"),
 )
 
 TOP_LEVEL_OPTIONS: tuple[Option, ...] = (
@@ -188,6 +191,8 @@ class TierConfig:
     #: kept out of repr: it holds credentials read from the environment
     backend_options: dict[str, Any] = field(repr=False)
     shared: bool | None = None
+    #: data files are stored as content-addressed chunks (tierstore.tiers.chunked)
+    dedup: bool = False
 
     def expanded_options(self, ctx: RankContext, options: tuple[Option, ...]) -> dict[str, Any]:
         """Backend options with ``{rank}``, ``{local_rank}``, ``{node}`` replaced for ``ctx``."""
@@ -430,7 +435,7 @@ def validate_config(data: dict[str, Any], source: ConfigSource, host: PluginHost
             index=index, name=name, backend=checked["backend"], every=checked["every"],
             keep=checked["keep"], codecs=tuple(codecs),
             backend_options={o.name: checked[o.name] for o in backend_opts},
-            shared=checked["shared"],
+            shared=checked["shared"], dedup=checked["dedup"],
         ))
     if not any(t.every in (1, AUTO) for t in tiers):
         raise ConfigError(

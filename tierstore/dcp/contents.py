@@ -1,6 +1,8 @@
 """What is inside a checkpoint, through DCP's own metadata and loader: ``inspect`` (files per rank,
 tensors with their fully qualified names, shapes, dtypes and bytes) and ``export`` (one
-consolidated file: ``torch.save`` of the flat state dict, or safetensors).
+consolidated file: ``torch.save`` of the flat state dict, or safetensors; or a stock DCP
+checkpoint directory, which is how a deduplicated checkpoint reaches a reader without
+tierstore).
 
 Both read through :class:`~tierstore.dcp.reader.TierstoreReader`, so they take the fastest good
 copy, check every byte against the manifest and fall back to slower tiers as a load does.
@@ -10,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter, save
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -28,7 +32,7 @@ from tierstore.tiers.reports import ExportResult, InspectReport, StoredFile, Sto
 
 __all__ = ["EXPORT_FORMATS", "describe", "export"]
 
-EXPORT_FORMATS = ("torch", "safetensors")
+EXPORT_FORMATS = ("torch", "safetensors", "dcp")
 
 
 def describe(manifest: Manifest, tiers: list[str], reader: TierstoreReader) -> InspectReport:
@@ -84,6 +88,10 @@ def export(checkpoint_id: str, fmt: str, path: str, reader: TierstoreReader) -> 
     flat, _ = flatten_state_dict(state)
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     skipped = sorted(k for k in flat if k not in tensors) if fmt == "safetensors" else []
+    if fmt == "dcp":
+        _save_stock(state, path)
+        return ExportResult(checkpoint_id, fmt, os.path.abspath(path), len(tensors),
+                            sum(t.numel() * t.element_size() for t in tensors.values()), [])
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
@@ -103,6 +111,31 @@ def export(checkpoint_id: str, fmt: str, path: str, reader: TierstoreReader) -> 
         raise
     return ExportResult(checkpoint_id, fmt, os.path.abspath(path), len(tensors),
                         sum(t.numel() * t.element_size() for t in tensors.values()), skipped)
+
+
+def _save_stock(state: dict[str, Any], path: str) -> None:
+    """Write ``state`` to the directory ``path`` as stock DCP's ``FileSystemWriter`` writes a
+    checkpoint of one process (what ``dcp.load`` reads without tierstore, at any world size);
+    the directory appears complete or not at all."""
+    target = os.path.abspath(path)
+    if os.path.exists(target):
+        raise TierstoreError(f"export --format dcp: {target} exists; give a new directory")
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", dir=parent)
+    try:
+        save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        os.chmod(tmp, 0o777 & ~_umask())  # as a plain mkdir would make it, not mkdtemp's 0700
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 class _TensorsOnly(_EmptyStateDictLoadPlanner):

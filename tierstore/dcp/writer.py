@@ -433,6 +433,9 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         ledger.hold_until_over(lambda staging=save.staging: tier.end_writing(staging))
         buckets: list[list[WriteItem]] = []
         spilled: SpillReader | None = None
+        # Where a tier deduplicates, each file's items' offsets go in its manifest entry: a
+        # drain to that tier cuts the file's chunks there too.
+        record_cuts = any(t.config.dedup for t in ctx.tiers)
 
         def write_file(n: int) -> list[WriteResult]:
             relative = f"{data.prefix}{n}.distcp"
@@ -449,7 +452,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             spans = [[r.storage_data.info.offset, *r.storage_data.raw_span] for r in results
                      if r.storage_data.raw_span is not None]
             entry = FileEntry(out.offset, out.hasher.hexdigest(), self._rank, spans or None,
-                              out.block_bytes, out.blocks())
+                              out.block_bytes, out.blocks(),
+                              cuts=list(out.cuts) if record_cuts else None)
             first = results[0]
             results[0] = dataclasses.replace(
                 first, storage_data=ItemLocation(first.storage_data.info, (relative, entry)))
@@ -703,8 +707,10 @@ def _spilled_location(relative: str, record: SpilledRecord) -> ItemLocation:
 
 def _can_adopt(spill: SpillIndex, tier: Tier) -> bool:
     """Whether the save's tier can take the spill's files as its data files: the same tier,
-    with no codecs (the records are plain), and renames within it."""
-    return spill.tier == tier.name and not tier.codecs and tier.backend.supports_rename
+    with no codecs (the records are plain), and renames within it; not a deduplicated tier,
+    whose data files are chunks."""
+    return (spill.tier == tier.name and not tier.codecs and tier.backend.supports_rename
+            and not tier.config.dedup)
 
 
 def _world_size() -> int:

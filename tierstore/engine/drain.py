@@ -273,7 +273,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel,
                          size=entry.size)
         with source.backend.open_read(f"{cid}/{rel}") as fin, \
-                target.open_write(f"{cid}/{rel}", entry.size) as fout:
+                target.open_write(f"{cid}/{rel}", entry.size, entry.cuts) as fout:
             copied, checksum = hash_stream(fin, self._chunk, fout.write,
                                            source.keyring.hasher_for(entry.checksum))
         _check_source(cid, rel, source, target, entry, copied, checksum)
@@ -915,7 +915,8 @@ class Drainer(BackgroundJobs[DrainJob]):
         dest = f"{staging}/{rel}"
         partial = f"{dest}.part" if publish_each and target.backend.supports_rename else dest
         with source.backend.open_read(f"{cid}/{rel}") as fin, \
-                target.open_write(partial, manifest.files[rel].size) as fout:
+                target.open_write(partial, manifest.files[rel].size,
+                                  manifest.files[rel].cuts) as fout:
             copied, checksum = hash_stream(fin, self._chunk, fout.write,
                                            source.keyring.hasher_for(manifest.files[rel].checksum))
         _check_source(cid, rel, source, target, manifest.files[rel], copied, checksum)

@@ -15,7 +15,7 @@ from tierstore.events import Event, EventKind, Phase
 from tierstore.plugin.host import PluginHost
 from tierstore.tiers.tier import Tier
 
-__all__ = ["GarbageCollector"]
+__all__ = ["GarbageCollector", "collect_chunks"]
 
 log = logging.getLogger("tierstore.gc")
 
@@ -38,6 +38,8 @@ class GarbageCollector:
             self._host.event(Event(EventKind.COLLECTED, None, tier.name, self._rank,
                                    detail={"entry": name}))
             log.info("removed leftover %s from tier '%s'", name, tier.name)
+        if removed:
+            collect_chunks(tier, self._host, self._rank)
         return removed
 
     def _gone(self, tier: Tier, name: str) -> bool:
@@ -77,3 +79,21 @@ class GarbageCollector:
         log.info("removed %s from tier '%s': a part of a save that was never committed",
                  checkpoint_id, tier.name)
         return True
+
+
+def collect_chunks(tier: Tier, host: PluginHost, rank: int) -> None:
+    """On a deduplicated tier, remove the chunks nothing there names any more (after an
+    eviction or a leftover's removal), with a ``collected`` event saying how many; a failure
+    is logged, never raised (the next pass collects)."""
+    try:
+        done = tier.collect_chunks()
+    except Exception:  # noqa: BLE001 - what is not collected now is collected later
+        log.exception("tier '%s': collecting unreferenced chunks failed; the next pass "
+                      "tries again", tier.name)
+        return
+    if done is None or not done.chunks:
+        return
+    host.event(Event(EventKind.COLLECTED, None, tier.name, rank,
+                     nbytes=done.nbytes, detail={"chunks": done.chunks}))
+    log.info("tier '%s': removed %d chunks (%d bytes) no checkpoint names any more",
+             tier.name, done.chunks, done.nbytes)

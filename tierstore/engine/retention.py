@@ -35,6 +35,7 @@ import logging
 import threading
 from typing import Callable
 
+from tierstore.engine.gc import collect_chunks
 from tierstore.events import Event, EventKind, Phase
 from tierstore.plugin.host import PluginHost
 from tierstore.tiers.tier import Tier
@@ -167,6 +168,8 @@ class Retention:
         for cid in victims:
             self._host.event(Event(EventKind.EVICTED, cid, tier.name, self._rank))
             log.info("evicted %s from tier '%s' (keep = %d)", cid, tier.name, tier.config.keep)
+        if victims:
+            collect_chunks(tier, self._host, self._rank)  # what only they named
         return victims
 
     def _evict_unless_loading(self, tier: Tier, checkpoint_id: str) -> bool:

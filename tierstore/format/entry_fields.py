@@ -15,12 +15,13 @@ from tierstore.format.manifest_check import check_entry
 
 __all__ = ["entry_fields", "entry_from_fields"]
 
-_FIELDS = ("size", "checksum", "rank", "spans", "block_bytes", "blocks")
+_FIELDS = ("size", "checksum", "rank", "spans", "block_bytes", "blocks", "cuts")
 
 
 def entry_fields(entry: FileEntry) -> list:
     """``entry`` as plain data: its fields, in :data:`_FIELDS` order."""
-    return [entry.size, entry.checksum, entry.rank, entry.spans, entry.block_bytes, entry.blocks]
+    return [entry.size, entry.checksum, entry.rank, entry.spans, entry.block_bytes, entry.blocks,
+            entry.cuts]
 
 
 def entry_from_fields(fields: Any, name: str = "?") -> FileEntry:
@@ -36,4 +37,5 @@ def entry_from_fields(fields: Any, name: str = "?") -> FileEntry:
     return FileEntry(size=table["size"], checksum=table["checksum"], rank=table["rank"],
                      spans=None if spans is None else [list(s) for s in spans],
                      block_bytes=table["block_bytes"],
-                     blocks=None if table["blocks"] is None else list(table["blocks"]))
+                     blocks=None if table["blocks"] is None else list(table["blocks"]),
+                     cuts=None if table["cuts"] is None else list(table["cuts"]))

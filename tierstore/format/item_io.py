@@ -109,9 +109,22 @@ class HashingWriter(io.RawIOBase):
         self._blocks: list[str] = []
         self._new_hasher = new_hasher or Hasher
         self._block = self._new_hasher() if block_bytes else None
+        #: where each item starts (:meth:`start_item`)
+        self.cuts: list[int] = []
 
     def writable(self) -> bool:
         return True
+
+    def start_item(self) -> None:
+        """An item begins at the current offset: noted in :attr:`cuts`, and told to a backend
+        file that cuts its bytes into chunks there (a deduplicated tier's), after what is
+        gathered so far."""
+        if not self.cuts or self.cuts[-1] != self.offset:
+            self.cuts.append(self.offset)
+        hook = getattr(self.raw, "start_item", None)
+        if hook is not None:
+            self.flush()
+            hook()
 
     def blocks(self) -> list[str] | None:
         """The digests of the file's blocks as written so far (the last one may be short);
@@ -263,6 +276,7 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
     results = []
     alignment = storage_alignment()
     for item in items:
+        out.start_item()
         offset = out.offset
         stream, descriptors = encode_to(out, list(extensions))
         span = None

@@ -90,6 +90,10 @@ class FileEntry:
     #: file, from a peer or a slower tier, moves and checks only the blocks it needs
     block_bytes: int = 0
     blocks: list[str] | None = None
+    #: where each of the file's items starts (written where a tier deduplicates): a
+    #: deduplicated copy cuts its chunks there, so an unchanged item's chunks are the same
+    #: from one checkpoint to the next whatever changed beside it
+    cuts: list[int] | None = None
 
     def block_runs(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The byte ranges ``[start, end)`` of whole blocks covering ``ranges``, adjacent

@@ -29,8 +29,8 @@ from tierstore.format.ids import is_valid_checkpoint_id
 from tierstore.format.paths import is_plain_file_name
 from tierstore.errors import IntegrityError
 
-__all__ = ["ManifestError", "SEAL_KEY", "canonical_fields", "seal_of", "check_fields",
-           "check_entry"]
+__all__ = ["ManifestError", "SEAL_KEY", "CHECKSUM_PATTERN", "MAX_INT", "canonical_fields",
+           "seal_of", "check_fields", "check_entry"]
 
 
 SEAL_KEY = "seal"
@@ -43,6 +43,8 @@ MAX_RANKS = 2 ** 20
 MAX_TIME = 1e11
 _KEY_ID = re.compile(r"[0-9a-f]{16}")
 _CHECKSUM = re.compile(rf"^(?:{ALGORITHM}:[0-9a-f]{{32}}|{KEYED_PREFIX}[0-9a-f]{{16}}:[0-9a-f]{{64}})$")
+#: a file digest as a manifest (or a recipe) writes it
+CHECKSUM_PATTERN = _CHECKSUM
 
 
 class ManifestError(IntegrityError, ValueError):
@@ -119,6 +121,7 @@ def check_entry(name: str, entry: Any) -> None:
         raise _fail(f"{where}.rank", f"must be a rank (integer from 0 to {MAX_RANKS - 1}) or "
                     f"null", rank)
     _check_blocks(where, entry, size, checksum)
+    _check_cuts(where, entry.get("cuts"), size)
     spans = entry.get("spans")
     if spans is None:
         return
@@ -130,6 +133,17 @@ def check_entry(name: str, entry: Any) -> None:
                         "integers >= 0", span)
         if span[1] + span[2] > entry["size"] or span[0] > entry["size"]:
             raise _fail(f"{where}.spans", f"reach past the file's {entry['size']} bytes", span)
+
+
+def _check_cuts(where: str, cuts: Any, size: int) -> None:
+    """``cuts``: absent, or the offsets where the file's items start, ascending from 0."""
+    if cuts is None:
+        return
+    if (not isinstance(cuts, list) or not all(_is_int(c, 0, max(size - 1, 0)) for c in cuts)
+            or (cuts and cuts[0] != 0)
+            or any(b <= a for a, b in zip(cuts, cuts[1:]))):
+        raise _fail(f"{where}.cuts", "must list ascending offsets inside the file, from 0",
+                    cuts if not isinstance(cuts, list) else f"{len(cuts)} entries")
 
 
 def _check_blocks(where: str, entry: dict, size: int, checksum: str) -> None:

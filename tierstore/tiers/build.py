@@ -16,6 +16,7 @@ from tierstore.plugin.options import validate_table
 from tierstore.plugin.retry import cannot_connect, foreground
 from tierstore.tiers.layout import TierLayout, compute_layouts
 from tierstore.tiers.schedule import AutoSchedule
+from tierstore.tiers.chunked import ChunkedBackend
 from tierstore.tiers.tier import Tier
 from tierstore.tiers.tierset import TierSet
 from tierstore.transport.collectives import RankContext, all_gather_message
@@ -163,6 +164,13 @@ def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost,
             f"backend '{tc.backend}' ({reg.origin}) failed to start for tier '{tc.name}': "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    if tc.dedup:
+        if backend.replication is not None:
+            raise ConfigError(
+                f"{config.source.where('tier', tc.index, 'dedup')}: tier '{tc.name}': dedup = "
+                f"true is not available on a tier that holds peers' replicas (backend "
+                f"'{tc.backend}'); set it on the tiers the replicas are copied from or to")
+        backend = ChunkedBackend(backend, config.keyring.new_hasher)
     commit_name = config.commit.name if config.commit else backend.default_commit
     commit_reg = host.lookup("commit", commit_name)
     if commit_reg is None:

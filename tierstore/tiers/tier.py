@@ -27,6 +27,8 @@ from tierstore.format.checksum import hash_stream, same_digest
 from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from tierstore.format.signing import UNSIGNED, Keyring
 from tierstore.plugin.bases import Backend, CommitProtocol, DirectoryLock
+from tierstore.tiers.chunked import ChunkedBackend
+from tierstore.tiers.chunks import Collected
 from tierstore.tiers.layout import SINGLE, TierLayout
 from tierstore.tiers.schedule import AutoSchedule
 from tierstore.tiers.reports import Problem
@@ -385,11 +387,16 @@ class Tier:
             raise self.full_error(path, needed, exc) from exc
 
     @contextlib.contextmanager
-    def open_write(self, path: str, needed: int | None = None) -> Iterator[IO[bytes]]:
+    def open_write(self, path: str, needed: int | None = None,
+                   cuts: list[int] | None = None) -> Iterator[IO[bytes]]:
         """``backend.open_write(path)`` under :meth:`writing`, closed (durable) when the block
-        ends; ``needed``: about how many bytes the file takes, for the error's message."""
+        ends; ``needed``: about how many bytes the file takes, for the error's message;
+        ``cuts``: where the file's items start, where it has a manifest entry that recorded
+        them (a deduplicated tier cuts its chunks there)."""
         self.changes += 1  # (what it writes may change what a look saw: a repair, a copy)
         with self.writing(path, needed), self.backend.open_write(path) as f:
+            if cuts and hasattr(f, "set_cuts"):
+                f.set_cuts(cuts)
             yield f
 
     def write_bytes(self, path: str, data: bytes) -> None:
@@ -460,6 +467,13 @@ class Tier:
         self.commit.begin_delete(self.backend, checkpoint_id)
         self.backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")
         remove(checkpoint_id)
+
+    def collect_chunks(self) -> Collected | None:
+        """On a deduplicated tier, remove the chunks no checkpoint here (committed, pending,
+        being written or deleted) names any more; None on any other tier."""
+        if not isinstance(self.backend, ChunkedBackend):
+            return None
+        return self.backend.collect_chunks()
 
     def retention_victims(self, manifests: dict[str, Manifest]) -> list[str]:
         """Ids that ``keep`` removes: all but the newest ``keep``, never pinned ones."""

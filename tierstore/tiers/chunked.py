@@ -1,0 +1,340 @@
+"""A deduplicated tier's view of its backend: DCP data files stored as chunks.
+
+``dedup = true`` on a tier wraps its backend in a :class:`ChunkedBackend`. To everything above
+it (saves, drains, loads, replication, verify, scrub, gc) a data file (``*.distcp``) looks as
+it always did: written through ``open_write``, read through ``open_read``, listed with its size.
+Below, the bytes go to the tier's chunk store (:mod:`tierstore.tiers.chunks`) and the file is a
+small *recipe* (:mod:`tierstore.format.chunk_recipe`) in its checkpoint's directory. A chunk the
+store holds already is not written again: a save, a drain or a repair writes only what the tier
+lacks.
+
+Chunks are cut where each of the file's items starts (the save tells the file as it writes,
+:meth:`ChunkingFile.start_item`; a drain passes the offsets the manifest recorded,
+:meth:`ChunkingFile.set_cuts`) and every ``CHUNK_BYTES`` after: an unchanged tensor has the same
+chunks from one checkpoint to the next, whatever changed beside it. Every other file (the
+manifest, ``.metadata``, markers, leases) is the backend's own, untouched.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+from typing import IO, Any, Callable
+
+from tierstore.format.checksum import Hasher
+from tierstore.format.chunk_recipe import (Recipe, RecipeName, parse_recipe, parse_recipe_name,
+                                           recipe_name)
+from tierstore.plugin.bases import Backend, DirectoryLock
+from tierstore.tiers.chunks import CHUNK_BYTES, CHUNKS_DIR, ChunkStore, Collected
+
+__all__ = ["ChunkedBackend", "ChunkingFile", "is_chunked_name"]
+
+#: the files a deduplicated tier stores as chunks: DCP's data files (and a drain's partial
+#: copy of one, renamed into place once whole)
+_CHUNKED_SUFFIXES = (".distcp", ".distcp.part")
+
+
+def is_chunked_name(path: str) -> bool:
+    """Whether a deduplicated tier stores the file ``path`` as chunks."""
+    return path.endswith(_CHUNKED_SUFFIXES)
+
+
+def _split(path: str) -> tuple[str, str]:
+    directory, _, name = path.rpartition("/")
+    return directory, name
+
+
+def _join(directory: str, name: str) -> str:
+    return f"{directory}/{name}" if directory else name
+
+
+class ChunkingFile(io.RawIOBase):
+    """A data file being written to a deduplicated tier: its bytes are cut into chunks, each
+    written to the chunk store unless there already, and its recipe is written on
+    :meth:`close` (replacing the file's former recipe)."""
+
+    def __init__(self, view: "ChunkedBackend", path: str):
+        super().__init__()
+        self._view, self._path = view, path
+        self._store = view.chunks
+        self._hold = self._store.hold()
+        self._buf = bytearray()
+        self._chunk_start = 0  # offset of the chunk being gathered
+        self._item_start = 0
+        self._planned: list[int] = []  # item starts still ahead (set_cuts)
+        self._chunks: list[tuple[int, str]] = []
+        #: bytes this file wrote to the chunk store (the rest was there already)
+        self.new_bytes = 0
+        self._done = False
+
+    def writable(self) -> bool:
+        return True
+
+    def set_cuts(self, cuts: list[int] | None) -> None:
+        """The offsets where the file's items start, known up front (a copy of a file whose
+        manifest entry recorded them)."""
+        self._planned = sorted(c for c in (cuts or []) if c > self._chunk_start)
+
+    def start_item(self) -> None:
+        """An item starts at the current offset: the chunk gathered so far ends here."""
+        self._emit_buffer()
+        self._item_start = self._chunk_start
+
+    def _boundary(self) -> int:
+        """Where the chunk being gathered ends at the latest."""
+        done = self._chunk_start - self._item_start
+        end = self._item_start + (done // CHUNK_BYTES + 1) * CHUNK_BYTES
+        return min(end, self._planned[0]) if self._planned else end
+
+    def write(self, data) -> int:
+        if self._done:
+            raise ValueError(f"write to {self._path} after it was closed")
+        view = memoryview(data).cast("B")
+        n = len(view)
+        while view:
+            room = self._boundary() - self._chunk_start - len(self._buf)
+            take = view[:room]
+            view = view[len(take):]
+            if not self._buf and len(take) == room:
+                self._emit(take)  # a whole chunk of the caller's bytes, not copied
+            else:
+                self._buf += take
+                if len(take) == room:  # the chunk is whole
+                    self._emit_buffer()
+        return n
+
+    def _emit_buffer(self) -> None:
+        if self._buf:
+            data, self._buf = self._buf, bytearray()
+            self._emit(memoryview(data))
+
+    def _emit(self, data: memoryview) -> None:
+        hasher = self._store.new_hasher()
+        hasher.update(data)
+        digest = hasher.hexdigest()
+        self.new_bytes += self._store.ensure(digest, data)
+        self._chunks.append((len(data), digest))
+        self._chunk_start += len(data)
+        while self._planned and self._planned[0] <= self._chunk_start:
+            if self._planned[0] == self._chunk_start:
+                self._item_start = self._chunk_start
+            self._planned.pop(0)
+
+    def tell(self) -> int:
+        return self._chunk_start + len(self._buf)
+
+    def close(self) -> None:
+        """Write the last chunk and the file's recipe, then let go of the chunk store.
+        Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._emit_buffer()
+            recipe = Recipe(self._chunk_start, tuple(self._chunks))
+            self._view.put_recipe(self._path, recipe)
+        finally:
+            self._hold.release()
+            super().close()
+
+
+class ChunkedBackend(Backend):
+    """The deduplicating view of a tier's backend (see the module's docstring)."""
+
+    def __init__(self, inner: Backend, new_hasher: Callable[[], Hasher]):
+        self.inner = inner
+        self.root = inner.root
+        self.chunks = ChunkStore(inner, new_hasher)
+        # What the core asks of a backend's class, answered as the real one does; a bulk
+        # upload would store whole files.
+        self.supports_rename = inner.supports_rename
+        self.durable = inner.durable
+        self.locks_write = inner.locks_write
+        self.default_commit = inner.default_commit
+        self.bulk_upload = False
+        self.replication = None
+
+    def __getattr__(self, name: str) -> Any:
+        # A backend's own extras (its leases, a parity backend) are the real one's.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # -- recipes ---------------------------------------------------------------------------
+    def _recipes_in(self, directory: str) -> dict[str, list[RecipeName]]:
+        """The recipes of directory ``directory``, by the file each stands for."""
+        out: dict[str, list[RecipeName]] = {}
+        for entry in self.inner.list(directory):
+            parsed = parse_recipe_name(entry)
+            if parsed is not None:
+                out.setdefault(parsed.name, []).append(parsed)
+        return out
+
+    def _recipe_of(self, path: str) -> RecipeName | None:
+        directory, name = _split(path)
+        found = self._recipes_in(directory).get(name)
+        return found[0] if found else None
+
+    def put_recipe(self, path: str, recipe: Recipe) -> None:
+        """Write ``recipe`` as the file ``path``, in place of any recipe it had."""
+        directory, name = _split(path)
+        self._remove_recipes(path)
+        self.inner.write_bytes(_join(directory, str(recipe_name(name, recipe.size))),
+                               recipe.to_bytes())
+
+    def _remove_recipes(self, path: str) -> None:
+        directory, name = _split(path)
+        for old in self._recipes_in(directory).get(name, []):
+            self.inner.delete(_join(directory, str(old)))
+
+    def read_recipe(self, path: str) -> Recipe:
+        """The recipe of data file ``path`` (FileNotFoundError when it has none), checked."""
+        found = self._recipe_of(path)
+        if found is None:
+            raise FileNotFoundError(f"{self.describe().rstrip('/')}/{path} is not there")
+        directory, _ = _split(path)
+        where = _join(directory, str(found))
+        return parse_recipe(self.inner.read_bytes(where), found.size,
+                            f"{self.describe().rstrip('/')}/{where}")
+
+    def recipe_paths(self) -> list[str]:
+        """Every recipe on the tier, in whatever directory (checkpoints, staging, trash)."""
+        sizes = self.inner.inventory("")
+        if sizes is not None:
+            return [k for k in sizes if not k.startswith(CHUNKS_DIR + "/")
+                    and parse_recipe_name(posixpath.basename(k)) is not None]
+        out = []
+        for entry in self.inner.list(""):
+            if entry == CHUNKS_DIR:
+                continue
+            for name in self.inner.list(entry):
+                if parse_recipe_name(name) is not None:
+                    out.append(f"{entry}/{name}")
+        return out
+
+    def collect_chunks(self, announce: Callable[[int], None] = lambda n: None) -> Collected:
+        """Remove the chunks no recipe on the tier names (see :mod:`tierstore.tiers.chunks`)."""
+        return self.chunks.collect(self.recipe_paths(), announce)
+
+    # -- the backend's primitives, data files as chunks ------------------------------------
+    def check_reachable(self) -> str | None:
+        return self.inner.check_reachable()
+
+    def open_write(self, path: str) -> IO[bytes]:
+        if is_chunked_name(path):
+            return ChunkingFile(self, path)  # type: ignore[return-value]
+        return self.inner.open_write(path)
+
+    def open_read(self, path: str) -> IO[bytes]:
+        if is_chunked_name(path):
+            return self.chunks.open(self.read_recipe(path), path)  # type: ignore[return-value]
+        return self.inner.open_read(path)
+
+    def open_read_sized(self, path: str, size: int) -> IO[bytes]:
+        if is_chunked_name(path):
+            return self.open_read(path)
+        return self.inner.open_read_sized(path, size)
+
+    def size(self, path: str) -> int | None:
+        if is_chunked_name(path):
+            found = self._recipe_of(path)
+            return None if found is None else found.size
+        return self.inner.size(path)
+
+    def list(self, path: str) -> list[str]:
+        names = set()
+        for entry in self.inner.list(path):
+            if not path and entry == CHUNKS_DIR:
+                continue
+            parsed = parse_recipe_name(entry)
+            names.add(parsed.name if parsed is not None else entry)
+        return sorted(names)
+
+    def inventory(self, path: str) -> dict[str, int] | None:
+        sizes = self.inner.inventory(path)
+        if sizes is None:
+            return None
+        out = {}
+        for key, size in sizes.items():
+            if not path and (key == CHUNKS_DIR or key.startswith(CHUNKS_DIR + "/")):
+                continue
+            directory, name = _split(key)
+            parsed = parse_recipe_name(name)
+            if parsed is not None:
+                out[_join(directory, parsed.name)] = parsed.size
+            else:
+                out[key] = size
+        return out
+
+    def makedirs(self, path: str) -> None:
+        self.inner.makedirs(path)
+
+    def delete(self, path: str) -> None:
+        if is_chunked_name(path):
+            self._remove_recipes(path)
+            return
+        self.inner.delete(path)
+
+    def discard(self, path: str) -> None:
+        self.inner.discard(path)
+
+    def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
+        if not is_chunked_name(src):
+            self.inner.rename(src, dst, replace=replace)
+            return
+        found = self._recipe_of(src)
+        if found is None:
+            raise FileNotFoundError(f"{self.describe().rstrip('/')}/{src} is not there")
+        if self._recipe_of(dst) is not None:
+            if not replace:
+                raise FileExistsError(f"{self.describe().rstrip('/')}/{dst} exists")
+            self._remove_recipes(dst)
+        src_dir, _ = _split(src)
+        dst_dir, dst_name = _split(dst)
+        self.inner.rename(_join(src_dir, str(found)),
+                          _join(dst_dir, str(RecipeName(dst_name, found.size, found.nonce))),
+                          replace=replace)
+
+    def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:
+        return self.inner.lock_directory(path, exclusive=exclusive)
+
+    def claim(self, job: str) -> DirectoryLock | str:
+        return self.inner.claim(job)
+
+    def claimed_by(self, job: str) -> str | None:
+        return self.inner.claimed_by(job)
+
+    def sync_dir(self, path: str) -> None:
+        self.inner.sync_dir(path)
+
+    def local_path(self, path: str) -> str | None:
+        # A data file here is no file of the OS: it is read through open_read.
+        return None if is_chunked_name(path) else self.inner.local_path(path)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def sending_end(self, path: str, size: int):
+        return None if is_chunked_name(path) else self.inner.sending_end(path, size)
+
+    def receiving_end(self, path: str, size: int):
+        if is_chunked_name(path):
+            raise NotImplementedError("a deduplicated tier receives no peer transfers")
+        return self.inner.receiving_end(path, size)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        if is_chunked_name(path):
+            super().write_bytes(path, data)
+        else:
+            self.inner.write_bytes(path, data)
+
+    def read_bytes(self, path: str) -> bytes:
+        if is_chunked_name(path):
+            return super().read_bytes(path)
+        return self.inner.read_bytes(path)
+
+    def free_bytes(self) -> int | None:
+        return self.inner.free_bytes()
+
+    def describe(self) -> str:
+        return self.inner.describe()

@@ -1,0 +1,336 @@
+"""The chunk store of a deduplicated tier (``dedup = true``): chunks named by their digest.
+
+Chunks live under ``<tier root>/.tierstore-chunks/<digest kind>/<2 hex digits>/<hex digest>``,
+beside the checkpoints, so that every checkpoint on the tier shares them. A chunk's name is its
+digest: keyed BLAKE3 where the store signs (nobody without the key can make a chunk that takes
+another's name), XXH3-128 otherwise.
+
+Who may rely on a chunk being there, and when one may go:
+
+- a writer holds the chunk store *shared* (``Backend.lock_directory``: a ``flock`` on a
+  filesystem, a lease on an object store) from its first look at the store until the recipe
+  that names its chunks is written (in its checkpoint's staging directory);
+- the collector (:meth:`ChunkStore.collect`) takes it *exclusive* (never waiting: a pass that
+  finds a writer skips and the next one collects), then removes every chunk no recipe on the
+  tier names: committed, staging, being deleted, whatever directory it is in. A checkpoint that
+  is kept, pinned, pending or being loaded has its recipes, so its chunks stay.
+- what a writer knows to be there (the chunks it wrote or found) is valid while the store's
+  *generation* is the one it read: the collector writes a new one before it removes anything,
+  and a writer that finds another forgets what it knew.
+
+On an object store the exclusive lease is a check that no writer's lease is current, not a lock
+a writer must wait for; there a chunk goes only once two passes at least ``grace`` apart found
+it unreferenced (a writer that took its lease right after a pass's check has its recipe written
+long before the next).
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import logging
+import posixpath
+import threading
+import time
+import uuid
+from typing import IO, Callable, Iterable
+
+from tierstore.format.checksum import Hasher
+from tierstore.format.chunk_recipe import Recipe, parse_recipe, parse_recipe_name
+from tierstore.format.manifest_check import CHECKSUM_PATTERN
+from tierstore.plugin.bases import Backend, DirectoryLock
+
+__all__ = ["CHUNK_BYTES", "CHUNKS_DIR", "ChunkStore", "ChunkReader", "chunk_path",
+           "Collected"]
+
+log = logging.getLogger("tierstore.chunks")
+
+#: the largest chunk: an item is cut at its start and every this many bytes after it
+CHUNK_BYTES = 1 << 20
+#: where a tier's chunks live, below its root
+CHUNKS_DIR = ".tierstore-chunks"
+_GENERATION = f"{CHUNKS_DIR}/.generation"
+_UNREFERENCED = f"{CHUNKS_DIR}/.unreferenced.json"
+#: an object store's chunk goes only after this long unreferenced (two passes apart), unless
+#: its backend's leases say how long a writer may go unseen
+_DEFAULT_GRACE_S = 1200.0
+
+
+def chunk_path(digest: str) -> str:
+    """Where the chunk whose digest is ``digest`` lives, relative to the tier's root."""
+    kind, hexdigest = digest.split(":", 1)
+    return f"{CHUNKS_DIR}/{kind}/{hexdigest[:2]}/{hexdigest}"
+
+
+def _digest_of(path: str) -> str | None:
+    """The digest a chunk's path (relative to the chunk store) names, or None when it is no
+    chunk's (a temporary file, a stranger's)."""
+    parts = path.split("/")
+    if len(parts) != 3 or parts[1] != parts[2][:2]:
+        return None
+    digest = f"{parts[0]}:{parts[2]}"
+    return digest if CHECKSUM_PATTERN.fullmatch(digest) else None
+
+
+class Collected:
+    """What a collection pass did: chunks and bytes removed, and whether it ran at all."""
+
+    def __init__(self, ran: bool, chunks: int = 0, nbytes: int = 0):
+        self.ran, self.chunks, self.nbytes = ran, chunks, nbytes
+
+
+class ChunkStore:
+    """The chunks of one tier, on its backend (the real one, below the deduplicating view)."""
+
+    def __init__(self, backend: Backend, new_hasher: Callable[[], Hasher]):
+        self.backend = backend
+        self.new_hasher = new_hasher
+        self._guard = threading.Lock()
+        # digests known to be in the store, valid under generation self._generation
+        self._known: set[str] = set()
+        self._generation: str | None = None
+        self._dirs_made: set[str] = set()
+        # recipe path -> the digests it names (a recipe's name is never reused for others)
+        self._recipes: dict[str, frozenset[str]] = {}
+
+    # -- writers ---------------------------------------------------------------------------
+    def hold(self) -> DirectoryLock:
+        """Hold the store shared for a writer (see the module's docstring); the writer's
+        knowledge of what is there is brought up to date."""
+        self._makedirs(CHUNKS_DIR)
+        lock = self.backend.lock_directory(CHUNKS_DIR, exclusive=False)
+        generation = self._read_generation()
+        with self._guard:
+            if generation != self._generation:
+                self._known.clear()
+                self._generation = generation
+        return lock if lock is not None else DirectoryLock()
+
+    def ensure(self, digest: str, data: memoryview) -> int:
+        """Make sure the chunk ``digest`` (whose bytes are ``data``) is in the store; the
+        bytes written (0 when it was there already). Only under :meth:`hold`."""
+        with self._guard:
+            if digest in self._known:
+                return 0
+        path = chunk_path(digest)
+        if self.backend.size(path) == len(data):
+            written = 0
+        else:
+            self._put(path, data)
+            written = len(data)
+        with self._guard:
+            self._known.add(digest)
+        return written
+
+    def _put(self, path: str, data: memoryview) -> None:
+        """Write a chunk so that it is there whole or not at all: beside, then renamed, where
+        the backend renames; in one request on an object store."""
+        self._makedirs(posixpath.dirname(path))
+        if not self.backend.supports_rename:
+            with self.backend.open_write(path) as f:
+                f.write(data)
+            return
+        beside = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        with self.backend.open_write(beside) as f:
+            f.write(data)
+        self.backend.rename(beside, path, replace=True)
+
+    def _makedirs(self, path: str) -> None:
+        if path in self._dirs_made:
+            return
+        self.backend.makedirs(path)
+        with self._guard:
+            self._dirs_made.add(path)
+
+    def _read_generation(self) -> str:
+        try:
+            return self.backend.read_bytes(_GENERATION).decode("ascii", "replace")[:64]
+        except FileNotFoundError:
+            return ""
+
+    # -- readers ---------------------------------------------------------------------------
+    def open(self, recipe: Recipe, name: str) -> "ChunkReader":
+        """A seekable reader of the file ``recipe`` puts together (``name`` for messages)."""
+        return ChunkReader(self, recipe, name)
+
+    # -- the collector ----------------------------------------------------------------------
+    def collect(self, recipe_paths: Iterable[str], announce: Callable[[int], None] = lambda n: None
+                ) -> Collected:
+        """Remove every chunk that none of the recipes at ``recipe_paths`` (every recipe on the
+        tier; called by :meth:`~tierstore.tiers.chunked.ChunkedBackend.collect_chunks`) names.
+        ``Collected(ran=False)`` when a writer holds the store (the next pass collects)."""
+        lock = self.backend.lock_directory(CHUNKS_DIR, exclusive=True)
+        if lock is None:
+            log.info("not collecting chunks on %s: a writer holds its chunk store",
+                     self.backend.describe())
+            return Collected(False)
+        try:
+            referenced = self._referenced(recipe_paths)
+            stored, strays = self._stored()
+            unreferenced = {d: p for d, p in stored.items() if d not in referenced}
+            victims = self._past_grace(unreferenced) if self.backend.locks_write \
+                else list(unreferenced)
+            if not victims and not strays:
+                return Collected(True)
+            announce(len(victims))
+            # Writers in other processes forget what they knew before anything goes.
+            generation = uuid.uuid4().hex
+            self.backend.write_bytes(_GENERATION, generation.encode())
+            nbytes = 0
+            for digest in victims:
+                path, size = unreferenced[digest]
+                try:
+                    self.backend.delete(f"{CHUNKS_DIR}/{path}")
+                except FileNotFoundError:
+                    continue
+                nbytes += size
+            if not self.backend.locks_write:
+                for path in strays:  # a writer killed mid-chunk (no writer holds the store)
+                    self.backend.delete(f"{CHUNKS_DIR}/{path}")
+            with self._guard:
+                self._known.difference_update(victims)
+                self._generation = generation
+            return Collected(True, len(victims), nbytes)
+        finally:
+            lock.release()
+
+    def _referenced(self, recipe_paths: Iterable[str]) -> set[str]:
+        """Every digest the recipes at ``recipe_paths`` name. A recipe that cannot be read
+        or parsed spares everything: never remove what a damaged listing may still need."""
+        referenced: set[str] = set()
+        seen = set()
+        for path in recipe_paths:
+            seen.add(path)
+            digests = self._recipes.get(path)
+            if digests is None:
+                name = parse_recipe_name(posixpath.basename(path))
+                try:
+                    raw = self.backend.read_bytes(path)
+                except FileNotFoundError:
+                    continue  # removed since the listing: its checkpoint went
+                recipe = parse_recipe(raw, name.size, path)
+                digests = frozenset(d for _, d in recipe.chunks)
+                self._recipes[path] = digests
+            referenced |= digests
+        for gone in set(self._recipes) - seen:
+            del self._recipes[gone]
+        return referenced
+
+    def _stored(self) -> tuple[dict[str, tuple[str, int]], list[str]]:
+        """Every chunk in the store: digest -> (path below the store, size); and the paths of
+        files there that are no chunk (a write a killed writer left)."""
+        out: dict[str, tuple[str, int]] = {}
+        strays: list[str] = []
+        sizes = self.backend.inventory(CHUNKS_DIR)
+        if sizes is None:
+            sizes = {}
+            for kind in self.backend.list(CHUNKS_DIR):
+                if kind.startswith("."):
+                    continue
+                for prefix in self.backend.list(f"{CHUNKS_DIR}/{kind}"):
+                    for name in self.backend.list(f"{CHUNKS_DIR}/{kind}/{prefix}"):
+                        rel = f"{kind}/{prefix}/{name}"
+                        sizes[rel] = self.backend.size(f"{CHUNKS_DIR}/{rel}") or 0
+        for rel, size in sizes.items():
+            if rel.startswith("."):
+                continue  # the store's own files (its generation, what is unreferenced)
+            digest = _digest_of(rel)
+            if digest is None:
+                strays.append(rel)
+            else:
+                out[digest] = (rel, size)
+        return out, strays
+
+    def _past_grace(self, unreferenced: dict) -> list[str]:
+        """On an object store: the unreferenced chunks a pass at least the grace ago found
+        unreferenced too; the others are noted for the next pass."""
+        now = time.time()
+        grace = _grace_s(self.backend)
+        try:
+            noted = json.loads(self.backend.read_bytes(_UNREFERENCED))
+            noted = {k: float(v) for k, v in noted.items()} if isinstance(noted, dict) else {}
+        except (FileNotFoundError, ValueError, TypeError, AttributeError):
+            noted = {}
+        victims = [d for d in unreferenced if d in noted and now - noted[d] >= grace]
+        keep = {d: noted.get(d, now) for d in unreferenced if d not in victims}
+        self.backend.write_bytes(_UNREFERENCED, json.dumps(keep).encode())
+        return victims
+
+
+def _grace_s(backend: Backend) -> float:
+    leases = getattr(backend, "leases", None)
+    seconds = getattr(leases, "seconds", None)
+    return 2 * float(seconds) + 60 if isinstance(seconds, (int, float)) else _DEFAULT_GRACE_S
+
+
+class ChunkReader(io.RawIOBase):
+    """A deduplicated file read back: its recipe's chunks in order, seekable."""
+
+    def __init__(self, store: ChunkStore, recipe: Recipe, name: str):
+        super().__init__()
+        self._store, self._recipe, self.name = store, recipe, name
+        self._starts = []
+        pos = 0
+        for length, _ in recipe.chunks:
+            self._starts.append(pos)
+            pos += length
+        self._pos = 0
+        self._open: tuple[int, IO[bytes]] | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._recipe.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")
+        done = 0
+        while done < len(view) and self._pos < self._recipe.size:
+            index = self._chunk_at(self._pos)
+            length, digest = self._recipe.chunks[index]
+            within = self._pos - self._starts[index]
+            f = self._chunk_file(index, digest)
+            f.seek(within)
+            want = min(len(view) - done, length - within)
+            got = f.readinto(view[done:done + want])
+            if not got:
+                raise FileNotFoundError(
+                    f"{self.name}: chunk {digest} ends {length - within} bytes early; the "
+                    f"chunk store is damaged (run `tierstore scrub --repair`)")
+            done += got
+            self._pos += got
+        return done
+
+    def _chunk_at(self, pos: int) -> int:
+        return bisect.bisect_right(self._starts, pos) - 1
+
+    def _chunk_file(self, index: int, digest: str) -> IO[bytes]:
+        if self._open is not None and self._open[0] == index:
+            return self._open[1]
+        self._close_chunk()
+        try:
+            f = self._store.backend.open_read(chunk_path(digest))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{self.name}: chunk {digest} is missing from the tier's chunk store") from None
+        self._open = (index, f)
+        return f
+
+    def _close_chunk(self) -> None:
+        if self._open is not None:
+            self._open[1].close()
+            self._open = None
+
+    def close(self) -> None:
+        self._close_chunk()
+        super().close()
