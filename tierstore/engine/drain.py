@@ -273,7 +273,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel,
                          size=entry.size)
         with source.backend.open_read(f"{cid}/{rel}") as fin, \
-                target.open_write(f"{cid}/{rel}", entry.size, entry.cuts) as fout:
+                target.open_write(f"{cid}/{rel}", entry.size, entry.cuts, repair=True) as fout:
             copied, checksum = hash_stream(fin, self._chunk, fout.write,
                                            source.keyring.hasher_for(entry.checksum))
         _check_source(cid, rel, source, target, entry, copied, checksum)
@@ -488,7 +488,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                 self._upload(source, target, cid, staging, share)
             else:
                 self._run_all([(self._copy_file, source, target, cid, staging, rel, share,
-                                gathering)
+                                gathering, job.replace)
                                for rel in sorted(share.files,
                                                  key=lambda r: -share.files[r].size)])
             if gathering and not commits:
@@ -907,16 +907,17 @@ class Drainer(BackgroundJobs[DrainJob]):
         return record if isinstance(record, dict) else None
 
     def _copy_file(self, source: Tier, target: Tier, cid: str, staging: str, rel: str,
-                   manifest: Manifest, publish_each: bool) -> int:
+                   manifest: Manifest, publish_each: bool, repair: bool = False) -> int:
         """Copy one file, checking it against the manifest. ``publish_each``: the file appears
-        under its name only once complete (others wait for it by name)."""
+        under its name only once complete (others wait for it by name); ``repair``: it
+        replaces a bad copy (see ``Tier.open_write``)."""
         self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel,
                          size=manifest.files[rel].size)
         dest = f"{staging}/{rel}"
         partial = f"{dest}.part" if publish_each and target.backend.supports_rename else dest
         with source.backend.open_read(f"{cid}/{rel}") as fin, \
                 target.open_write(partial, manifest.files[rel].size,
-                                  manifest.files[rel].cuts) as fout:
+                                  manifest.files[rel].cuts, repair) as fout:
             copied, checksum = hash_stream(fin, self._chunk, fout.write,
                                            source.keyring.hasher_for(manifest.files[rel].checksum))
         _check_source(cid, rel, source, target, manifest.files[rel], copied, checksum)

@@ -12,7 +12,8 @@ Chunks are cut where each of the file's items starts (the save tells the file as
 :meth:`ChunkingFile.start_item`; a drain passes the offsets the manifest recorded,
 :meth:`ChunkingFile.set_cuts`) and every ``CHUNK_BYTES`` after: an unchanged tensor has the same
 chunks from one checkpoint to the next, whatever changed beside it. Every other file (the
-manifest, ``.metadata``, markers, leases) is the backend's own, untouched.
+manifest, ``.metadata``, markers, leases) is the backend's own, untouched, and so is a data file
+written whole before the tier had ``dedup`` (it is read as it is).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ChunkingFile(io.RawIOBase):
         #: bytes this file wrote to the chunk store (the rest was there already)
         self.new_bytes = 0
         self._done = False
+        self._recheck = False
 
     def writable(self) -> bool:
         return True
@@ -74,6 +76,11 @@ class ChunkingFile(io.RawIOBase):
         """The offsets where the file's items start, known up front (a copy of a file whose
         manifest entry recorded them)."""
         self._planned = sorted(c for c in (cuts or []) if c > self._chunk_start)
+
+    def recheck_chunks(self) -> None:
+        """Read back each chunk the store holds already and write it again unless its bytes
+        match its name (a repair: the copy it replaces may be bad because a chunk is)."""
+        self._recheck = True
 
     def start_item(self) -> None:
         """An item starts at the current offset: the chunk gathered so far ends here."""
@@ -112,7 +119,7 @@ class ChunkingFile(io.RawIOBase):
         hasher = self._store.new_hasher()
         hasher.update(data)
         digest = hasher.hexdigest()
-        self.new_bytes += self._store.ensure(digest, data)
+        self.new_bytes += self._store.ensure(digest, data, self._recheck)
         self._chunks.append((len(data), digest))
         self._chunk_start += len(data)
         while self._planned and self._planned[0] <= self._chunk_start:
@@ -187,9 +194,9 @@ class ChunkedBackend(Backend):
         for old in self._recipes_in(directory).get(name, []):
             self.inner.delete(_join(directory, str(old)))
 
-    def read_recipe(self, path: str) -> Recipe:
+    def read_recipe(self, path: str, found: RecipeName | None = None) -> Recipe:
         """The recipe of data file ``path`` (FileNotFoundError when it has none), checked."""
-        found = self._recipe_of(path)
+        found = found or self._recipe_of(path)
         if found is None:
             raise FileNotFoundError(f"{self.describe().rstrip('/')}/{path} is not there")
         directory, _ = _split(path)
@@ -227,7 +234,11 @@ class ChunkedBackend(Backend):
 
     def open_read(self, path: str) -> IO[bytes]:
         if is_chunked_name(path):
-            return self.chunks.open(self.read_recipe(path), path)  # type: ignore[return-value]
+            found = self._recipe_of(path)
+            if found is not None:
+                return self.chunks.open(self.read_recipe(path, found),  # type: ignore[return-value]
+                                        path)
+        # Every other file, and a data file written whole (before dedup was turned on).
         return self.inner.open_read(path)
 
     def open_read_sized(self, path: str, size: int) -> IO[bytes]:
@@ -238,7 +249,8 @@ class ChunkedBackend(Backend):
     def size(self, path: str) -> int | None:
         if is_chunked_name(path):
             found = self._recipe_of(path)
-            return None if found is None else found.size
+            if found is not None:
+                return found.size
         return self.inner.size(path)
 
     def list(self, path: str) -> list[str]:
@@ -272,8 +284,7 @@ class ChunkedBackend(Backend):
     def delete(self, path: str) -> None:
         if is_chunked_name(path):
             self._remove_recipes(path)
-            return
-        self.inner.delete(path)
+        self.inner.delete(path)  # (missing is no error: a data file written whole, or none)
 
     def discard(self, path: str) -> None:
         self.inner.discard(path)
@@ -283,8 +294,9 @@ class ChunkedBackend(Backend):
             self.inner.rename(src, dst, replace=replace)
             return
         found = self._recipe_of(src)
-        if found is None:
-            raise FileNotFoundError(f"{self.describe().rstrip('/')}/{src} is not there")
+        if found is None:  # a data file written whole
+            self.inner.rename(src, dst, replace=replace)
+            return
         if self._recipe_of(dst) is not None:
             if not replace:
                 raise FileExistsError(f"{self.describe().rstrip('/')}/{dst} exists")

@@ -42,7 +42,7 @@ from tierstore.format.manifest_check import CHECKSUM_PATTERN
 from tierstore.plugin.bases import Backend, DirectoryLock
 
 __all__ = ["CHUNK_BYTES", "CHUNKS_DIR", "ChunkStore", "ChunkReader", "chunk_path",
-           "Collected"]
+           "Collected", "MissingChunk"]
 
 log = logging.getLogger("tierstore.chunks")
 
@@ -71,6 +71,11 @@ def _digest_of(path: str) -> str | None:
         return None
     digest = f"{parts[0]}:{parts[2]}"
     return digest if CHECKSUM_PATTERN.fullmatch(digest) else None
+
+
+class MissingChunk(FileNotFoundError):
+    """A chunk a recipe names is not in the chunk store (or is shorter than it says): the
+    file it belongs to is missing from this copy, and the message says which chunk."""
 
 
 class Collected:
@@ -107,14 +112,15 @@ class ChunkStore:
                 self._generation = generation
         return lock if lock is not None else DirectoryLock()
 
-    def ensure(self, digest: str, data: memoryview) -> int:
+    def ensure(self, digest: str, data: memoryview, recheck: bool = False) -> int:
         """Make sure the chunk ``digest`` (whose bytes are ``data``) is in the store; the
-        bytes written (0 when it was there already). Only under :meth:`hold`."""
+        bytes written (0 when it was there already). Only under :meth:`hold`. ``recheck``
+        (a repair): a chunk there is read back and written again unless its bytes match."""
         with self._guard:
-            if digest in self._known:
+            if digest in self._known and not recheck:
                 return 0
         path = chunk_path(digest)
-        if self.backend.size(path) == len(data):
+        if self._holds(path, digest, len(data), recheck):
             written = 0
         else:
             self._put(path, data)
@@ -122,6 +128,24 @@ class ChunkStore:
         with self._guard:
             self._known.add(digest)
         return written
+
+    def _holds(self, path: str, digest: str, size: int, recheck: bool) -> bool:
+        if self.backend.size(path) != size:
+            return False
+        if not recheck:
+            return True
+        hasher = self.new_hasher()
+        try:
+            hasher.update(self.backend.read_bytes(path))
+        except FileNotFoundError:
+            return False
+        return hasher.hexdigest() == digest
+
+    def forget(self, digest: str) -> None:
+        """A reader found chunk ``digest`` missing or damaged: never skip writing it again on
+        the word of what this process knew."""
+        with self._guard:
+            self._known.discard(digest)
 
     def _put(self, path: str, data: memoryview) -> None:
         """Write a chunk so that it is there whole or not at all: beside, then renamed, where
@@ -304,7 +328,8 @@ class ChunkReader(io.RawIOBase):
             want = min(len(view) - done, length - within)
             got = f.readinto(view[done:done + want])
             if not got:
-                raise FileNotFoundError(
+                self._store.forget(digest)
+                raise MissingChunk(
                     f"{self.name}: chunk {digest} ends {length - within} bytes early; the "
                     f"chunk store is damaged (run `tierstore scrub --repair`)")
             done += got
@@ -321,7 +346,8 @@ class ChunkReader(io.RawIOBase):
         try:
             f = self._store.backend.open_read(chunk_path(digest))
         except FileNotFoundError:
-            raise FileNotFoundError(
+            self._store.forget(digest)
+            raise MissingChunk(
                 f"{self.name}: chunk {digest} is missing from the tier's chunk store") from None
         self._open = (index, f)
         return f

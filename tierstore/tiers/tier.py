@@ -28,7 +28,7 @@ from tierstore.format.manifest import MANIFEST_NAME, Manifest, ManifestError
 from tierstore.format.signing import UNSIGNED, Keyring
 from tierstore.plugin.bases import Backend, CommitProtocol, DirectoryLock
 from tierstore.tiers.chunked import ChunkedBackend
-from tierstore.tiers.chunks import Collected
+from tierstore.tiers.chunks import Collected, MissingChunk
 from tierstore.tiers.layout import SINGLE, TierLayout
 from tierstore.tiers.schedule import AutoSchedule
 from tierstore.tiers.reports import Problem
@@ -240,6 +240,9 @@ class Tier:
             announce(rel, entry.size)
             try:
                 size, checksum = self.checksum_file(f"{checkpoint_id}/{rel}", entry.checksum)
+            except MissingChunk as exc:  # a deduplicated file: which of its chunks
+                problems.append(problem(rel, f"missing: {exc}"))
+                continue
             except FileNotFoundError:
                 problems.append(problem(rel, "missing"))
                 continue
@@ -388,15 +391,19 @@ class Tier:
 
     @contextlib.contextmanager
     def open_write(self, path: str, needed: int | None = None,
-                   cuts: list[int] | None = None) -> Iterator[IO[bytes]]:
+                   cuts: list[int] | None = None, repair: bool = False) -> Iterator[IO[bytes]]:
         """``backend.open_write(path)`` under :meth:`writing`, closed (durable) when the block
         ends; ``needed``: about how many bytes the file takes, for the error's message;
         ``cuts``: where the file's items start, where it has a manifest entry that recorded
-        them (a deduplicated tier cuts its chunks there)."""
+        them (a deduplicated tier cuts its chunks there); ``repair``: the file replaces a
+        bad one (a deduplicated tier checks the chunks it holds already, and rewrites bad
+        ones)."""
         self.changes += 1  # (what it writes may change what a look saw: a repair, a copy)
         with self.writing(path, needed), self.backend.open_write(path) as f:
             if cuts and hasattr(f, "set_cuts"):
                 f.set_cuts(cuts)
+            if repair and hasattr(f, "recheck_chunks"):
+                f.recheck_chunks()
             yield f
 
     def write_bytes(self, path: str, data: bytes) -> None:
