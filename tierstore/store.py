@@ -363,11 +363,13 @@ class Store:
         self._catalog.set_pinned(checkpoint_id, False)
 
     def gc(self) -> list[str]:
-        """Remove what interrupted saves left on every tier (never a committed checkpoint)."""
+        """Remove what interrupted saves left on every tier (never a committed checkpoint), and
+        on a deduplicated tier the chunks no checkpoint there names."""
         self._check_open()
         self._check_writable("gc")
         return [f"{tier.name}:{name}" for tier in self._ctx.tiers.maintained()
-                for name in self._health.ask(tier, "gc", lambda t=tier: self._gc.collect(t), [])]
+                for name in self._health.ask(tier, "gc", lambda t=tier: self._gc.collect(
+                    t, chunks=True), [])]
 
     def wait(self, timeout: float | None = None, *, all_ranks: bool = False) -> None:
         """Block until every background copy started so far is done (drains, replication);

@@ -88,8 +88,8 @@ S3_FAULTS = ("raise", "sigkill", "eio", "slow")
 #: each, on the workers.
 #: The CI sample leaves them out (tests/test_fault_matrix.py runs a few of each on their own).
 HOSTILE_KINDS = ("cotenant", "fuzz")
-KINDS = ("classic", "keep1", "spoil", "cli", "stall", "ops", "ops-s3", "multinode", "parity",
-         *RACE_KINDS, *HOSTILE_KINDS)
+KINDS = ("classic", "keep1", "spoil", "cli", "stall", "ops", "ops-s3", "dedup", "multinode",
+         "parity", *RACE_KINDS, *HOSTILE_KINDS)
 #: The multi-node trials of the CI sample: the coordinator killed in ``finish`` (before its
 #: ``.metadata``, the other node's part already published), and a gathered drain whose
 #: source part on the other node goes bad under it.
@@ -363,6 +363,10 @@ class Matrix:
             trials += plan_cells(counts, tuple(local_faults), a.new_per_cell,
                                  random.Random(f"{a.seed}-ops"), s3=False, rows=rows,
                                  variant="ops")
+        if "dedup" in kinds:
+            counts = self.counted([base + 80_000 + i for i in range(n)], "dedup")
+            trials += plan_cells(counts, tuple(local_faults), a.new_per_cell,
+                                 random.Random(f"{a.seed}-dedup"), s3=False, variant="dedup")
         trials = [t for t in trials if t.fault in a.faults]
         if a.sample:  # the CI sample: two trials of each new kind
             rng, by_kind = random.Random(f"{a.seed}-sample"), {}
@@ -448,6 +452,22 @@ class Matrix:
                 trials += self.classic_s3_trials(backend)
             if "ops-s3" in self.args.kinds:
                 trials += self.ops_s3_trials(backend)
+            if "dedup" in self.args.kinds:
+                trials += self.dedup_s3_trials(backend)
+        return trials
+
+    def dedup_s3_trials(self, backend: str) -> list[Trial]:
+        """``dedup`` with its slow tier on S3 through ``backend``: every S3 fault at every row
+        of the job (saves, drains, keep and gc with chunks shared between checkpoints)."""
+        seeds = [self.args.seed * 100_000 + 85_000 + i for i in range(self.args.s3_seeds)]
+        counts = self.s3_counts(seeds, "dedup", backend)
+        faults = tuple(f for f in S3_FAULTS if f in self.args.faults)
+        trials = plan_cells(counts, faults, self.args.s3_per_cell,
+                            random.Random(f"{self.args.seed}-dedup-s3"), s3=True,
+                            variant="dedup", s3_backend=backend)
+        if self.args.sample:  # the CI sample: one trial of each fault, on the first backend
+            trials = [next(t for t in trials if t.fault == f) for f in faults
+                      if backend == S3_BACKENDS[0] and any(t.fault == f for t in trials)]
         return trials
 
     def ops_s3_trials(self, backend: str) -> list[Trial]:
@@ -595,7 +615,7 @@ class Matrix:
         results: list[dict[str, Any]] = []
         kinds = set(self.args.kinds)
         if self.args.s3_only:
-            kinds &= {"classic", "ops-s3"}
+            kinds &= {"classic", "ops-s3", "dedup"}
             self.skipped.append("the trials without an S3 tier (--s3-only)")
         try:
             if any(f in (*LOCAL_FAULTS, FIRST_FULL, "cli", "corrupt-source", "vanish-source",
@@ -603,7 +623,7 @@ class Matrix:
                     and kinds - {"ops-s3", "multinode", "parity", *RACE_KINDS, *HOSTILE_KINDS} \
                     and not self.args.s3_only:
                 results += self.run_local()
-            if self.args.s3 and {"classic", "ops-s3"} & kinds:
+            if self.args.s3 and {"classic", "ops-s3", "dedup"} & kinds:
                 results += self.run_s3()
             elif not self.args.s3:
                 self.skipped.append("the S3 tier (--no-s3)")

@@ -13,7 +13,8 @@ A *variant* (:data:`VARIANTS`) bends the drawn job towards one kind of trial: ``
 fault point leaves every tier still while a ``tierstore`` command runs beside it), ``stall``
 (ten saves 0.4 s apart while a drain's eviction on the slow tier stalls), ``ops`` (S3 slow
 tier; after the saves a copy is corrupted, then ``scrub --repair`` and ``promote`` run against
-the object store).
+the object store), ``dedup`` (``dedup = true`` and ``keep = 1`` on both tiers, and a part of
+the state that every save shares: chunks that outlive the checkpoints that wrote them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 __all__ = ["Place", "S3_BACKENDS", "Scenario", "VARIANTS"]
 
 #: The variants of a drawn job (see the module docstring); "" is the job as drawn.
-VARIANTS = ("keep1", "cli", "stall", "ops")
+VARIANTS = ("keep1", "cli", "stall", "ops", "dedup")
 #: The backends an S3 slow tier is tried on: the same URL, options and retries on each (the
 #: first is the default, and a trial's spec names only the others). A seed draws the same job
 #: whichever it is.
@@ -64,6 +65,7 @@ class Scenario:
     slow_zstd: bool = False    # the slow tier compresses: drains re-encode every item
     variant: str = ""          # one of VARIANTS, or "" (see the module docstring)
     s3_backend: str = "fsspec"  # the S3 tier's backend, one of S3_BACKENDS (with ``s3``)
+    dedup: bool = False        # both tiers store data files as shared chunks
 
     @classmethod
     def from_seed(cls, seed: int, s3: bool = False, variant: str = "", *,
@@ -82,6 +84,8 @@ class Scenario:
         change: dict = {"variant": variant, "fast_keep": 1, "slow_keep": 1}
         if variant == "cli":
             change.update(wait_each=True)
+        elif variant == "dedup":
+            change.update(dedup=True)
         elif variant == "stall":
             change.update(fast_every=1, slow_every=1, saves=10, wait_each=False,
                           restart_after=None, prepare_kill=None, emergency=False)
@@ -171,6 +175,8 @@ class Scenario:
             slow["codecs"] = ["zstd"]
         if self.slow_keep is not None:
             slow["keep"] = self.slow_keep
+        if self.dedup:
+            fast["dedup"] = slow["dedup"] = True
         return [fast, slow]
 
     def config(self, place: Place, *, faulty: bool) -> dict:

@@ -22,12 +22,17 @@ def step_of(checkpoint_id: str) -> int:
     return int(match.group(1))
 
 
-def state_for(checkpoint_id: str, seed: int) -> dict[str, Any]:
+def state_for(checkpoint_id: str, seed: int, shared: bool = False) -> dict[str, Any]:
     """The state saved under ``checkpoint_id`` in the trial of ``seed``: small tensors of three
-    dtypes (so several data files are written) and two non-tensor values."""
+    dtypes (so several data files are written) and two non-tensor values; with ``shared``,
+    also a frozen part the same in every save of the trial (on a deduplicated tier, chunks
+    every checkpoint names)."""
     step = step_of(checkpoint_id)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    frozen = ({"frozen.weight": torch.randn(64, 64, generator=torch.Generator().manual_seed(
+        seed))} if shared else {})
     return {
+        **frozen,
         "model.weight": torch.randn(16, 8, generator=gen),
         "model.bias": torch.randint(-1000, 1000, (8,), generator=gen),
         "model.emb": torch.randn(32, generator=gen).to(torch.bfloat16),

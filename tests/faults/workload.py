@@ -173,7 +173,7 @@ def save(store: tierstore.Store, scenario: Scenario, journal: Journal, cid: str,
     import torch.distributed.checkpoint as dcp
 
     with saving(journal, place, cid):
-        state = state_for(cid, scenario.seed)
+        state = state_for(cid, scenario.seed, scenario.dedup)
         if scenario.async_saves:
             future = dcp.async_save(state, storage_writer=store.writer(), checkpoint_id=cid)
             with torch.no_grad():
@@ -192,7 +192,7 @@ def emergency_save(store: tierstore.Store, scenario: Scenario, journal: Journal,
     with saving(journal, place, cid):
         preemption = store.preemption(signals=())
         try:
-            preemption.save(state_for(cid, scenario.seed), cid)
+            preemption.save(state_for(cid, scenario.seed, scenario.dedup), cid)
         finally:
             preemption.close()
 
@@ -208,7 +208,7 @@ def checkpoint_sizes(scenario: Scenario, directory: str) -> dict[str, int]:
     sizes = {}
     with tierstore.open({"store": config["store"], "tier": [fast]}) as store:
         for cid in scenario.first_tier_saves():
-            dcp.save(state_for(cid, scenario.seed), storage_writer=store.writer(),
+            dcp.save(state_for(cid, scenario.seed, scenario.dedup), storage_writer=store.writer(),
                      checkpoint_id=cid)
             sizes[cid] = sum(os.stat(os.path.join(d, n)).st_blocks * 512
                              for d, _, names in os.walk(os.path.join(directory, cid))
@@ -227,7 +227,7 @@ def load_all(store: tierstore.Store, scenario: Scenario, journal: Journal,
         infos = store.list()
     for info in infos:
         with step(injector, journal, "load", info.id):
-            want = state_for(info.id, scenario.seed)
+            want = state_for(info.id, scenario.seed, scenario.dedup)
             got = blank_like(want)
             before = snapshot(got)
             try:

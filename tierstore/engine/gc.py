@@ -26,9 +26,12 @@ class GarbageCollector:
     def __init__(self, host: PluginHost, rank: int, ledger: SaveLedger):
         self._host, self._rank, self._ledger = host, rank, ledger
 
-    def collect(self, tier: Tier, protect: Collection[str] = ()) -> list[str]:
+    def collect(self, tier: Tier, protect: Collection[str] = (), *,
+                chunks: bool = False) -> list[str]:
         """Remove what interrupted saves left on ``tier`` (sparing saves in flight and the
-        tokens in ``protect``); returns the entries removed."""
+        tokens in ``protect``); returns the entries removed. On a deduplicated tier the chunks
+        nothing names any more go too, after a leftover went or when ``chunks`` asks (the
+        operator's ``gc``)."""
         removed = []
         for name in tier.leftovers(protect=self._ledger.tokens_in_flight() | set(protect)):
             self._host.phase(Phase.COLLECT, None, tier.name, self._rank, entry=name)
@@ -38,7 +41,7 @@ class GarbageCollector:
             self._host.event(Event(EventKind.COLLECTED, None, tier.name, self._rank,
                                    detail={"entry": name}))
             log.info("removed leftover %s from tier '%s'", name, tier.name)
-        if removed:
+        if removed or chunks:
             collect_chunks(tier, self._host, self._rank)
         return removed
 
