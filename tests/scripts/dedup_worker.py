@@ -53,7 +53,7 @@ CHUNKS_DIR = ".tierstore-chunks"
 RECIPE_MARK = ".tierstore-chunked."
 MANIFESTS = (".metadata", "tierstore.json")
 # <chunk dir>/<digest kind>/<2 hex>/<hex digest>
-_CHUNK = re.compile(rf"(^|/){re.escape(CHUNKS_DIR)}/[a-z0-9-]+/([0-9a-f]{{2}})/\2[0-9a-f]+$")
+_CHUNK = re.compile(rf"(^|/){re.escape(CHUNKS_DIR)}/[a-z0-9_-]+/([0-9a-f]{{2}})/\2[0-9a-f]+$")
 
 
 class Adapted(nn.Module):
@@ -124,7 +124,8 @@ def item_bytes(value) -> int:
 def same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+                and torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                                b.contiguous().reshape(-1).view(torch.uint8)))
     return type(a) is type(b) and a == b
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import io
 import posixpath
+import threading
+from concurrent.futures import Future
 from typing import IO, Any, Callable
 
 from tierstore.format.checksum import Hasher
@@ -33,6 +35,10 @@ __all__ = ["ChunkedBackend", "ChunkingFile", "is_chunked_name"]
 #: the files a deduplicated tier stores as chunks: DCP's data files (and a drain's partial
 #: copy of one, renamed into place once whole)
 _CHUNKED_SUFFIXES = (".distcp", ".distcp.part")
+#: chunks of one file written at once to an object store (each a request of its own)
+_IN_FLIGHT = 8
+#: the chunk store's threads for an object store's writes, shared by every file
+_POOL_THREADS = 16
 
 
 def is_chunked_name(path: str) -> bool:
@@ -68,6 +74,9 @@ class ChunkingFile(io.RawIOBase):
         self.new_bytes = 0
         self._done = False
         self._recheck = False
+        # chunks being written on the store's pool, at most _IN_FLIGHT of this file's at once
+        self._pending: list[Future] = []
+        self._room = threading.BoundedSemaphore(_IN_FLIGHT)
 
     def writable(self) -> bool:
         return True
@@ -119,7 +128,15 @@ class ChunkingFile(io.RawIOBase):
         hasher = self._store.new_hasher()
         hasher.update(data)
         digest = hasher.hexdigest()
-        self.new_bytes += self._store.ensure(digest, data, self._recheck)
+        if self._store.parallel:
+            self._check_pending()
+            self._room.acquire()
+            # (a copy: the caller reuses its buffer once write() returns)
+            future = self._store.submit(digest, bytes(data), self._recheck)
+            future.add_done_callback(lambda _f: self._room.release())
+            self._pending.append(future)
+        else:
+            self.new_bytes += self._store.ensure(digest, data, self._recheck)
         self._chunks.append((len(data), digest))
         self._chunk_start += len(data)
         while self._planned and self._planned[0] <= self._chunk_start:
@@ -138,11 +155,31 @@ class ChunkingFile(io.RawIOBase):
         self._done = True
         try:
             self._emit_buffer()
+            self._finish_pending()
             recipe = Recipe(self._chunk_start, tuple(self._chunks))
             self._view.put_recipe(self._path, recipe)
         finally:
+            for future in self._pending:  # (after a failure: let the others end first)
+                future.exception()
             self._hold.release()
             super().close()
+
+    def _check_pending(self) -> None:
+        """Raise the first failure of a chunk written so far; count what the done ones
+        wrote."""
+        done = [f for f in self._pending if f.done()]
+        for future in done:
+            self.new_bytes += future.result()
+        if done:
+            self._pending = [f for f in self._pending if not f.done() or f not in done]
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        try:
+            for future in pending:
+                self.new_bytes += future.result()
+        finally:
+            self._pending = pending
 
 
 class ChunkedBackend(Backend):
@@ -151,7 +188,9 @@ class ChunkedBackend(Backend):
     def __init__(self, inner: Backend, new_hasher: Callable[[], Hasher]):
         self.inner = inner
         self.root = inner.root
-        self.chunks = ChunkStore(inner, new_hasher)
+        # An object store (no local path) writes chunks many at once; a filesystem, in line.
+        self.chunks = ChunkStore(inner, new_hasher,
+                                 parallel=_POOL_THREADS if inner.local_path("") is None else 0)
         # What the core asks of a backend's class, answered as the real one does; a bulk
         # upload would store whole files.
         self.supports_rename = inner.supports_rename
@@ -324,6 +363,7 @@ class ChunkedBackend(Backend):
         return None if is_chunked_name(path) else self.inner.local_path(path)
 
     def close(self) -> None:
+        self.chunks.close()
         self.inner.close()
 
     def sending_end(self, path: str, size: int):

@@ -34,6 +34,7 @@ import posixpath
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Callable, Iterable
 
 from tierstore.format.checksum import Hasher
@@ -88,9 +89,14 @@ class Collected:
 class ChunkStore:
     """The chunks of one tier, on its backend (the real one, below the deduplicating view)."""
 
-    def __init__(self, backend: Backend, new_hasher: Callable[[], Hasher]):
+    def __init__(self, backend: Backend, new_hasher: Callable[[], Hasher], parallel: int = 0):
         self.backend = backend
         self.new_hasher = new_hasher
+        #: chunks written at once per file, on a thread pool (an object store: each chunk is
+        #: a request, and one at a time would leave the link idle between them); 0: in the
+        #: writer's own thread, one after the other (a filesystem)
+        self.parallel = parallel
+        self._pool: ThreadPoolExecutor | None = None
         self._guard = threading.Lock()
         # digests known to be in the store, valid under generation self._generation
         self._known: set[str] = set()
@@ -128,6 +134,23 @@ class ChunkStore:
         with self._guard:
             self._known.add(digest)
         return written
+
+    def submit(self, digest: str, data: bytes, recheck: bool = False) -> Future:
+        """:meth:`ensure` on the store's thread pool (with :attr:`parallel`); ``data`` must
+        stay as it is until the future is done."""
+        with self._guard:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.parallel,
+                                                thread_name_prefix="tierstore-chunks")
+            pool = self._pool
+        return pool.submit(self.ensure, digest, memoryview(data), recheck)
+
+    def close(self) -> None:
+        """Stop the thread pool (the store closes; its writers are done)."""
+        with self._guard:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def _holds(self, path: str, digest: str, size: int, recheck: bool) -> bool:
         if self.backend.size(path) != size:
