@@ -239,3 +239,27 @@ def test_dedup_on_a_peer_tier_is_a_config_error_that_says_where_instead(tmp_path
         tierstore.open(config)
     assert "dedup = true is not available on a tier that holds peers' replicas" in str(err.value)
     assert "tier 'peer'" in str(err.value)
+
+
+def test_a_signing_store_names_chunks_by_keyed_digests_nobody_else_can_make(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("DEDUP_KEY", "c4e2a9107d3b5f6e8a0b2c4d6e8f1a3b")
+    base = _base()
+    config = {"store": {"signing_key": {"env": "DEDUP_KEY"}}, **_config(tmp_path)}
+    with tierstore.open(config) as store:
+        for step in (1, 2):
+            dcp.save(_state(step, base), storage_writer=store.writer(),
+                     checkpoint_id=f"step-{step}")
+        store.wait()
+        _assert_step(_load(store, "step-2", base), 2, base)
+    kinds = set(os.listdir(tmp_path / "disk" / CHUNKS_DIR)) - {".generation"}
+    assert len(kinds) == 1 and next(iter(kinds)).startswith("blake3k_"), kinds
+    # A chunk planted under the name of one the next save needs, by someone without the key:
+    # the save that relies on it is refused as a bad copy, never loaded as the adapter.
+    victim = max(_chunk_files(tmp_path / "disk").items(), key=lambda kv: kv[1])[0]
+    with open(victim, "r+b") as f:
+        f.write(b"\0" * 64)
+    with tierstore.open(config) as store:
+        report = store.verify("step-2", tier="disk")
+        assert not report.ok
+        _assert_step(_load(store, "step-2", base), 2, base)  # from 'ram'
