@@ -199,6 +199,7 @@ class ChunkedBackend(Backend):
         self.default_commit = inner.default_commit
         self.bulk_upload = False
         self.replication = None
+        self._has_inventory: bool | None = None
 
     def __getattr__(self, name: str) -> Any:
         # A backend's own extras (its leases, a parity backend) are the real one's.
@@ -243,12 +244,35 @@ class ChunkedBackend(Backend):
         return parse_recipe(self.inner.read_bytes(where), found.size,
                             f"{self.describe().rstrip('/')}/{where}")
 
+    def _inventory_outside_chunks(self) -> dict[str, int] | None:
+        """The real backend's :meth:`inventory` of the whole tier but the chunk store: one
+        listing of the root's entries, then one of each entry's but the store's (a listing of
+        the whole prefix would list every chunk of every checkpoint: about one key per MiB
+        stored, where a restart asks only for what the checkpoints hold); None where the
+        backend has no inventory."""
+        if self._has_inventory is False or self.inner.local_path("") is not None:
+            return None  # (a filesystem: a stat per file costs nothing remote)
+        out: dict[str, int] = {}
+        for entry in self.inner.list(""):
+            if entry == CHUNKS_DIR:
+                continue
+            sizes = self.inner.inventory(entry)
+            if sizes is None:
+                self._has_inventory = False
+                return None
+            if not sizes:  # a file at the root (or an empty directory)
+                size = self.inner.size(entry)
+                if size is not None:
+                    out[entry] = size
+                continue
+            out.update({f"{entry}/{k}": v for k, v in sizes.items()})
+        return out
+
     def recipe_paths(self) -> list[str]:
         """Every recipe on the tier, in whatever directory (checkpoints, staging, trash)."""
-        sizes = self.inner.inventory("")
+        sizes = self._inventory_outside_chunks()
         if sizes is not None:
-            return [k for k in sizes if not k.startswith(CHUNKS_DIR + "/")
-                    and parse_recipe_name(posixpath.basename(k)) is not None]
+            return [k for k in sizes if parse_recipe_name(posixpath.basename(k)) is not None]
         out = []
         for entry in self.inner.list(""):
             if entry == CHUNKS_DIR:
@@ -302,13 +326,11 @@ class ChunkedBackend(Backend):
         return sorted(names)
 
     def inventory(self, path: str) -> dict[str, int] | None:
-        sizes = self.inner.inventory(path)
+        sizes = self._inventory_outside_chunks() if not path else self.inner.inventory(path)
         if sizes is None:
             return None
         out = {}
         for key, size in sizes.items():
-            if not path and (key == CHUNKS_DIR or key.startswith(CHUNKS_DIR + "/")):
-                continue
             directory, name = _split(key)
             parsed = parse_recipe_name(name)
             if parsed is not None:
