@@ -230,15 +230,15 @@ def test_export_dcp_gives_a_checkpoint_stock_dcp_loads_without_tierstore(tmp_pat
     assert out.returncode == 0 and "STOCK OK" in out.stdout, out.stderr[-2000:]
 
 
-def test_dedup_on_a_peer_tier_is_a_config_error_that_says_where_instead(tmp_path):
+def test_dedup_with_parity_is_a_config_error_that_says_what_to_do_instead(tmp_path):
     config = {"tier": [
         {"name": "ram", "backend": "memory", "path": str(tmp_path / "ram")},
         {"name": "peer", "backend": "peer", "path": str(tmp_path / "peer" / "{node}"),
-         "dedup": True, "replication": {"strategy": "clique", "factor": 2}}]}
+         "dedup": True, "replication": {"strategy": "erasure", "data": 2, "parity": 1}}]}
     with pytest.raises(ConfigError) as err:
         tierstore.open(config)
-    assert "dedup = true is not available on a tier that holds peers' replicas" in str(err.value)
-    assert "tier 'peer'" in str(err.value)
+    assert "dedup = true is not available with the erasure strategy" in str(err.value)
+    assert "tier 'peer'" in str(err.value) and "clique, ring" in str(err.value)
 
 
 def test_a_signing_store_names_chunks_by_keyed_digests_nobody_else_can_make(tmp_path,

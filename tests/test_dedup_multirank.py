@@ -13,10 +13,12 @@ recipes); and stock ``dcp.load`` reads the disk tier's checkpoints once exported
 from __future__ import annotations
 
 import json
+import shutil
 import re
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_trees_equal, empty_like, run_torchrun
@@ -107,3 +109,29 @@ def test_adapter_training_saves_only_what_changed_to_every_deduplicating_tier(
     got = empty_like(want)
     dcp.load(got, checkpoint_id=str(exported))
     assert_trees_equal(got, want, "tierstore export step-7")
+
+
+@pytest.mark.timeout(600)
+def test_peer_replicas_of_a_deduplicated_save_move_only_the_changed_chunks(tmp_path):
+    """2 simulated nodes x 1 rank, RAM and a peer tier both with dedup = true: after the first
+    save, a replication moves each rank's adapter (64 KiB and its record), not its 4 MiB
+    frozen part; after node 1 is lost, its rank loads step-3 from its replicas on node 0."""
+    root = str(tmp_path)
+    out = run_torchrun("dedup_peer_worker.py", root, "save", nproc=1, nnodes=2, timeout=240)
+    moved = {(int(r), cid): (int(s), int(g)) for r, cid, s, g in
+             re.findall(r"RANK (\d) REPLICATED (step-\d) SENT (\d+) RECEIVED (\d+)", out)}
+    assert len(moved) == 6, out[-4000:]
+    frozen, adapter = 4 << 20, 64 << 10
+    for rank in (0, 1):
+        assert moved[(rank, "step-1")][0] > frozen, moved
+        for cid in ("step-2", "step-3"):
+            sent, received = moved[(rank, cid)]
+            # the adapter's record (64 KiB and about 1.5 KiB around it) and the small items
+            assert adapter <= sent <= 1.1 * adapter + (8 << 10), (rank, cid, moved)
+            assert adapter <= received <= 1.1 * adapter + (8 << 10), (rank, cid, moved)
+    assert list((tmp_path / "peer/0/.replicas/1-held-by-0/.tierstore-chunks").rglob("*"))
+    # Node 1 is replaced: nothing of its RAM or peer tier is left.
+    shutil.rmtree(tmp_path / "ram/1")
+    shutil.rmtree(tmp_path / "peer/1")
+    out = run_torchrun("dedup_peer_worker.py", root, "load", nproc=1, nnodes=2, timeout=240)
+    assert "RANK 0 LOADED step-3" in out and "RANK 1 LOADED step-3" in out, out[-4000:]

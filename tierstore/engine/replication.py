@@ -26,6 +26,8 @@ from tierstore.engine.context import StoreContext
 from tierstore.engine.jobs import BackgroundJob, BackgroundJobs
 from tierstore.engine.manifests import build_manifest
 from tierstore.engine.parity import protect
+from tierstore.engine.replica_chunks import (ChunkedReceipt, ChunkingEnd, checked_chunk_lists,
+                                             checked_needs, chunk_lists, pair_transfers)
 from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveLedger
 from tierstore.errors import DrainError, ReplicationError
@@ -34,6 +36,7 @@ from tierstore.format.checksum import Hasher, same_digest
 from tierstore.format.manifest import METADATA_NAME, FileEntry
 from tierstore.transport.collectives import all_gather_message
 from tierstore.transport.shapes import as_bool, as_str, as_tuple
+from tierstore.tiers.chunked import ChunkedBackend, is_chunked_name
 from tierstore.transport.transfer import Transfer, exchange_objects, open_to_send, run_transfers
 
 __all__ = ["ReplicationJob", "Replicator"]
@@ -154,10 +157,12 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         started = time.perf_counter()
         manifest = job.source.read_manifest(job.checkpoint_id)
         # Plain data on the wire (no pickles between ranks): entries as their fields.
+        dedup = self.peer.config.dedup
         header = {"files": {rel: dataclasses.asdict(e) for rel, e in files.items()},
                   "step": job.step, "token": job.token, "codecs": manifest.codecs,
                   "created": manifest.created, "committed": manifest.committed,
-                  "world_size": world}
+                  "world_size": world,
+                  "chunks": chunk_lists(job.source, job.checkpoint_id, files) if dedup else {}}
         members = self.strategy.parity_set(rank, world)
         if members is not None:
             self._protect_with_parity(job, members, {**header, "files": files}, started)
@@ -166,28 +171,65 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         held = sorted(self.replica_tiers)
         headers = {src: _with_entries(h, src) for src, h in
                    exchange_objects(self.group, {h: header for h in holders}, held).items()}
+        # With dedup, each holder answers with the chunks it lacks; only those travel.
+        own_chunks = checked_chunk_lists(header["chunks"], files, rank)
+        receipts: dict[int, ChunkedReceipt] = {}
+        needs_of: dict[int, dict[str, list[int]] | None] = {dst: None for dst in holders}
+        try:
+            if dedup:
+                for src in held:
+                    receipts[src] = ChunkedReceipt(self.replica_tiers[src], checked_chunk_lists(
+                        headers[src].get("chunks", {}), headers[src]["files"], src))
+                answers = exchange_objects(self.group, {src: receipts[src].needs
+                                                        for src in held}, holders)
+                needs_of = {dst: checked_needs(answers[dst], own_chunks, dst) for dst in holders}
+            self._exchange_files(job, files, headers, own_chunks, receipts, needs_of, started)
+        finally:
+            for receipt in receipts.values():
+                receipt.close()
+
+    def _exchange_files(self, job: ReplicationJob, files: dict[str, FileEntry], headers: dict,
+                        own_chunks: dict, receipts: dict[int, ChunkedReceipt],
+                        needs_of: dict, started: float) -> None:
+        """Move this rank's files to its holders and the files of the ranks it holds for,
+        and commit the replicas received."""
+        rank = self._rank
+        holders, held = sorted(needs_of), sorted(self.replica_tiers)
         # Each rank lists the transfers of its own pairs only (it knows their files): both
         # ranks of a pair list that pair's files alike, which is all run_transfers needs.
-        transfers = [Transfer(rank, dst, rel, e.size)
-                     for dst in holders for rel, e in sorted(files.items())]
-        transfers += [Transfer(src, rank, rel, e.size)
-                      for src in held for rel, e in sorted(headers[src]["files"].items())]
+        transfers = [t for dst in holders
+                     for t in pair_transfers(rank, dst, files, own_chunks, needs_of[dst])]
+        for src in held:
+            receipt = receipts.get(src)
+            transfers += pair_transfers(src, rank, headers[src]["files"],
+                                        receipt.chunks if receipt else {},
+                                        receipt.needs if receipt else None)
         staging = {src: self.replica_tiers[src].begin_save(job.checkpoint_id, job.token)
                    for src in held}
         received_files: dict[tuple[int, str], _Received] = {}
 
         def open_source(t: Transfer):
-            return open_to_send(job.source.backend, f"{job.checkpoint_id}/{t.key}", t.size)
+            return open_to_send(job.source.backend, f"{job.checkpoint_id}/{t.key}",
+                                files[t.key].size)
 
         def open_target(t: Transfer):
+            receipt = receipts.get(t.src)
+            if receipt is not None and t.key in receipt.needs:
+                return receipt.target(t)  # a chunk the holder lacks
+            tier = self.replica_tiers[t.src]
+            entry = headers[t.src]["files"][t.key]
             # Digested as the sender's manifest records it (keyed when the store signs).
-            digest = headers[t.src]["files"][t.key].checksum
             received_files[(t.src, t.key)] = _Received(
-                hasher=self.replica_tiers[t.src].keyring.hasher_for(digest))
-            return self.replica_tiers[t.src].backend.receiving_end(
-                f"{staging[t.src]}/{t.key}", t.size)
+                hasher=tier.keyring.hasher_for(entry.checksum))
+            if isinstance(tier.backend, ChunkedBackend) and is_chunked_name(t.key):
+                return ChunkingEnd(tier, f"{staging[t.src]}/{t.key}", entry)
+            return tier.backend.receiving_end(f"{staging[t.src]}/{t.key}", t.size)
 
         def sink(t: Transfer, target, offset: int, data) -> None:
+            receipt = receipts.get(t.src)
+            if receipt is not None and t.key in receipt.needs:
+                receipt.arrived(t, data)
+                return
             got = received_files[(t.src, t.key)]
             got.hasher.update(memoryview(data.numpy()))
             got.size += data.numel()
@@ -198,12 +240,15 @@ class Replicator(BackgroundJobs[ReplicationJob]):
             received = run_transfers(self.group, rank, transfers, open_source, open_target, sink,
                                      self._piece_bytes)
             for src in held:
-                self._commit_replica(job, src, headers[src], staging[src], received_files)
+                if src in receipts:
+                    receipts[src].write_recipes(staging[src])
+                self._commit_replica(job, src, headers[src], staging[src], received_files,
+                                     set(receipts[src].needs) if src in receipts else set())
         except BaseException:
             for src in held:
                 self.replica_tiers[src].abort_save(job.checkpoint_id, staging[src])
             raise
-        sent = sum(e.size for e in files.values()) * len(holders)
+        sent = sum(t.size for t in transfers if t.src == rank)
         self._host.event(Event(EventKind.REPLICATED, job.checkpoint_id, self.peer.name, rank,
                                time.perf_counter() - started, sent + received,
                                {"sent": sent, "received": received, "to": holders,
@@ -230,10 +275,15 @@ class Replicator(BackgroundJobs[ReplicationJob]):
         self._retention.apply_quietly(tier)
 
     def _commit_replica(self, job: ReplicationJob, src: int, header: dict, staging: str,
-                        received_files: dict[tuple[int, str], "_Received"]) -> None:
+                        received_files: dict[tuple[int, str], "_Received"],
+                        as_chunks: set[str]) -> None:
+        """Commit the replica of rank ``src``'s files once each is checked (``as_chunks``:
+        files that came as the chunks the holder lacked, each checked as it landed)."""
         tier = self.replica_tiers[src]
         files: dict[str, FileEntry] = header["files"]
         for rel, entry in files.items():
+            if rel in as_chunks:
+                continue
             r = received_files.get((src, rel))
             got = (r.size, r.hasher.hexdigest()) if r else (0, "")
             if entry.size and (got[0] != entry.size or not same_digest(got[1], entry.checksum)):

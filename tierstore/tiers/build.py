@@ -164,12 +164,7 @@ def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost,
             f"backend '{tc.backend}' ({reg.origin}) failed to start for tier '{tc.name}': "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    if tc.dedup:
-        if backend.replication is not None:
-            raise ConfigError(
-                f"{config.source.where('tier', tc.index, 'dedup')}: tier '{tc.name}': dedup = "
-                f"true is not available on a tier that holds peers' replicas (backend "
-                f"'{tc.backend}'); set it on the tiers the replicas are copied from or to")
+    if tc.dedup:  # (a peer tier's replicas deduplicate in their own tiers: replica_tier)
         backend = ChunkedBackend(backend, config.keyring.new_hasher)
     commit_name = config.commit.name if config.commit else backend.default_commit
     commit_reg = host.lookup("commit", commit_name)
@@ -240,6 +235,12 @@ def _replication(tiers: list[Tier], config: StoreConfig, host: PluginHost, ctx: 
                                    f"{source.quote(name)}",
                              source=source, table_name="tier", index=peer.config.index)
     strategy = reg.factory(**options)
+    if peer.config.dedup and name == "erasure":
+        raise ConfigError(
+            f"{source.where('tier', peer.config.index, 'dedup')}: tier '{peer.name}': dedup = "
+            f"true is not available with the erasure strategy (its parity is computed over "
+            f"whole files); use it with replicas (clique, ring), or set dedup on the tier the "
+            f"saves go to only")
     world = ctx.world_size
     problem = strategy.check_world_size(world)
     if problem:
@@ -278,8 +279,11 @@ def parity_tier(peer: Tier, rank: int) -> Tier:
 
 
 def replica_tier(peer: Tier, src: int, rank: int) -> Tier:
-    """The tier where ``rank`` keeps rank ``src``'s replicas (beside the peer tier)."""
+    """The tier where ``rank`` keeps rank ``src``'s replicas (beside the peer tier); with
+    ``dedup``, as chunks, in a chunk store of its own."""
     backend = peer.backend.replica_backend(src, rank)
+    if peer.config.dedup:
+        backend = ChunkedBackend(backend, peer.keyring.new_hasher)
     config = dataclasses.replace(peer.config, name=f"{peer.name}:rank-{src}")
     layout = TierLayout(0, 1, (src,), ((src,),))
     return Tier(config, backend, peer.commit, peer.commit_name, layout=layout,

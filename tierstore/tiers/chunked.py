@@ -198,7 +198,9 @@ class ChunkedBackend(Backend):
         self.locks_write = inner.locks_write
         self.default_commit = inner.default_commit
         self.bulk_upload = False
-        self.replication = None
+        # A peer tier's: its replicas live in backends beside it (replica_backend), which
+        # the core wraps in their own deduplicating view.
+        self.replication = inner.replication
         self._has_inventory: bool | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -409,6 +411,12 @@ class ChunkedBackend(Backend):
 
     def free_bytes(self) -> int | None:
         return self.inner.free_bytes()
+
+    def replica_backend(self, src: int, holder: int) -> Backend:
+        return self.inner.replica_backend(src, holder)
+
+    def replica_sets(self) -> list[tuple[int, int]]:
+        return self.inner.replica_sets()
 
     def describe(self) -> str:
         return self.inner.describe()

@@ -135,6 +135,18 @@ class ChunkStore:
             self._known.add(digest)
         return written
 
+    def has(self, digest: str, size: int) -> bool:
+        """Whether the chunk ``digest`` of ``size`` bytes is in the store (known, or found).
+        Only under :meth:`hold`."""
+        with self._guard:
+            if digest in self._known:
+                return True
+        if self.backend.size(chunk_path(digest)) != size:
+            return False
+        with self._guard:
+            self._known.add(digest)
+        return True
+
     def submit(self, digest: str, data: bytes, recheck: bool = False) -> Future:
         """:meth:`ensure` on the store's thread pool (with :attr:`parallel`); ``data`` must
         stay as it is until the future is done."""
