@@ -40,6 +40,9 @@ __all__ = ["NoCloseWriter", "BufferReader", "needed_ranges", "read_runs", "runs_
            "write_items", "write_tensor_record", "split_items", "read_items", "LoadUndo",
            "map_checked", "MappedCopy", "FileReadError", "DIRECT_READ_MIN"]
 
+#: a file that is no file of the OS but can be read whole first (``read_whole_first``: a
+#: deduplicated tier's) is checked in this process's memory up to this size, streamed above it
+BUFFERED_CHECK_MAX = 512 << 20
 # Tensors smaller than this are decoded with torch.load; reading them in place gains nothing.
 DIRECT_READ_MIN = 256 << 10
 #: small writes are gathered up to this many bytes before they reach the backend file
@@ -790,6 +793,10 @@ def map_checked(f: IO[bytes], entry: FileEntry, keyring,
     Returns ``(copy, "")`` when it matches: the load reads from ``copy``, which then owns
     ``f``; ``(None, why)`` when not; ``(None, None)`` when ``f`` is not a regular file (a
     stream: read it once, checking it on the way and keeping the old bytes)."""
+    if getattr(f, "read_whole_first", False) and entry.size <= BUFFERED_CHECK_MAX:
+        # A file put together from pieces (a deduplicated tier's chunks): read into this
+        # process's memory and checked whole, then read from there, as a mapped file is.
+        return _checked_in_memory(f, entry, keyring, runs)
     try:
         fd = f.fileno()
         st = os.fstat(fd)
@@ -801,6 +808,14 @@ def map_checked(f: IO[bytes], entry: FileEntry, keyring,
         return None, f"file is {st.st_size} bytes, its manifest says {entry.size}"
     if only_this_user_writes(st) and entry.size:
         return _map_checked_pages(f, fd, entry, keyring, runs)
+    return _checked_in_memory(f, entry, keyring, runs)
+
+
+def _checked_in_memory(f: IO[bytes], entry: FileEntry, keyring,
+                       runs: list[tuple[int, int]] | None
+                       ) -> tuple[MappedCopy | None, str | None]:
+    """:func:`map_checked` through this process's memory: the file (or ``runs`` of it) read
+    into a buffer piece by piece, each piece hashed as it arrives."""
     try:
         if runs is not None:
             data = read_runs(f, runs, entry.size)

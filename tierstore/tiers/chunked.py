@@ -11,7 +11,8 @@ lacks.
 Chunks are cut where each of the file's items starts (the save tells the file as it writes,
 :meth:`ChunkingFile.start_item`; a drain passes the offsets the manifest recorded,
 :meth:`ChunkingFile.set_cuts`) and every ``CHUNK_BYTES`` after: an unchanged tensor has the same
-chunks from one checkpoint to the next, whatever changed beside it. Every other file (the
+chunks from one checkpoint to the next, whatever changed beside it (``CHUNK_BYTES`` on a
+filesystem, ``OBJECT_CHUNK_BYTES`` on an object store, where each chunk is a request). Every other file (the
 manifest, ``.metadata``, markers, leases) is the backend's own, untouched, and so is a data file
 written whole before the tier had ``dedup`` (it is read as it is).
 """
@@ -28,7 +29,8 @@ from tierstore.format.checksum import Hasher
 from tierstore.format.chunk_recipe import (Recipe, RecipeName, parse_recipe, parse_recipe_name,
                                            recipe_name)
 from tierstore.plugin.bases import Backend, DirectoryLock
-from tierstore.tiers.chunks import CHUNK_BYTES, CHUNKS_DIR, ChunkStore, Collected
+from tierstore.tiers.chunks import (CHUNK_BYTES, CHUNKS_DIR, OBJECT_CHUNK_BYTES, ChunkStore,
+                                    Collected)
 
 __all__ = ["ChunkedBackend", "ChunkingFile", "is_chunked_name"]
 
@@ -98,8 +100,9 @@ class ChunkingFile(io.RawIOBase):
 
     def _boundary(self) -> int:
         """Where the chunk being gathered ends at the latest."""
+        step = self._store.chunk_bytes
         done = self._chunk_start - self._item_start
-        end = self._item_start + (done // CHUNK_BYTES + 1) * CHUNK_BYTES
+        end = self._item_start + (done // step + 1) * step
         return min(end, self._planned[0]) if self._planned else end
 
     def write(self, data) -> int:
@@ -188,9 +191,11 @@ class ChunkedBackend(Backend):
     def __init__(self, inner: Backend, new_hasher: Callable[[], Hasher]):
         self.inner = inner
         self.root = inner.root
-        # An object store (no local path) writes chunks many at once; a filesystem, in line.
-        self.chunks = ChunkStore(inner, new_hasher,
-                                 parallel=_POOL_THREADS if inner.local_path("") is None else 0)
+        # An object store (no local path) writes chunks many at once, and larger ones (each
+        # is a request); a filesystem, in line.
+        remote = inner.local_path("") is None
+        self.chunks = ChunkStore(inner, new_hasher, parallel=_POOL_THREADS if remote else 0,
+                                 chunk_bytes=OBJECT_CHUNK_BYTES if remote else CHUNK_BYTES)
         # What the core asks of a backend's class, answered as the real one does; a bulk
         # upload would store whole files.
         self.supports_rename = inner.supports_rename

@@ -42,17 +42,22 @@ from tierstore.format.chunk_recipe import Recipe, parse_recipe, parse_recipe_nam
 from tierstore.format.manifest_check import CHECKSUM_PATTERN
 from tierstore.plugin.bases import Backend, DirectoryLock
 
-__all__ = ["CHUNK_BYTES", "CHUNKS_DIR", "ChunkStore", "ChunkReader", "chunk_path",
+__all__ = ["CHUNK_BYTES", "OBJECT_CHUNK_BYTES", "CHUNKS_DIR", "ChunkStore", "ChunkReader", "chunk_path",
            "Collected", "MissingChunk"]
 
 log = logging.getLogger("tierstore.chunks")
 
-#: the largest chunk: an item is cut at its start and every this many bytes after it
+#: the largest chunk on a filesystem: an item is cut at its start and every this many bytes
+#: after it (a file per chunk costs little there)
 CHUNK_BYTES = 1 << 20
+#: the largest chunk on an object store, where each chunk is a request: fewer, larger ones
+OBJECT_CHUNK_BYTES = 4 << 20
 #: where a tier's chunks live, below its root
 CHUNKS_DIR = ".tierstore-chunks"
 _GENERATION = f"{CHUNKS_DIR}/.generation"
 _UNREFERENCED = f"{CHUNKS_DIR}/.unreferenced.json"
+#: chunks an object store's reader fetches ahead of the one it reads
+_READ_AHEAD = 8
 #: an object store's chunk goes only after this long unreferenced (two passes apart), unless
 #: its backend's leases say how long a writer may go unseen
 _DEFAULT_GRACE_S = 1200.0
@@ -89,9 +94,12 @@ class Collected:
 class ChunkStore:
     """The chunks of one tier, on its backend (the real one, below the deduplicating view)."""
 
-    def __init__(self, backend: Backend, new_hasher: Callable[[], Hasher], parallel: int = 0):
+    def __init__(self, backend: Backend, new_hasher: Callable[[], Hasher], parallel: int = 0,
+                 chunk_bytes: int = CHUNK_BYTES):
         self.backend = backend
         self.new_hasher = new_hasher
+        #: the largest chunk written here (a store reads chunks of any size)
+        self.chunk_bytes = chunk_bytes
         #: chunks written at once per file, on a thread pool (an object store: each chunk is
         #: a request, and one at a time would leave the link idle between them); 0: in the
         #: writer's own thread, one after the other (a filesystem)
@@ -147,15 +155,22 @@ class ChunkStore:
             self._known.add(digest)
         return True
 
-    def submit(self, digest: str, data: bytes, recheck: bool = False) -> Future:
-        """:meth:`ensure` on the store's thread pool (with :attr:`parallel`); ``data`` must
-        stay as it is until the future is done."""
+    def fetch(self, digest: str) -> Future:
+        """The chunk ``digest``'s bytes, read on the store's thread pool (with
+        :attr:`parallel`)."""
+        return self._thread_pool().submit(self.backend.read_bytes, chunk_path(digest))
+
+    def _thread_pool(self) -> ThreadPoolExecutor:
         with self._guard:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.parallel,
                                                 thread_name_prefix="tierstore-chunks")
-            pool = self._pool
-        return pool.submit(self.ensure, digest, memoryview(data), recheck)
+            return self._pool
+
+    def submit(self, digest: str, data: bytes, recheck: bool = False) -> Future:
+        """:meth:`ensure` on the store's thread pool (with :attr:`parallel`); ``data`` must
+        stay as it is until the future is done."""
+        return self._thread_pool().submit(self.ensure, digest, memoryview(data), recheck)
 
     def close(self) -> None:
         """Stop the thread pool (the store closes; its writers are done)."""
@@ -239,6 +254,8 @@ class ChunkStore:
             nbytes = 0
             for digest in victims:
                 path, size = unreferenced[digest]
+                if size < 0:
+                    size = self.backend.size(f"{CHUNKS_DIR}/{path}") or 0
                 try:
                     self.backend.delete(f"{CHUNKS_DIR}/{path}")
                 except FileNotFoundError:
@@ -282,15 +299,14 @@ class ChunkStore:
         out: dict[str, tuple[str, int]] = {}
         strays: list[str] = []
         sizes = self.backend.inventory(CHUNKS_DIR)
-        if sizes is None:
+        if sizes is None:  # a filesystem: names only (the victims' sizes are asked later)
             sizes = {}
             for kind in self.backend.list(CHUNKS_DIR):
                 if kind.startswith("."):
                     continue
                 for prefix in self.backend.list(f"{CHUNKS_DIR}/{kind}"):
                     for name in self.backend.list(f"{CHUNKS_DIR}/{kind}/{prefix}"):
-                        rel = f"{kind}/{prefix}/{name}"
-                        sizes[rel] = self.backend.size(f"{CHUNKS_DIR}/{rel}") or 0
+                        sizes[f"{kind}/{prefix}/{name}"] = -1
         for rel, size in sizes.items():
             if rel.startswith("."):
                 continue  # the store's own files (its generation, what is unreferenced)
@@ -324,11 +340,19 @@ def _grace_s(backend: Backend) -> float:
 
 
 class ChunkReader(io.RawIOBase):
-    """A deduplicated file read back: its recipe's chunks in order, seekable."""
+    """A deduplicated file read back: its recipe's chunks in order, seekable. On an object
+    store (the store's :attr:`~ChunkStore.parallel`) the chunks after the one being read are
+    fetched ahead, several at once."""
+
+    #: a load reads it whole into memory and checks it before using any of it
+    #: (tierstore.format.item_io.map_checked), as it does a mapped local file
+    read_whole_first = True
 
     def __init__(self, store: ChunkStore, recipe: Recipe, name: str):
         super().__init__()
         self._store, self._recipe, self.name = store, recipe, name
+        # index -> the chunk's bytes, fetched ahead (object stores)
+        self._ahead: dict[int, Future] = {}
         self._starts = []
         pos = 0
         for length, _ in recipe.chunks:
@@ -358,10 +382,16 @@ class ChunkReader(io.RawIOBase):
             index = self._chunk_at(self._pos)
             length, digest = self._recipe.chunks[index]
             within = self._pos - self._starts[index]
-            f = self._chunk_file(index, digest)
-            f.seek(within)
             want = min(len(view) - done, length - within)
-            got = f.readinto(view[done:done + want])
+            if self._store.parallel:
+                data = self._fetched(index)
+                got = min(want, len(data) - within)
+                view[done:done + max(got, 0)] = data[within:within + max(got, 0)]
+                got = max(got, 0)
+            else:
+                f = self._chunk_file(index, digest)
+                f.seek(within)
+                got = f.readinto(view[done:done + want])
             if not got:
                 self._store.forget(digest)
                 raise MissingChunk(
@@ -370,6 +400,21 @@ class ChunkReader(io.RawIOBase):
             done += got
             self._pos += got
         return done
+
+    def _fetched(self, index: int) -> bytes:
+        """Chunk ``index``'s bytes, with the next ones asked for meanwhile."""
+        chunks = self._recipe.chunks
+        for ahead in range(index, min(index + _READ_AHEAD, len(chunks))):
+            if ahead not in self._ahead:
+                self._ahead[ahead] = self._store.fetch(chunks[ahead][1])
+        for old in [i for i in self._ahead if i < index]:
+            self._ahead.pop(old).cancel()
+        try:
+            return self._ahead[index].result()
+        except FileNotFoundError:
+            self._store.forget(chunks[index][1])
+            raise MissingChunk(f"{self.name}: chunk {chunks[index][1]} is missing from the "
+                               f"tier's chunk store") from None
 
     def _chunk_at(self, pos: int) -> int:
         return bisect.bisect_right(self._starts, pos) - 1
@@ -394,4 +439,7 @@ class ChunkReader(io.RawIOBase):
 
     def close(self) -> None:
         self._close_chunk()
+        for future in self._ahead.values():
+            future.cancel()
+        self._ahead.clear()
         super().close()
