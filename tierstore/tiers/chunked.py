@@ -67,6 +67,8 @@ class ChunkingFile(io.RawIOBase):
         self._view, self._path = view, path
         self._store = view.chunks
         self._hold = self._store.hold()
+        if self._store.parallel:
+            view.learn_chunks_of(path)
         self._buf = bytearray()
         self._chunk_start = 0  # offset of the chunk being gathered
         self._item_start = 0
@@ -274,6 +276,25 @@ class ChunkedBackend(Backend):
                 continue
             out.update({f"{entry}/{k}": v for k, v in sizes.items()})
         return out
+
+    def learn_chunks_of(self, path: str) -> None:
+        """An object store's writer of data file ``path``: tell the chunk store of the chunks
+        the tier's other copies of a file of that name hold (the same file of the checkpoints
+        there: what a save of it shares), one listing of the root and one recipe per
+        checkpoint not looked at before. Only under the chunk store's hold."""
+        name = _split(path)[1].removesuffix(".part")
+        for entry in self.inner.list(""):
+            if entry.startswith(".") or f"{entry}/{name}" in self.chunks.learned:
+                continue
+            found = self._recipes_in(entry).get(name)
+            self.chunks.learned.add(f"{entry}/{name}")
+            if not found:
+                continue
+            try:
+                recipe = self.read_recipe(f"{entry}/{name}", found[0])
+            except (FileNotFoundError, ValueError):  # gone, or a damaged recipe: learn nothing
+                continue
+            self.chunks.learn(d for _, d in recipe.chunks)
 
     def recipe_paths(self) -> list[str]:
         """Every recipe on the tier, in whatever directory (checkpoints, staging, trash)."""

@@ -112,6 +112,8 @@ class ChunkStore:
         self._dirs_made: set[str] = set()
         # recipe path -> the digests it names (a recipe's name is never reused for others)
         self._recipes: dict[str, frozenset[str]] = {}
+        #: the recipes whose chunks :meth:`learn` was told of, under the current generation
+        self.learned: set[str] = set()
 
     # -- writers ---------------------------------------------------------------------------
     def hold(self) -> DirectoryLock:
@@ -123,8 +125,16 @@ class ChunkStore:
         with self._guard:
             if generation != self._generation:
                 self._known.clear()
+                self.learned.clear()
                 self._generation = generation
         return lock if lock is not None else DirectoryLock()
+
+    def learn(self, digests: Iterable[str]) -> None:
+        """Chunks a recipe on the tier names (so they are there): an object store's writer
+        writes only the chunks it does not know of, without asking for each. Only under
+        :meth:`hold`."""
+        with self._guard:
+            self._known.update(digests)
 
     def ensure(self, digest: str, data: memoryview, recheck: bool = False) -> int:
         """Make sure the chunk ``digest`` (whose bytes are ``data``) is in the store; the
@@ -134,7 +144,9 @@ class ChunkStore:
             if digest in self._known and not recheck:
                 return 0
         path = chunk_path(digest)
-        if self._holds(path, digest, len(data), recheck):
+        # An object store's writer asks nothing: what it does not know of (learn) is most
+        # likely new, and a question per chunk would cost more requests than the writes.
+        if (not self.parallel or recheck) and self._holds(path, digest, len(data), recheck):
             written = 0
         else:
             self._put(path, data)
