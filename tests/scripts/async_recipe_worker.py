@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
-from worker_common import StagedEvents, run_worker
+from worker_common import StagedEvents, run_worker, snapshot
 
 import tierstore
 from tierstore.events import Phase
@@ -104,20 +104,6 @@ def train_step(model, optimizer, gen: torch.Generator) -> None:
     optimizer.zero_grad()
     model(torch.rand(8, 16, generator=gen)).sum().backward()
     optimizer.step()
-
-
-def snapshot(obj):
-    """A deep copy of a (model, optimizer) state dict: DTensors become clones of their local
-    shard, tensors are cloned, containers are copied, everything else kept as is."""
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().clone()
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
 
 
 def state_of(model, optimizer) -> dict:

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import tierstore
-from worker_common import assert_trees_equal, run_worker
+from worker_common import assert_trees_equal, run_worker, snapshot
 
 problems: list[str] = []
 
@@ -87,17 +87,6 @@ def state_dict(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> dic
     state is created, so that a load has somewhere to go) and the step."""
     model_sd, optim_sd = get_state_dict(model, optim)
     return {"model": model_sd, "optim": optim_sd, "step": step}
-
-
-def snapshot(obj):
-    """A deep CPU copy of a state dict (tensors cloned, detached)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
 
 
 def leaves(obj, path: str = ""):

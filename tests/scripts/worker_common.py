@@ -226,3 +226,17 @@ def mutate_everything(sd) -> None:
         elif isinstance(v, io.BytesIO):
             v.seek(0)
             v.write(b"CHANGED")
+
+
+def snapshot(obj):
+    """A deep copy of a (model, optimizer) state dict: DTensors become clones of their local
+    shard, tensors are cloned, containers are copied, everything else kept as is."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
