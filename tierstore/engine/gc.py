@@ -42,7 +42,7 @@ class GarbageCollector:
                                    detail={"entry": name}))
             log.info("removed leftover %s from tier '%s'", name, tier.name)
         if removed or chunks:
-            collect_chunks(tier, self._host, self._rank)
+            collect_chunks(tier, self._host, self._rank, force=chunks)
         return removed
 
     def _gone(self, tier: Tier, name: str) -> bool:
@@ -84,12 +84,13 @@ class GarbageCollector:
         return True
 
 
-def collect_chunks(tier: Tier, host: PluginHost, rank: int) -> None:
+def collect_chunks(tier: Tier, host: PluginHost, rank: int, force: bool = False) -> None:
     """On a deduplicated tier, remove the chunks nothing there names any more (after an
-    eviction or a leftover's removal), with a ``collected`` event saying how many; a failure
-    is logged, never raised (the next pass collects)."""
+    eviction or a leftover's removal; ``force``: the operator's ``gc``, even where no pass is
+    due), with a ``collected`` event saying how many; a failure is logged, never raised (the
+    next pass collects)."""
     try:
-        done = tier.collect_chunks()
+        done = tier.collect_chunks(force)
     except Exception:  # noqa: BLE001 - what is not collected now is collected later
         log.exception("tier '%s': collecting unreferenced chunks failed; the next pass "
                       "tries again", tier.name)

@@ -310,9 +310,13 @@ class ChunkedBackend(Backend):
                     out.append(f"{entry}/{name}")
         return out
 
-    def collect_chunks(self, announce: Callable[[int], None] = lambda n: None) -> Collected:
-        """Remove the chunks no recipe on the tier names (see :mod:`tierstore.tiers.chunks`)."""
-        return self.chunks.collect(self.recipe_paths(), announce)
+    def collect_chunks(self, force: bool = False,
+                       announce: Callable[[int], None] = lambda n: None) -> Collected:
+        """Remove the chunks no recipe on the tier names (see :mod:`tierstore.tiers.chunks`);
+        unless ``force`` (the operator's ``gc``), only when a pass is due there."""
+        if not force and not self.chunks.due():
+            return Collected(False)
+        return self.chunks.collect(self.recipe_paths, announce)
 
     # -- the backend's primitives, data files as chunks ------------------------------------
     def check_reachable(self) -> str | None:

@@ -114,6 +114,7 @@ class ChunkStore:
         self._recipes: dict[str, frozenset[str]] = {}
         #: the recipes whose chunks :meth:`learn` was told of, under the current generation
         self.learned: set[str] = set()
+        self._last_pass = 0.0
 
     # -- writers ---------------------------------------------------------------------------
     def hold(self) -> DirectoryLock:
@@ -241,18 +242,29 @@ class ChunkStore:
         return ChunkReader(self, recipe, name)
 
     # -- the collector ----------------------------------------------------------------------
-    def collect(self, recipe_paths: Iterable[str], announce: Callable[[int], None] = lambda n: None
-                ) -> Collected:
-        """Remove every chunk that none of the recipes at ``recipe_paths`` (every recipe on the
-        tier; called by :meth:`~tierstore.tiers.chunked.ChunkedBackend.collect_chunks`) names.
-        ``Collected(ran=False)`` when a writer holds the store (the next pass collects)."""
+    def due(self) -> bool:
+        """Whether a pass would do anything now: always on a filesystem; on an object store,
+        where a chunk goes only once two passes at least the grace apart found it unnamed,
+        once a quarter of the grace has gone by since this process's last pass (a pass costs
+        a listing of every checkpoint and of the chunk store)."""
+        if not self.backend.locks_write:
+            return True
+        return time.time() - self._last_pass >= _grace_s(self.backend) / 4
+
+    def collect(self, recipe_paths: Callable[[], Iterable[str]],
+                announce: Callable[[int], None] = lambda n: None) -> Collected:
+        """Remove every chunk that none of the recipes at ``recipe_paths()`` (every recipe on
+        the tier; called by :meth:`~tierstore.tiers.chunked.ChunkedBackend.collect_chunks`)
+        names. ``Collected(ran=False)`` when a writer holds the store (the next pass
+        collects)."""
+        self._last_pass = time.time()
         lock = self.backend.lock_directory(CHUNKS_DIR, exclusive=True)
         if lock is None:
             log.info("not collecting chunks on %s: a writer holds its chunk store",
                      self.backend.describe())
             return Collected(False)
         try:
-            referenced = self._referenced(recipe_paths)
+            referenced = self._referenced(recipe_paths())
             stored, strays = self._stored()
             unreferenced = {d: p for d, p in stored.items() if d not in referenced}
             victims = self._past_grace(unreferenced) if self.backend.locks_write \

@@ -475,12 +475,13 @@ class Tier:
         self.backend.delete(f"{checkpoint_id}/{MANIFEST_NAME}")
         remove(checkpoint_id)
 
-    def collect_chunks(self) -> Collected | None:
+    def collect_chunks(self, force: bool = False) -> Collected | None:
         """On a deduplicated tier, remove the chunks no checkpoint here (committed, pending,
-        being written or deleted) names any more; None on any other tier."""
+        being written or deleted) names any more (``force``: even where a pass is not due,
+        see ``ChunkStore.due``); None on any other tier."""
         if not isinstance(self.backend, ChunkedBackend):
             return None
-        return self.backend.collect_chunks()
+        return self.backend.collect_chunks(force)
 
     def retention_victims(self, manifests: dict[str, Manifest]) -> list[str]:
         """Ids that ``keep`` removes: all but the newest ``keep``, never pinned ones."""
