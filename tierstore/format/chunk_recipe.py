@@ -3,9 +3,8 @@
 A deduplicated tier keeps each DCP data file as a *recipe* beside the other files of its
 checkpoint, and the bytes as chunks in the tier's chunk store, each named by its digest. The
 recipe lists the file's chunks in order, each with its length and digest; its name carries the
-file's name, the file's size (so that one listing tells every file's size, as for a whole file)
-and a nonce (so that a recipe's name is never reused for other contents: a collector may keep
-what it read of a recipe by name).
+file's name and the file's size: one listing tells every file's size, as for a whole file, and
+a reader that knows the size from the manifest reads the recipe without a listing.
 
 A recipe is read from a tier: untrusted. :func:`parse_recipe` checks every field, and the bytes
 a recipe puts together are checked against the manifest's digests like any file's.
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass
 
 from tierstore.format.manifest_check import CHECKSUM_PATTERN, MAX_INT, ManifestError
@@ -28,25 +26,23 @@ RECIPE_MARK = ".tierstore-chunked."
 #: the largest recipe read from a tier (a file of a TiB in chunks of 1 MiB lists about 1M
 #: chunks of about 60 bytes each)
 MAX_RECIPE_BYTES = 128 << 20
-_NAME = re.compile(rf"^(?P<name>.+){re.escape(RECIPE_MARK)}(?P<size>[0-9]{{1,19}})\."
-                   r"(?P<nonce>[0-9a-f]{16})$")
+_NAME = re.compile(rf"^(?P<name>.+){re.escape(RECIPE_MARK)}(?P<size>[0-9]{{1,19}})$")
 
 
 @dataclass(frozen=True)
 class RecipeName:
-    """What a recipe's name says: the file it stands for, its size, its nonce."""
+    """What a recipe's name says: the file it stands for and its size."""
 
     name: str
     size: int
-    nonce: str
 
     def __str__(self) -> str:
-        return f"{self.name}{RECIPE_MARK}{self.size}.{self.nonce}"
+        return f"{self.name}{RECIPE_MARK}{self.size}"
 
 
 def recipe_name(name: str, size: int) -> RecipeName:
-    """A new recipe name for file ``name`` of ``size`` bytes (a fresh nonce)."""
-    return RecipeName(name, size, secrets.token_hex(8))
+    """The recipe name of file ``name`` of ``size`` bytes."""
+    return RecipeName(name, size)
 
 
 def parse_recipe_name(entry: str) -> RecipeName | None:
@@ -56,7 +52,7 @@ def parse_recipe_name(entry: str) -> RecipeName | None:
     match = _NAME.match(entry)
     if match is None or int(match["size"]) > MAX_INT:
         return None
-    return RecipeName(match["name"], int(match["size"]), match["nonce"])
+    return RecipeName(match["name"], int(match["size"]))
 
 
 @dataclass(frozen=True)

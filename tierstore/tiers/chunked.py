@@ -338,7 +338,12 @@ class ChunkedBackend(Backend):
 
     def open_read_sized(self, path: str, size: int) -> IO[bytes]:
         if is_chunked_name(path):
-            return self.open_read(path)
+            # The size (from the manifest) names the recipe: read it without a listing.
+            try:
+                return self.chunks.open(  # type: ignore[return-value]
+                    self.read_recipe(path, recipe_name(_split(path)[1], size)), path)
+            except FileNotFoundError:
+                return self.open_read(path)  # written whole, or of another size
         return self.inner.open_read_sized(path, size)
 
     def size(self, path: str) -> int | None:
@@ -397,7 +402,7 @@ class ChunkedBackend(Backend):
         src_dir, _ = _split(src)
         dst_dir, dst_name = _split(dst)
         self.inner.rename(_join(src_dir, str(found)),
-                          _join(dst_dir, str(RecipeName(dst_name, found.size, found.nonce))),
+                          _join(dst_dir, str(RecipeName(dst_name, found.size))),
                           replace=replace)
 
     def lock_directory(self, path: str, *, exclusive: bool) -> DirectoryLock | None:

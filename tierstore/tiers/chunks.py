@@ -110,8 +110,6 @@ class ChunkStore:
         self._known: set[str] = set()
         self._generation: str | None = None
         self._dirs_made: set[str] = set()
-        # recipe path -> the digests it names (a recipe's name is never reused for others)
-        self._recipes: dict[str, frozenset[str]] = {}
         #: the recipes whose chunks :meth:`learn` was told of, under the current generation
         self.learned: set[str] = set()
         self._last_pass = 0.0
@@ -299,22 +297,13 @@ class ChunkStore:
         """Every digest the recipes at ``recipe_paths`` name. A recipe that cannot be read
         or parsed spares everything: never remove what a damaged listing may still need."""
         referenced: set[str] = set()
-        seen = set()
         for path in recipe_paths:
-            seen.add(path)
-            digests = self._recipes.get(path)
-            if digests is None:
-                name = parse_recipe_name(posixpath.basename(path))
-                try:
-                    raw = self.backend.read_bytes(path)
-                except FileNotFoundError:
-                    continue  # removed since the listing: its checkpoint went
-                recipe = parse_recipe(raw, name.size, path)
-                digests = frozenset(d for _, d in recipe.chunks)
-                self._recipes[path] = digests
-            referenced |= digests
-        for gone in set(self._recipes) - seen:
-            del self._recipes[gone]
+            name = parse_recipe_name(posixpath.basename(path))
+            try:
+                raw = self.backend.read_bytes(path)
+            except FileNotFoundError:
+                continue  # removed since the listing: its checkpoint went
+            referenced.update(d for _, d in parse_recipe(raw, name.size, path).chunks)
         return referenced
 
     def _stored(self) -> tuple[dict[str, tuple[str, int]], list[str]]:
