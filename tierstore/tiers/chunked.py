@@ -283,7 +283,7 @@ class ChunkedBackend(Backend):
         there: what a save of it shares), one listing of the root and one recipe per
         checkpoint not looked at before. Only under the chunk store's hold."""
         name = _split(path)[1].removesuffix(".part")
-        for entry in self.inner.list(""):
+        for entry in self.chunks.root_entries():
             if entry.startswith(".") or f"{entry}/{name}" in self.chunks.learned:
                 continue
             found = self._recipes_in(entry).get(name)

@@ -79,6 +79,19 @@ def _digest_of(path: str) -> str | None:
     return digest if CHECKSUM_PATTERN.fullmatch(digest) else None
 
 
+class _Hold(DirectoryLock):
+    """One writer's share of the process's hold on a chunk store (``ChunkStore.hold``)."""
+
+    def __init__(self, store: "ChunkStore"):
+        self._store: ChunkStore | None = store
+
+    def release(self) -> None:
+        """Let go (idempotent)."""
+        store, self._store = self._store, None
+        if store is not None:
+            store._let_go()
+
+
 class MissingChunk(FileNotFoundError):
     """A chunk a recipe names is not in the chunk store (or is shorter than it says): the
     file it belongs to is missing from this copy, and the message says which chunk."""
@@ -113,20 +126,57 @@ class ChunkStore:
         #: the recipes whose chunks :meth:`learn` was told of, under the current generation
         self.learned: set[str] = set()
         self._last_pass = 0.0
+        # the one hold this process's writers share (hold), and how many use it
+        self._holding = threading.Lock()
+        self._holders = 0
+        self._shared: DirectoryLock | None = None
+        self._root_seen: tuple[float, list[str]] | None = None
 
     # -- writers ---------------------------------------------------------------------------
     def hold(self) -> DirectoryLock:
-        """Hold the store shared for a writer (see the module's docstring); the writer's
-        knowledge of what is there is brought up to date."""
-        self._makedirs(CHUNKS_DIR)
-        lock = self.backend.lock_directory(CHUNKS_DIR, exclusive=False)
-        generation = self._read_generation()
+        """Hold the store shared for a writer (see the module's docstring); release the hold
+        returned when done. The writers of this process share one hold: the first takes the
+        lock (a lease on an object store: a write) and brings this process's knowledge of
+        what is there up to date; the last lets go of it."""
+        with self._holding:
+            if self._holders == 0:
+                self._makedirs(CHUNKS_DIR)
+                lock = self.backend.lock_directory(CHUNKS_DIR, exclusive=False)
+                self._shared = lock if lock is not None else DirectoryLock()
+                try:
+                    generation = self._read_generation()
+                except BaseException:
+                    self._shared.release()
+                    raise
+                with self._guard:
+                    if generation != self._generation:
+                        self._known.clear()
+                        self.learned.clear()
+                        self._generation = generation
+            self._holders += 1
+        return _Hold(self)
+
+    def _let_go(self) -> None:
+        """One writer is done (:class:`_Hold`); the last one releases the lock."""
+        with self._holding:
+            self._holders -= 1
+            if self._holders:
+                return
+            shared, self._shared = self._shared, None
+            if shared is not None:
+                shared.release()
+
+    def root_entries(self) -> list[str]:
+        """The root's entries, as a listing at most a second old saw them (every file a save
+        writes asks: one listing serves the save's files)."""
         with self._guard:
-            if generation != self._generation:
-                self._known.clear()
-                self.learned.clear()
-                self._generation = generation
-        return lock if lock is not None else DirectoryLock()
+            seen = self._root_seen
+        if seen is not None and time.monotonic() - seen[0] < 1.0:
+            return seen[1]
+        entries = self.backend.list("")
+        with self._guard:
+            self._root_seen = (time.monotonic(), entries)
+        return entries
 
     def learn(self, digests: Iterable[str]) -> None:
         """Chunks a recipe on the tier names (so they are there): an object store's writer
