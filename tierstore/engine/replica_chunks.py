@@ -154,14 +154,18 @@ class ChunkedReceipt:
         assert isinstance(backend, ChunkedBackend)
         self.tier, self.chunks = tier, chunks
         self._store = backend.chunks
-        self._hold: DirectoryLock = self._store.hold()
-        #: per file, the indexes of the chunks this holder lacks
-        self.needs = {rel: [i for i, (n, d) in enumerate(lst) if not self._store.has(d, n)]
-                      for rel, lst in chunks.items()}
         self._buffers: dict[str, BufferTarget] = {}
         self._arrived: dict[tuple[str, int], int] = {}
         #: bytes of chunks received and written
         self.received = 0
+        self._hold: DirectoryLock | None = self._store.hold()
+        try:
+            #: per file, the indexes of the chunks this holder lacks
+            self.needs = {rel: [i for i, (n, d) in enumerate(lst) if not self._store.has(d, n)]
+                          for rel, lst in chunks.items()}
+        except BaseException:
+            self.close()
+            raise
 
     def target(self, t: Transfer) -> BufferTarget:
         """Where a chunk of ``t.key`` lands: one buffer per file (only its chunks' pages are

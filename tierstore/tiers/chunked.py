@@ -68,7 +68,11 @@ class ChunkingFile(io.RawIOBase):
         self._store = view.chunks
         self._hold = self._store.hold()
         if self._store.parallel:
-            view.learn_chunks_of(path)
+            try:
+                view.learn_chunks_of(path)
+            except BaseException:
+                self._hold.release()  # (a leaked hold would keep every collection away)
+                raise
         self._buf = bytearray()
         self._chunk_start = 0  # offset of the chunk being gathered
         self._item_start = 0
