@@ -284,8 +284,27 @@ class Drainer(BackgroundJobs[DrainJob]):
             try:
                 self._drain_one(job, target)
             except BaseException as exc:
-                self._target_failed(job, target, exc)
+                if isinstance(exc, DrainError) and self._overwritten(job):
+                    # A newer save of the same id replaced the source under the copy (the
+                    # bytes read are that save's, not those of the manifest the copy began
+                    # with): its own drain copies it; this one gives way.
+                    log.info("%s on tier '%s' was saved again while it was being copied to "
+                             "'%s'; the newer save's drain copies it", job.checkpoint_id,
+                             job.source.name, target.name)
+                else:
+                    self._target_failed(job, target, exc)
             job.done.append(target.name)
+
+    @staticmethod
+    def _overwritten(job: DrainJob) -> bool:
+        """Whether the source now holds another save of the job's id than the job's own."""
+        if not job.token:
+            return False
+        try:
+            now = job.source.read_manifest(job.checkpoint_id)
+        except Exception:  # noqa: BLE001 - a source that cannot be read says nothing
+            return False
+        return now is not None and now.save_token != job.token
 
     def after_job(self, job: DrainJob) -> None:
         # Retention on the source may have spared this id while it was being copied: apply it
