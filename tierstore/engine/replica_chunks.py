@@ -154,8 +154,18 @@ class ChunkedReceipt:
         assert isinstance(backend, ChunkedBackend)
         self.tier, self.chunks = tier, chunks
         self._store = backend.chunks
+        # per file: where each chunk starts (offset -> index), and the file's size
+        self._starts: dict[str, dict[int, int]] = {}
+        self._sizes: dict[str, int] = {}
+        for rel, lst in chunks.items():
+            pos, starts = 0, {}
+            for i, (length, _) in enumerate(lst):
+                starts[pos] = i
+                pos += length
+            self._starts[rel], self._sizes[rel] = starts, pos
         self._buffers: dict[str, BufferTarget] = {}
-        self._arrived: dict[tuple[str, int], int] = {}
+        self._arrived: dict[tuple[str, int], int] = {}  # (file, offset) -> bytes so far
+        self._whole: set[tuple[str, int]] = set()  # (file, index) of chunks checked, written
         #: bytes of chunks received and written
         self.received = 0
         self._hold: DirectoryLock | None = self._store.hold()
@@ -170,9 +180,8 @@ class ChunkedReceipt:
     def target(self, t: Transfer) -> BufferTarget:
         """Where a chunk of ``t.key`` lands: one buffer per file (only its chunks' pages are
         touched)."""
-        size = sum(n for n, _ in self.chunks[t.key])
         if t.key not in self._buffers:
-            self._buffers[t.key] = BufferTarget(size)
+            self._buffers[t.key] = BufferTarget(self._sizes[t.key])
         return self._buffers[t.key]
 
     def arrived(self, t: Transfer, data: torch.Tensor) -> None:
@@ -192,31 +201,26 @@ class ChunkedReceipt:
             raise ReplicationError(f"a chunk of {t.key} from rank {t.src} does not match its "
                                    f"digest; the replica was not committed")
         self.received += self._store.ensure(digest, view)
+        self._whole.add((t.key, index))
 
     def _index_of(self, t: Transfer) -> int:
-        pos = 0
-        for i, (length, _) in enumerate(self.chunks[t.key]):
-            if pos == t.offset:
-                return i
-            pos += length
-        raise ReplicationError(f"no chunk of {t.key} starts at {t.offset}")
+        index = self._starts[t.key].get(t.offset)
+        if index is None:
+            raise ReplicationError(f"no chunk of {t.key} starts at {t.offset}")
+        return index
 
     def write_recipes(self, staging: str) -> None:
         """Every chunk is there: write each file's recipe into the replica's staging
         directory."""
         for rel in self.needs:
-            missing = [i for i in self.needs[rel] if (rel, self._offset(rel, i))
-                       not in self._arrived]
+            missing = [i for i in self.needs[rel] if (rel, i) not in self._whole]
             if missing:
                 raise ReplicationError(f"{len(missing)} chunks of {rel} never arrived; the "
                                        f"replica was not committed")
-            chunks = self.chunks[rel]
             backend = self.tier.backend
             assert isinstance(backend, ChunkedBackend)
-            backend.put_recipe(f"{staging}/{rel}", Recipe(sum(n for n, _ in chunks), chunks))
+            backend.put_recipe(f"{staging}/{rel}", Recipe(self._sizes[rel], self.chunks[rel]))
 
-    def _offset(self, rel: str, index: int) -> int:
-        return sum(n for n, _ in self.chunks[rel][:index])
 
     def close(self) -> None:
         """Let go of the chunk store. Idempotent."""

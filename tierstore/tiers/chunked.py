@@ -19,6 +19,7 @@ written whole before the tier had ``dedup`` (it is read as it is).
 
 from __future__ import annotations
 
+import collections
 import io
 import posixpath
 import threading
@@ -76,7 +77,7 @@ class ChunkingFile(io.RawIOBase):
         self._buf = bytearray()
         self._chunk_start = 0  # offset of the chunk being gathered
         self._item_start = 0
-        self._planned: list[int] = []  # item starts still ahead (set_cuts)
+        self._planned: collections.deque[int] = collections.deque()  # item starts ahead
         self._chunks: list[tuple[int, str]] = []
         #: bytes this file wrote to the chunk store (the rest was there already)
         self.new_bytes = 0
@@ -92,7 +93,8 @@ class ChunkingFile(io.RawIOBase):
     def set_cuts(self, cuts: list[int] | None) -> None:
         """The offsets where the file's items start, known up front (a copy of a file whose
         manifest entry recorded them)."""
-        self._planned = sorted(c for c in (cuts or []) if c > self._chunk_start)
+        self._planned = collections.deque(sorted(c for c in (cuts or [])
+                                                 if c > self._chunk_start))
 
     def recheck_chunks(self) -> None:
         """Read back each chunk the store holds already and write it again unless its bytes
@@ -151,7 +153,7 @@ class ChunkingFile(io.RawIOBase):
         while self._planned and self._planned[0] <= self._chunk_start:
             if self._planned[0] == self._chunk_start:
                 self._item_start = self._chunk_start
-            self._planned.pop(0)
+            self._planned.popleft()
 
     def tell(self) -> int:
         return self._chunk_start + len(self._buf)
