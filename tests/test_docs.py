@@ -119,3 +119,10 @@ def test_the_docs_build_strict_without_a_warning(tmp_path):
         assert (site / chart).is_file(), chart
     assert 'src="../bench/save_load.png"' in (site / "performance" / "index.html").read_text()
     assert "tierstore.Store.latest" in (site / "reference" / "tierstore" / "index.html").read_text()
+    # Code wraps instead of running off the page, and table cells keep identifiers whole:
+    # every page links the stylesheet that says so.
+    css = (site / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"pre > code \{[^}]*white-space: pre-wrap", css), css
+    assert re.search(r"table:not\(\[class\]\) code \{[^}]*white-space: nowrap", css), css
+    for page in ("index.html", "configuration/index.html", "integrations-lightning/index.html"):
+        assert "stylesheets/extra.css" in (site / page).read_text(), page
