@@ -1,8 +1,9 @@
 """The Store: what ``tierstore.open()`` returns, a facade over the layers below.
 
-It wires one store together (plugin host, config, tiers, process groups, the engine's services,
-the DCP adapters' service bundles) and offers the Contract's API, nothing else: each method
-hands the work to the service that owns it. No service holds the Store.
+It holds one store's parts (plugin host, config, tiers, process groups, the engine's services,
+the DCP adapters' service bundles), which :mod:`tierstore.assembly` builds and lets go of, and
+offers the Contract's API, nothing else: each method hands the work to the part that owns it.
+No part holds the Store.
 """
 
 from __future__ import annotations
@@ -14,58 +15,31 @@ import signal
 import threading
 import time
 import weakref
-from concurrent import futures
 from typing import Any, Iterable
 
-import torch.distributed as dist
-
+from tierstore.assembly import assemble, shut_down
 from tierstore.config.spec import StoreSpec
-from tierstore.config.validate import load_config
 from tierstore.dcp.contents import describe, export
-from tierstore.dcp.reader import ReaderServices, TierstoreReader
+from tierstore.dcp.reader import TierstoreReader
 from tierstore.dcp.writer import TierstoreWriter, WriterServices
-from tierstore.engine.catalog import Catalog
-from tierstore.engine.claims import TierClaims, agree_job_token
-from tierstore.engine.context import Groups, StoreContext
-from tierstore.engine.events_log import EventsLog
-from tierstore.engine.drain import Drainer, PendingCopy, finish_at_exit, report_unfinished
-from tierstore.engine.parts import KnownCommits
-from tierstore.engine.gc import GarbageCollector
-from tierstore.engine.health import TierHealth
-from tierstore.engine.interval import IntervalChooser
-from tierstore.engine.listings import Listings
+from tierstore.engine.drain import PendingCopy, finish_at_exit, report_unfinished
 from tierstore.engine.parity import ParityCheck, verify_parity
-from tierstore.engine.publish import Publisher
-from tierstore.engine.recovery import queue_missing_copies
-from tierstore.engine.replication import Replicator
-from tierstore.engine.retention import Retention
+from tierstore.engine.recovery import DrainResumption, missing_copies
 from tierstore.engine.saves import SaveLedger
-from tierstore.engine.scrub import BackgroundScrub, Scrubber
-from tierstore.engine.stats import TierFigures, TierStats
-from tierstore.engine.watchdog import Watchdog
-from tierstore.errors import DrainError, ReplicationError
+from tierstore.engine.stats import TierFigures
+from tierstore.engine.waiting import raise_first_failure_of_any_rank, wait_for_background
+from tierstore.errors import DrainError
 from tierstore.events import Event, EventKind
-from tierstore.handoff import HandOff, checkpoint_process_store
-from tierstore.preemption import Preemption
-from tierstore.tiers.build import build_tiers
-from tierstore.tiers.plan import RestorePlan, restore_plan
 from tierstore.format.ids import validate_checkpoint_id
+from tierstore.handoff import checkpoint_process_store
+from tierstore.preemption import Preemption
+from tierstore.tiers.plan import RestorePlan, restore_plan
 from tierstore.tiers.reports import (CheckpointInfo, ExportResult, InspectReport, PromoteResult,
                                      ScrubReport, StoreStatus, VerifyReport)
-from tierstore.transport.collectives import all_gather_message, make_store_group, rank_context
-from tierstore.transport.shapes import as_str, as_tuple, optional
 
 __all__ = ["Store", "open"]
 
 log = logging.getLogger("tierstore.store")
-
-#: the failures ``wait(all_ranks=True)`` raises, by the name another rank sends (another name,
-#: from a rank running other code: a DrainError with its message)
-_WAIT_FAILURES = {"DrainError": DrainError, "ReplicationError": ReplicationError,
-                  "TimeoutError": TimeoutError}
-
-#: seconds ``close`` waits for the background threads of finished drains to end
-_THREADS_END_S = 5.0
 
 
 class Store:
@@ -75,119 +49,35 @@ class Store:
                  plugins: Iterable[object] = (), hand_off: bool = False,
                  tolerate_unreachable: bool = False, read_only: bool = False,
                  job_token: str | None = None):
-        plugins = tuple(plugins)
         opening = time.perf_counter()
         #: queries only (see :func:`open`): nothing is started that writes to a tier
         self.read_only = read_only
-        spec = StoreSpec.of(config, plugins)
-        self._stats = TierStats()
-        self._watchdog = watchdog = Watchdog()
-        self._events_log = events_log = EventsLog()
-        self._intervals = intervals = IntervalChooser()
-        config, host = load_config(config, plugins, {"tierstore.engine.stats": self._stats,
-                                                     "tierstore.engine.watchdog": watchdog,
-                                                     "tierstore.engine.events_log": events_log,
-                                                     "tierstore.engine.interval": intervals})
-        job = rank_context(process_group)
-        # A read-only store (a query beside the job) logs nothing: `tierstore ls` run during a
-        # job must not read as one of its restarts.
-        if config.events_log and not read_only:
-            events_log.start(config.events_log)
-        # A read-only store never saves, so it never builds the buffers a save stages into.
-        stager = None if read_only else host.lookup("staging", config.staging.name).factory(
-            **config.staging.options)
         self._closed = False
-        # Two groups: collectives inside a save or load (maybe in a background thread) never
-        # interleave with latest() on the main one.
-        timeout = config.collective_timeout
-        main = make_store_group(process_group, timeout)
-        io = make_store_group(process_group, timeout)
-        # The job's token for claiming its tiers' directories before its first save (DCP's
-        # checkpoint process is given its job's); a store that never saves claims nothing.
-        self._claims = claims = TierClaims(
-            None if read_only else job_token or agree_job_token(main))
-        unreachable: dict[str, str] = {}
-        try:
-            tiers = build_tiers(config, host, job, main, unreachable, tolerate_unreachable)
-        except BaseException:
-            _destroy(main, io)  # a failed open leaves no groups behind
-            events_log.stop()
-            raise
-        replication = (make_store_group(process_group, timeout) if tiers.strategy is not None
-                       else None)
-        self._ctx = ctx = StoreContext(config, host, job, tiers, Groups(main, io, replication))
-        intervals.configure([t.name for t in tiers], [t.name for t in tiers if t.auto], job.rank,
-                            host, config.mtbf_hours, config.events_log)
-        self._ledger = SaveLedger()
-        self._retention = Retention(host, job.rank)
-        gc = GarbageCollector(host, job.rank, self._ledger)
-        commits = KnownCommits()
-        self._drainer = Drainer(ctx, self._retention, gc, commits)
-        self._replicator = (Replicator(ctx, self._retention, self._ledger)
-                            if tiers.strategy is not None else None)
-        self._gc, self._stager = gc, stager
-        self._health = health = TierHealth(host, job.rank)
-        for name, why in unreachable.items():
-            health.mark_down(tiers.named(name), "open()", why)
-        self._listings = listings = Listings()
-        self._catalog = Catalog(ctx, self._retention, health, listings)
-        self._scrubber = Scrubber(ctx, self._drainer, self._retention, health, self._catalog)
-        self._background_scrub = None
-        if config.scrub_every_s and job.rank == 0 and not hand_off and not read_only:
-            self._background_scrub = BackgroundScrub(self._scrubber, config.scrub_every_s,
-                                                     host, job.rank)
-        self._hand_off = HandOff(spec, tiers, job.rank, self._drainer, self._retention, health,
-                                 _checkpoint_process_services, listings, claims.job)
-        self._publisher = publisher = Publisher(ctx, self._drainer, self._retention, commits,
-                                                in_checkpoint_process=hand_off)
-        self._writer_services = WriterServices(ctx, self._ledger, stager, publisher, gc,
-                                               self._replicator, self._hand_off.reopen_callable,
-                                               self._hand_off.adopt_later, watchdog,
-                                               intervals if intervals.active else None,
-                                               claims)
-        self._reader_services = ReaderServices(ctx, self._retention, self._ledger.slot,
-                                               self._catalog, health, watchdog, listings)
-        watchdog.start(config.watchdog, host, job.rank)
-        if self._background_scrub is not None:
-            self._background_scrub.start()
+        self._parts = parts = assemble(
+            config, process_group, tuple(plugins), hand_off=hand_off,
+            tolerate_unreachable=tolerate_unreachable, read_only=read_only,
+            job_token=job_token, checkpoint_process_services=_checkpoint_process_services)
+        # the parts every method uses, by name
+        self._ctx, self._ledger, self._stager = parts.ctx, parts.ledger, parts.stager
+        self._drainer, self._retention, self._hand_off = (parts.drainer, parts.retention,
+                                                          parts.hand_off)
+        self._writer_services = parts.writer_services
         self._atexit = _exit_handler(weakref.ref(self))
         _call_at_exit(self._atexit)
         # Resuming drains writes to the slower tiers (and on ``manifest-last`` tiers wipes the
         # prefix it starts on): a read-only store, an operator's query beside a live job that
         # may be draining the same checkpoint, leaves that to the job or to `tierstore wait`.
-        self._resuming: threading.Thread | None = None
-        self._opened_at = time.time()  # the scan resumes what was committed before this
+        job, tiers, host = self._ctx.job, self._ctx.tiers, self._ctx.host
+        self._resumption = DrainResumption(
+            lambda: parts.claims.unclaimed_elsewhere(tiers), self._drainer, parts.health,
+            parts.listings, self._retention)
         if job.rank == 0 and not tiers.node_local and not hand_off and not read_only:
-            # Off the open's path: the scan looks at every tier (on an object store a listing
-            # and the manifests, a look latest() then reuses). wait(), pending() and close()
-            # wait for it.
-            self._retention.hold_older(self._opened_at)
-            self._resuming = threading.Thread(target=self._resume_drains, daemon=True,
-                                              name="tierstore-resume")
-            self._resuming.start()
+            self._resumption.start()  # wait(), pending() and close() wait for it
         if not hand_off and not read_only:  # a process of the job started (or restarted)
             host.event(Event(EventKind.OPENED, rank=job.rank,
                              seconds=time.perf_counter() - opening,
                              detail={"pid": os.getpid(), "world_size": job.world_size}))
         host.store_opened(self)
-
-    def _resume_drains(self) -> None:
-        """Queue the drains an earlier process left unmade (the open's background scan)."""
-        try:
-            queue_missing_copies(self._claims.unclaimed_elsewhere(self._ctx.tiers),
-                                 self._drainer, self._health,
-                                 self._listings, before=self._opened_at)
-        except Exception:  # noqa: BLE001 - the next open scans again
-            log.exception("could not look for the drains an earlier process left unmade")
-        finally:
-            # What the scan queued is spared by its drains from now on: keep applies again.
-            self._retention.release_older()
-
-    def _resumed(self) -> None:
-        """Wait for the open's scan for unmade drains (they are queued once it ends)."""
-        resuming = self._resuming
-        if resuming is not None:
-            resuming.join()
 
     @property
     def process_group(self) -> Any:
@@ -208,12 +98,12 @@ class Store:
     def reader(self) -> TierstoreReader:
         """A DCP StorageReader loading from this store."""
         self._check_open()
-        return TierstoreReader(self._reader_services)
+        return TierstoreReader(self._parts.reader_services)
 
     def _reader_alone(self) -> TierstoreReader:
         """A reader for a load DCP runs in this process only (``inspect``, ``export``)."""
         self._check_open()
-        return TierstoreReader(self._reader_services, alone=True)
+        return TierstoreReader(self._parts.reader_services, alone=True)
 
     def record_step(self, step: int, seconds: float) -> None:
         """The training code finished step ``step``, which took ``seconds`` of its own (not
@@ -241,18 +131,18 @@ class Store:
         would wait for each other until the collective timeout."""
         self._check_open()
         self._ledger.slot.wait_idle()
-        return self._catalog.latest()
+        return self._parts.catalog.latest()
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint complete on some tier of this process, newest first."""
         self._check_open()
-        return self._catalog.list()
+        return self._parts.catalog.list()
 
     def verify(self, checkpoint_id: str, tier: str | None = None) -> VerifyReport:
         """Re-read ``checkpoint_id`` on one tier (or every tier holding it) and check every
         file's size and checksum against the manifest."""
         self._check_open()
-        return self._catalog.verify(checkpoint_id, tier)
+        return self._parts.catalog.verify(checkpoint_id, tier)
 
     def verify_parity(self, checkpoint_id: str, *, repair: bool = False) -> ParityCheck | None:
         """Collective (a ``peer`` tier with the ``erasure`` strategy): encode the parity of
@@ -279,34 +169,31 @@ class Store:
         read-only store runs no drains: its answer is the copies missing from the tiers now,
         those a writable open would resume (or the job writing them is making)."""
         if not self.read_only:
-            self._resumed()
+            self._resumption.join()
             return self._drainer.pending()
         tiers = self._ctx.tiers
         if self._ctx.rank != 0 or tiers.node_local:
             return []
-        missing = _MissingCopies()
-        queue_missing_copies(list(tiers), missing, self._health,  # type: ignore[arg-type]
-                             self._listings)
-        return missing.copies
+        return missing_copies(list(tiers), self._parts.health, self._parts.listings)
 
     def stats(self) -> dict[str, TierFigures]:
         """Per-tier figures of this process since the store was opened: saves, drains, loads
         (count, bytes, seconds, throughput), fallbacks, evictions, failures."""
-        return self._stats.snapshot([t.name for t in self._ctx.tiers])
+        return self._parts.stats.snapshot([t.name for t in self._ctx.tiers])
 
     def status(self) -> StoreStatus:
         """What a failure would cost now, per tier: reachable or not, newest complete
         checkpoint, its age, steps behind the newest anywhere, bytes held, free space; and the
         copies still pending. A tier that does not answer is reported, never fatal."""
         self._check_open()
-        return self._catalog.status([(c.checkpoint_id, c.tier) for c in self.pending()])
+        return self._parts.catalog.status([(c.checkpoint_id, c.tier) for c in self.pending()])
 
     def inspect(self, checkpoint_id: str) -> InspectReport:
         """A checkpoint's files per rank, its tensors (fully qualified name, shape, dtype,
         bytes, from DCP's metadata, checked) and the tiers holding a complete copy."""
         self._check_open()
         cid = validate_checkpoint_id(checkpoint_id)
-        holders = self._catalog.complete_copies(cid, "inspect")
+        holders = self._parts.catalog.complete_copies(cid, "inspect")
         whole = [m for _, m in holders if m.parts == 1] or [holders[0][1]]
         return describe(whole[0], [t.name for t, _ in holders], self._reader_alone())
 
@@ -329,7 +216,7 @@ class Store:
         self._check_open()
         self._check_writable("promote")
         cid = validate_checkpoint_id(checkpoint_id)
-        return self._scrubber.promote(cid, self._ctx.tiers.named(to), pin)
+        return self._parts.scrubber.promote(cid, self._ctx.tiers.named(to), pin)
 
     def scrub(self, repair: bool = False) -> ScrubReport:
         """Re-read every copy on every tier (sizes and checksums); ``repair``: replace each bad
@@ -338,7 +225,7 @@ class Store:
         self._check_open()
         if repair:
             self._check_writable("repair")
-        return self._scrubber.scrub(repair)
+        return self._parts.scrubber.scrub(repair)
 
     def export(self, checkpoint_id: str, fmt: str, path: str) -> ExportResult:
         """Write one consolidated file of a checkpoint from its fastest good copy: ``torch``
@@ -346,7 +233,7 @@ class Store:
         or ``dcp``, a stock DCP checkpoint directory; shards are joined into whole tensors."""
         self._check_open()
         cid = validate_checkpoint_id(checkpoint_id)
-        self._catalog.complete_copies(cid, "export")
+        self._parts.catalog.complete_copies(cid, "export")
         return export(cid, fmt, path, self._reader_alone())
 
     # -- maintenance -------------------------------------------------------------------------
@@ -354,13 +241,13 @@ class Store:
         """Mark a checkpoint so that ``keep`` never deletes it, on every tier holding it."""
         self._check_open()
         self._check_writable("pin")
-        self._catalog.set_pinned(checkpoint_id, True)
+        self._parts.catalog.set_pinned(checkpoint_id, True)
 
     def unpin(self, checkpoint_id: str) -> None:
         """Let ``keep`` delete a checkpoint again."""
         self._check_open()
         self._check_writable("unpin")
-        self._catalog.set_pinned(checkpoint_id, False)
+        self._parts.catalog.set_pinned(checkpoint_id, False)
 
     def gc(self) -> list[str]:
         """Remove what interrupted saves left on every tier (never a committed checkpoint), and
@@ -368,7 +255,7 @@ class Store:
         self._check_open()
         self._check_writable("gc")
         return [f"{tier.name}:{name}" for tier in self._ctx.tiers.maintained()
-                for name in self._health.ask(tier, "gc", lambda t=tier: self._gc.collect(
+                for name in self._parts.health.ask(tier, "gc", lambda t=tier: self._parts.gc.collect(
                     t, chunks=True), [])]
 
     def wait(self, timeout: float | None = None, *, all_ranks: bool = False) -> None:
@@ -378,48 +265,19 @@ class Store:
         seconds. A plain ``wait()`` covers this process's work; ``all_ranks=True`` (collective)
         returns on every rank once every rank's is done, raising the first failure of any."""
         self._check_open()
-        deadline = None if timeout is None else time.monotonic() + timeout
-
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
         self._ledger.slot.wait_idle()  # a save in flight queues its drains when it commits
-        self._resumed()
+        self._resumption.join()
         self._hand_off.adopt()
         failure: BaseException | None = None
         try:
-            try:
-                self._drainer.wait(left())
-            finally:
-                if self._replicator is not None:
-                    self._replicator.wait(left())
-                if self._publisher.notices is not None:  # nodes learn of the last commits
-                    self._publisher.notices.wait(left())
+            wait_for_background(self._drainer, self._parts.replicator,
+                                self._parts.publisher.notices, timeout)
         except (DrainError, TimeoutError) as exc:
             if not all_ranks:
                 raise
             failure = exc
         if all_ranks:
-            # Each rank's failure as its class's name and message (plain data, never the
-            # exception itself: unpickling one would run what the sending rank chose).
-            # (and, for a DrainError, which copy: the checkpoint and the tier)
-            told = all_gather_message(
-                None if failure is None else [
-                    type(failure).__name__, str(failure),
-                    getattr(failure, "checkpoint_id", None), getattr(failure, "tier", None)],
-                self._ctx.groups.main,
-                optional(lambda v: as_tuple(v, as_str, as_str, optional(as_str),
-                                            optional(as_str))),
-                "a failure's class, message, checkpoint and tier")
-            first = next(((r, t) for r, t in enumerate(told) if t is not None), None)
-            if first is not None:
-                rank, (name, message, checkpoint_id, tier) = first
-                if rank == self._ctx.rank and failure is not None:
-                    raise failure
-                kind = _WAIT_FAILURES.get(name, DrainError)
-                if issubclass(kind, DrainError):
-                    raise kind(message, checkpoint_id, tier)
-                raise kind(message)
+            raise_first_failure_of_any_rank(failure, self._ctx.groups.main, self._ctx.rank)
 
     def wait_staging(self, timeout: float | None = None) -> float:
         """Make it safe for training to change the state of the newest ``dcp.async_save``
@@ -459,33 +317,11 @@ class Store:
                 self.wait()
             else:
                 self._ledger.slot.wait_idle()
-                self._resumed()
+                self._resumption.join()
                 report_unfinished(self._drainer.pending(), self._drainer.unreported_failures())
         finally:
             self._closed = True
-            atexit.unregister(self._atexit)
-            self._watchdog.stop()
-            if self._background_scrub is not None:
-                self._background_scrub.close()
-            self._health.close()
-            # Every drain is done when waited for: their threads end now, not at exit.
-            self._drainer.close(timeout=_THREADS_END_S if wait else 0)
-            if self._replicator is not None:
-                self._replicator.close(timeout=None if wait else 0)
-            if self._publisher.notices is not None:
-                self._publisher.notices.close(timeout=_THREADS_END_S if wait else 0)
-            staging = self._ledger.staging
-            if staging is not None:  # a lazy copy still running reads the buffers
-                futures.wait([staging.future])
-            self._ledger.release_spill()
-            if self._stager is not None:
-                self._stager.close()
-            self._claims.release()  # after the drains: they write to the tiers too
-            for tier in [*ctx.tiers, *ctx.tiers.all_replicas,
-                         *([ctx.tiers.parity_tier] if ctx.tiers.parity_tier else [])]:
-                tier.backend.close()
-            _destroy(ctx.groups.main, ctx.groups.io, ctx.groups.replication)
-            self._events_log.stop()
+            shut_down(self._parts, wait, self._atexit)
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
@@ -506,20 +342,6 @@ class Store:
         return f"<tierstore.Store tiers={[t.name for t in self._ctx.tiers]} rank={self._ctx.rank}>"
 
 
-class _MissingCopies:
-    """What :func:`queue_missing_copies` hands a drainer, kept as a list instead of copied:
-    how a read-only store says which copies are pending without making them."""
-
-    def __init__(self) -> None:
-        self.copies: list[PendingCopy] = []
-
-    def pending(self) -> list[PendingCopy]:
-        return []  # nothing is queued in a read-only store
-
-    def submit(self, job: Any) -> None:
-        self.copies += [PendingCopy(job.checkpoint_id, t.name) for t in job.targets]
-
-
 class _StagingWait:
     """The optimizer step pre-hook of :meth:`Store.hook_optimizer` (holds the store's ledger,
     not the store)."""
@@ -529,14 +351,6 @@ class _StagingWait:
 
     def __call__(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._ledger.wait_staging()
-
-
-def _destroy(*groups: Any) -> None:
-    """Destroy the store's own process groups (None: no group)."""
-    if dist.is_initialized():
-        for group in groups:
-            if group is not None:
-                dist.destroy_process_group(group)
 
 
 def _call_at_exit(handler) -> None:
