@@ -44,7 +44,9 @@ your plugin, and run pytest::
                     "tier": [{"name": "mine", "backend": "mine", "path": str(tmp_path / "t")}]}
 
 then ``python -m pytest tests/test_my_backend.py``. The base classes have no ``Test`` prefix, so
-pytest collects only your subclasses. Your subclass must use a ``Test`` prefix.
+pytest collects only your subclasses. Your subclass must use a ``Test`` prefix. The plugins page
+of the documentation (``docs/plugins.md``, "Writing a backend") has a complete backend without
+rename and its test module, with the ``backdoor_read`` a backend without ``local_path()`` needs.
 
 No test is ever skipped: a test either checks something or fails saying what is missing. Pick the
 classes that match what your plugin declares; tests fail when they do not:

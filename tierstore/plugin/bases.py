@@ -32,6 +32,21 @@ class DirectoryLock:
         """End the lock (a no-op here)."""
 
 
+class _CommitForRename:
+    """:attr:`Backend.default_commit` of a backend that names none: the protocol it can run.
+
+    Read when asked, not fixed when the class is made, so that it follows ``supports_rename``
+    wherever the backend sets it: on the class, or on the instance in ``__init__`` (one
+    backend class for several kinds of storage). A non-data descriptor: a subclass's own
+    ``default_commit``, or one an instance sets, takes its place."""
+
+    def __get__(self, obj: "Backend | None", owner: "type[Backend]") -> str:
+        # ``atomic`` renames a staging directory into place, so it needs rename; without
+        # one, every commit would fail with the defaults.
+        holder = owner if obj is None else obj
+        return "atomic" if holder.supports_rename else "manifest-last"
+
+
 class Backend(abc.ABC):
     """Persistence: where a tier's bytes live (a directory, tmpfs, an object store, peers).
 
@@ -41,10 +56,11 @@ class Backend(abc.ABC):
 
     #: config keys of this backend, beside the core tier keys (name, backend, every, keep, codecs)
     options: ClassVar[tuple[Option, ...]] = ()
-    #: name of the commit protocol used when ``[store] commit`` is not set; a backend that
-    #: does not name one gets the one its ``supports_rename`` can run: ``atomic`` (a staging
-    #: directory renamed into place) with rename, ``manifest-last`` without
-    default_commit: ClassVar[str] = "manifest-last"
+    #: name of the commit protocol used when ``[store] commit`` is not set. A backend that
+    #: names none (nor does a base class of it below this one) gets the one its
+    #: ``supports_rename`` can run: ``atomic`` (a staging directory renamed into place) with
+    #: rename, ``manifest-last`` (files in place, the manifest written last) without
+    default_commit: ClassVar[str] = _CommitForRename()  # type: ignore[assignment]
     #: True when ``rename`` is cheap and atomic (POSIX); object stores say False
     supports_rename: ClassVar[bool] = False
     #: True when the backend survives a power loss (files are fsynced); tmpfs says False
@@ -60,16 +76,6 @@ class Backend(abc.ABC):
     #: table: ``strategy`` names a replication strategy, the rest are its options. None: this
     #: backend holds no replicas.
     replication: dict[str, Any] | None = None
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # A backend (or a base of it) that names its default_commit keeps it; any other gets
-        # the protocol its own supports_rename can run (``atomic`` needs rename), so that a
-        # backend without rename works with the default settings.
-        if "default_commit" in vars(cls):
-            cls._names_default_commit = True
-        elif not getattr(cls, "_names_default_commit", False):
-            cls.default_commit = "atomic" if cls.supports_rename else "manifest-last"
 
     root: str
 
