@@ -1,21 +1,28 @@
 """tierstore.integrations.lightning: Lightning's Trainer and Fabric checkpointing through a store.
 
 The Trainer runs for real (tests/scripts/lightning_worker.py under torchrun: 2 ranks, CPU, gloo,
-a tiny MLP sharded with FSDP2, Adam): killed with SIGKILL in the middle of a save, restarted with
-``ckpt_path="last"``, it ends bitwise equal to the same job run without interruption, and to the
-same job with Lightning's own checkpointing. FSDP1 (FSDPStrategy) and Fabric's strategies run in
-a second job. The rest is this process: the path <-> id mapping both ways, and the order of what
-follows a commit (a pointer file only for a committed checkpoint, pins, release), and what the
-strategies decide from paths (which checkpoint a path loads, ``ckpt_path="last"`` in a store
-several runs share, which removal unpins), with Lightning's callbacks but no Trainer.
+a tiny MLP sharded with FSDP2, Adam): ``lightning.pytorch``'s, killed with SIGKILL in the middle
+of a save, restarted with ``ckpt_path="last"``, ends bitwise equal to the same job run without
+interruption, and to the same job with Lightning's own checkpointing. A second job runs
+``pytorch_lightning``'s Trainer (stopped half-way and resumed, bitwise, with the names code
+written for it imports), FSDP1 (FSDPStrategy, saved under ``pytorch_lightning`` and resumed under
+``lightning.pytorch``) and Fabric's strategies under both packages. The rest is this process:
+the path <-> id mapping both ways, and the order of what follows a commit (a pointer file only
+for a committed checkpoint, pins, release), what the strategies decide from paths (which
+checkpoint a path loads, ``ckpt_path="last"`` in a store several runs share, which removal
+unpins), with Lightning's callbacks but no Trainer, and which strategy classes each package's
+Trainer and Fabric take.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import subprocess
+import sys
+from importlib import import_module
 
 import pytest
 import torch
@@ -188,18 +195,24 @@ def test_a_name_saved_again_without_overwrite_says_how_lightning_gets_there(tmp_
 
 # --------------------------------------------------------------------------- what a path stands for
 
-@pytest.fixture
-def trainer_strategy(tmp_path):
-    """tierstore's ModelParallelStrategy for the Trainer, without a Trainer: what the Trainer
-    would give it is set by hand. A monitored ModelCheckpoint keeps its best 1 in best/, a
-    periodic one keeps 1 in periodic/, both with Lightning's default names; the store (keep 1
-    on RAM, 2 on disk, overwrite) is open; the module is a Linear(8, 1) without bias."""
+# Lightning's Trainer package -> the module tierstore's strategies for it are imported from (for
+# pytorch_lightning, the module that held them first: what code written for it imports)
+TRAINER_MODULES = {"lightning.pytorch": "tierstore.integrations.lightning.pytorch",
+                   "pytorch_lightning": "tierstore.integrations.lightning.trainer"}
+
+
+@pytest.fixture(params=sorted(TRAINER_MODULES))
+def trainer_strategy(tmp_path, request):
+    """tierstore's ModelParallelStrategy for the Trainer of each package, without a Trainer:
+    what the Trainer would give it is set by hand. A monitored ModelCheckpoint keeps its best 1
+    in best/, a periodic one keeps 1 in periodic/, both with Lightning's default names; the
+    store (keep 1 on RAM, 2 on disk, overwrite) is open; the module is a Linear(8, 1) without
+    bias."""
     from types import SimpleNamespace
 
-    from pytorch_lightning.callbacks import ModelCheckpoint
-    from pytorch_lightning.trainer.states import TrainerFn
-
-    from tierstore.integrations.lightning.trainer import ModelParallelStrategy
+    ModelCheckpoint = import_module(f"{request.param}.callbacks").ModelCheckpoint
+    TrainerFn = import_module(f"{request.param}.trainer.states").TrainerFn
+    ModelParallelStrategy = import_module(TRAINER_MODULES[request.param]).ModelParallelStrategy
 
     strategy = ModelParallelStrategy(tiers=_store_config(tmp_path, overwrite=True),
                                      data_parallel_size=1, tensor_parallel_size=1)
@@ -321,6 +334,103 @@ def test_last_is_exactly_a_checkpoint_callbacks_last_name(trainer_strategy):
     assert not wrong
 
 
+# --------------------------------------------------------------------------- which package
+
+# Lightning's module -> (tierstore's module for it, the other spelling of that Lightning module)
+PACKAGES = {
+    "lightning.pytorch": ("tierstore.integrations.lightning.pytorch", "pytorch_lightning"),
+    "pytorch_lightning": ("tierstore.integrations.lightning.pytorch_lightning",
+                          "lightning.pytorch"),
+    "lightning.fabric": ("tierstore.integrations.lightning.fabric", "lightning_fabric"),
+    "lightning_fabric": ("tierstore.integrations.lightning.lightning_fabric", "lightning.fabric"),
+}
+
+
+def _strategies(package):
+    """tierstore's two strategies for Lightning module ``package``, as its module exports them."""
+    module = import_module(PACKAGES[package][0])
+    return module.ModelParallelStrategy, module.FSDPStrategy
+
+
+def _make(cls, **kwargs):
+    """A strategy of ``cls`` (no process group needed); Fabric's ModelParallelStrategy takes a
+    ``parallelize_fn``."""
+    if cls.__name__ == "ModelParallelStrategy" and "fabric" in cls.__module__:
+        kwargs.setdefault("parallelize_fn", lambda module, mesh: module)
+    return cls(tiers={"tier": []}, **kwargs)
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_each_lightning_package_has_strategies_of_its_own(package):
+    """Each module's strategies extend its Lightning package's (and not the other spelling's),
+    keep their names and pickle by them."""
+    other = PACKAGES[package][1]
+    for cls in _strategies(package):
+        parent = getattr(import_module(f"{package}.strategies"), cls.__name__)
+        assert issubclass(cls, parent)
+        assert not issubclass(cls, import_module(f"{other}.strategies").Strategy)
+        assert cls.__module__ == PACKAGES[package][0] and cls.__qualname__ == parent.__name__
+        assert pickle.loads(pickle.dumps(cls)) is cls
+        assert f"For the {'Fabric' if 'fabric' in package else 'Trainer'} of ``{package}``" \
+            in cls.__doc__
+
+
+def test_the_names_code_already_imports_are_pytorch_lightnings():
+    """``tierstore.integrations.lightning``'s own names and ``.trainer``'s are the strategies
+    for ``pytorch_lightning``'s Trainer, as they were before ``lightning.pytorch`` had its own."""
+    import tierstore.integrations.lightning as adapter
+    from tierstore.integrations.lightning import trainer
+
+    legacy = _strategies("pytorch_lightning")
+    assert (adapter.ModelParallelStrategy, adapter.FSDPStrategy) == legacy
+    assert (trainer.ModelParallelStrategy, trainer.FSDPStrategy) == legacy
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_the_other_packages_trainer_refuses_a_strategy_naming_the_one_to_use(package):
+    """Given a strategy of ``package``, the Trainer (or Fabric) of the other spelling refuses
+    it, as Lightning refuses any object not of its own classes; the message (the strategy's
+    repr) names the class that Trainer takes."""
+    other = PACKAGES[package][1]
+    fabric = "fabric" in package
+    runner = getattr(import_module(other), "Fabric" if fabric else "Trainer")
+    for cls in _strategies(package):
+        instead = f"{PACKAGES[other][0]}.{cls.__name__}"
+        with pytest.raises(ValueError, match=rf"strategy=<{re.escape(cls.__module__)}\."
+                                             rf"{cls.__name__} for {re.escape(package)}; with "
+                                             rf"{re.escape(other)}, use {re.escape(instead)}>"):
+            runner(strategy=_make(cls), accelerator="cpu", devices=1,
+                   **({} if fabric else {"logger": False}))
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_every_strategy_refuses_to_gather_the_whole_state_on_rank_0(package):
+    """``save_distributed_checkpoint=False`` and ``state_dict_type="full"`` (one file gathered
+    on rank 0) are what saving each rank's shard through the store replaces."""
+    model_parallel, fsdp = _strategies(package)
+    for cls, kwargs in [(model_parallel, {"save_distributed_checkpoint": False}),
+                        (fsdp, {"state_dict_type": "full"})]:
+        with pytest.raises(ValueError, match="saves each rank's shard through DCP"):
+            _make(cls, **kwargs)
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_a_module_whose_lightning_is_not_installed_says_what_to_do(package, monkeypatch):
+    """Without its Lightning package, a module's import says what to install, and where the
+    other spelling's strategies are."""
+    for name in (package, package.split(".")[0]):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it fails, as if absent
+    module, other = PACKAGES[package]
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    runner = "Fabric" if "fabric" in package else "Trainer"
+    with pytest.raises(ImportError, match=rf"{re.escape(module)} holds tierstore's strategies "
+                                          rf"for {re.escape(package)}'s {runner}, and .* is not "
+                                          rf"installed: pip install '[a-z-]+>=2.6'. With "
+                                          rf"{re.escape(other)}'s {runner}, import the "
+                                          rf"strategies from {re.escape(PACKAGES[other][0])}$"):
+        import_module(module)
+
+
 # --------------------------------------------------------------------------- the real trainer
 
 def _final(root, run):
@@ -350,7 +460,8 @@ def _store(root):
 # Each job takes 10 to 20 s on the 2-core machine; the limits leave room for a loaded one.
 @pytest.mark.timeout(420)
 def test_a_trainer_killed_mid_run_resumes_from_the_newest_checkpoint_bitwise(tmp_path):
-    """8 steps, a checkpoint every 2 (``epoch=E-step=S.ckpt``, then ``last.ckpt`` again) into a
+    """``lightning.pytorch``'s Trainer with tierstore.integrations.lightning.pytorch's strategy,
+    8 steps, a checkpoint every 2 (``epoch=E-step=S.ckpt``, then ``last.ckpt`` again) into a
     RAM and a disk tier. Rank 1 is killed with SIGKILL while it writes ``last.ckpt`` at step 6,
     after ``epoch=2-step=6.ckpt`` committed; torchrun ends the job. Another run sharing the store
     (its own directory) then saves ``epoch=0-step=2.ckpt``, the store's newest. Restarted with
@@ -359,7 +470,7 @@ def test_a_trainer_killed_mid_run_resumes_from_the_newest_checkpoint_bitwise(tmp
     parameters and Adam state bitwise equal to the job run without interruption, which equal
     those of the same job with Lightning's own checkpointing."""
     tmp_path = type(tmp_path)(os.path.realpath(tmp_path))  # as Lightning's dirpath sees it
-    killed = subprocess.run(torchrun_command("lightning_worker.py", tmp_path, "killed"),
+    killed = subprocess.run(torchrun_command("lightning_worker.py", tmp_path, "killed@lightning"),
                             env=script_env(), capture_output=True, text=True, timeout=200)
     report = f"--- stdout\n{killed.stdout}\n--- stderr\n{killed.stderr[-6000:]}"
     killed_last = checkpoint_id(tmp_path / "killed" / "checkpoints" / "last.ckpt")
@@ -371,8 +482,8 @@ def test_a_trainer_killed_mid_run_resumes_from_the_newest_checkpoint_bitwise(tmp
         assert store.latest() == step_6, report
     assert not (tmp_path / "killed-rank0.pt").exists()
 
-    run_torchrun("lightning_worker.py", tmp_path, "intruder", "resumed", "tierstore", "default",
-                 timeout=200)
+    run_torchrun("lightning_worker.py", tmp_path, "intruder@lightning", "resumed@lightning",
+                 "tierstore@lightning", "default@lightning", timeout=200)
     assert _started_at(tmp_path, "intruder") == 0
     assert _started_at(tmp_path, "resumed") == 6
     assert _started_at(tmp_path, "tierstore") == 0
@@ -405,18 +516,31 @@ def test_a_trainer_killed_mid_run_resumes_from_the_newest_checkpoint_bitwise(tmp
 
 
 @pytest.mark.timeout(240)
-def test_fsdp1_and_fabric_strategies_checkpoint_through_the_store(tmp_path):
-    """FSDPStrategy (FSDP1, CPU): 4 steps, then resumed from "last" to 8, bitwise equal to
-    Lightning's own FSDPStrategy running the 8 steps. Fabric's ModelParallelStrategy and
-    FSDPStrategy: ``fabric.save`` twice, ``fabric.load`` of the newest into fresh objects gives
-    the saved state back, and the rest of the state dict as it was (an empty dict, an int
-    key). Every strategy refuses to gather the whole state on rank 0."""
-    out = run_torchrun("lightning_worker.py", tmp_path, "fsdp1-half", "fsdp1-resumed",
-                       "fsdp1-default", "fabric", "refusals", timeout=200)
+def test_pytorch_lightning_fsdp1_and_fabric_strategies_checkpoint_through_the_store(tmp_path):
+    """``pytorch_lightning``'s Trainer with ``tierstore.integrations.lightning``'s own
+    ModelParallelStrategy (the import code written for it has): 4 steps, then resumed from
+    "last" to 8, bitwise equal to Lightning's own ModelParallelStrategy running the 8 steps.
+    FSDPStrategy (FSDP1, CPU): 4 steps under ``pytorch_lightning``, resumed from "last" under
+    ``lightning.pytorch`` (a job moving to the new package name keeps its checkpoints), bitwise
+    equal to Lightning's own FSDPStrategy. Fabric's ModelParallelStrategy and FSDPStrategy under
+    ``lightning.fabric`` and ``lightning_fabric``: ``fabric.save`` twice, ``fabric.load`` of the
+    newest into fresh objects gives the saved state back, and the rest of the state dict as it
+    was (an empty dict, an int key). One launch: each run takes a second or two, the launch
+    itself most of the time."""
+    out = run_torchrun("lightning_worker.py", tmp_path, "mp-half@pytorch_lightning",
+                       "mp-resumed@pytorch_lightning", "default@pytorch_lightning",
+                       "fsdp1-half@pytorch_lightning", "fsdp1-resumed@lightning",
+                       "fsdp1-default@pytorch_lightning", "fabric@lightning",
+                       "fabric@pytorch_lightning", timeout=200)
     assert "MISMATCH" not in out
-    assert _started_at(tmp_path, "fsdp1-resumed") == 4
+    for kind in ("mp", "fsdp1"):
+        assert _started_at(tmp_path, f"{kind}-half") == 0
+        assert _started_at(tmp_path, f"{kind}-resumed") == 4
+    _assert_bitwise_equal(_final(tmp_path, "mp-resumed"), _final(tmp_path, "default"),
+                          "pytorch_lightning's ModelParallelStrategy resumed against its own")
     _assert_bitwise_equal(_final(tmp_path, "fsdp1-resumed"), _final(tmp_path, "fsdp1-default"),
-                          "FSDP1 resumed from last against Lightning's own")
-    for name in ("fabric-fsdp2", "fabric-fsdp1"):
-        assert sorted(os.listdir(tmp_path / name / "checkpoints")) == ["step=2.ckpt",
-                                                                      "step=4.ckpt"]
+                          "FSDP1 resumed from last under lightning.pytorch against Lightning's own")
+    for package in ("lightning", "pytorch_lightning"):
+        for kind in ("fsdp2", "fsdp1"):
+            directory = tmp_path / f"fabric-{kind}-{package}" / "checkpoints"
+            assert sorted(os.listdir(directory)) == ["step=2.ckpt", "step=4.ckpt"], directory

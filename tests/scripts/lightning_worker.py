@@ -1,6 +1,14 @@
 """Lightning training runs for tests/test_lightning.py, under torchrun (2 ranks, CPU, gloo).
 
-    torchrun ... lightning_worker.py ROOT RUN [RUN ...]
+    torchrun ... lightning_worker.py ROOT RUN[@PACKAGE] [RUN[@PACKAGE] ...]
+
+PACKAGE is the Lightning package the run imports its Trainer, LightningModule, callbacks and Fabric
+from, and the tierstore module it takes the strategies from (``PACKAGES``): ``lightning``
+(``lightning.pytorch`` and ``lightning.fabric``, with ``tierstore.integrations.lightning.pytorch``
+and ``.fabric``; the default) or ``pytorch_lightning`` (``pytorch_lightning`` and
+``lightning_fabric``, with the names code written for them imports:
+``tierstore.integrations.lightning``'s own, and ``.lightning_fabric``). The two are distinct class
+hierarchies, so one process runs both; a run may resume what a run of the other package saved.
 
 Each RUN is one training job of a tiny MLP (Adam, a synthetic dataset of 16 rows, 2 batches of 4
 per rank and epoch, 8 steps), run one after the other in this process, each from the same seed:
@@ -19,16 +27,19 @@ per rank and epoch, 8 steps), run one after the other in this process, each from
 - ``resumed``: the same job again into ROOT/killed, with ``ckpt_path="last"``: it resumes from
   its own newest checkpoint, not the intruder's.
 - ``default``: Lightning's own ModelParallelStrategy (DCP to a directory), same callbacks.
-- ``fsdp1-half``, ``fsdp1-resumed``, ``fsdp1-default``: FSDPStrategy (FSDP1, wrapped in
-  ``configure_model`` with ``device_id=cpu``, since Lightning's own wrapping needs an accelerator)
-  to step 4 with tierstore, then resumed from "last" to step 8; and Lightning's own.
+- ``mp-half``, ``mp-resumed``: ModelParallelStrategy to step 4 with tierstore (ROOT/mp), then
+  resumed from "last" to step 8 (to compare with ``default``).
+- ``fsdp1-half``, ``fsdp1-resumed``, ``fsdp1-default``: the same with FSDPStrategy (FSDP1, wrapped
+  in ``configure_model`` with ``device_id=cpu``, since Lightning's own wrapping needs an
+  accelerator), into ROOT/fsdp1; and Lightning's own.
 - ``fabric``: Fabric's ModelParallelStrategy and FSDPStrategy from tierstore: save at steps 2 and
-  4, load the newest into freshly made objects, compare.
-- ``refusals``: the strategies refuse the modes that gather the whole state on rank 0.
+  4, load the newest into freshly made objects, compare (into ROOT/fabric-fsdp2-PACKAGE and
+  ROOT/fabric-fsdp1-PACKAGE).
 
 Every finished Trainer run writes its rank's final parameters and Adam state (local shards) to
 ROOT/<run>-rank<r>.pt, which the test compares byte for byte, and the step it started from to
-ROOT/<run>-start.json. A line with MISMATCH says what a run found wrong.
+ROOT/<run>-start.json (<run> without its package), and rank 0 prints what each run took. A line
+with MISMATCH says what a run found wrong.
 """
 
 from __future__ import annotations
@@ -38,10 +49,11 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
+from importlib import import_module
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import tierstore
@@ -50,6 +62,29 @@ from tierstore.integrations.lightning.paths import checkpoint_id
 
 STEPS = 8
 EVERY = 2
+
+# --------------------------------------------------------------------------- the two packages
+# PACKAGE -> (Lightning's Trainer package, tierstore's module for it, Lightning's Fabric package,
+# tierstore's module for it)
+PACKAGES = {
+    "lightning": ("lightning.pytorch", "tierstore.integrations.lightning.pytorch",
+                  "lightning.fabric", "tierstore.integrations.lightning.fabric"),
+    "pytorch_lightning": ("pytorch_lightning", "tierstore.integrations.lightning",
+                          "lightning_fabric", "tierstore.integrations.lightning.lightning_fabric"),
+}
+
+
+class Lightning:
+    """One package's modules: ``pl`` (the Trainer's), ``tiered`` (tierstore's strategies for
+    it), ``fabric`` (Fabric's) and ``tiered_fabric``."""
+
+    def __init__(self, package: str):
+        self.name = package
+        self.pl, self.tiered, self.fabric, self.tiered_fabric = (
+            import_module(name) for name in PACKAGES[package])
+
+
+L = Lightning("lightning")  # the package of the run in progress (run_one sets it)
 
 
 # --------------------------------------------------------------------------- faults
@@ -102,9 +137,7 @@ def data():
 
 
 def lightning_module(sharding: str):
-    import pytorch_lightning as pl
-
-    class Net(pl.LightningModule):
+    class Net(L.pl.LightningModule):
         def __init__(self, width: int = 32):
             super().__init__()
             self.save_hyperparameters()
@@ -162,11 +195,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def record(root: str, run: str):
     """A callback writing what the test checks: the step training starts from (rank 0) and,
     at the end, this rank's final state."""
-    import pytorch_lightning as pl
 
     rank = int(os.environ["RANK"])  # set by torchrun; the process group comes with fit
 
-    class Record(pl.Callback):
+    class Record(L.pl.Callback):
         def on_train_start(self, trainer, pl_module):
             if rank == 0:
                 with open(f"{root}/{run}-start.json", "w") as f:
@@ -181,8 +213,8 @@ def record(root: str, run: str):
 
 def train(root: str, run: str, strategy, dirpath: str, *, ckpt_path=None, max_steps=STEPS,
           monitor: bool = False, save_last: bool | str = True) -> object:
-    import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import ModelCheckpoint
+    pl = L.pl
+    ModelCheckpoint = pl.callbacks.ModelCheckpoint
 
     pl.seed_everything(7, verbose=False)
     callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=EVERY, save_top_k=-1,
@@ -202,20 +234,14 @@ def train(root: str, run: str, strategy, dirpath: str, *, ckpt_path=None, max_st
 
 
 def model_parallel(tiered: dict | None):
-    from pytorch_lightning.strategies import ModelParallelStrategy
-
-    from tierstore.integrations.lightning import ModelParallelStrategy as Tiered
-
     if tiered is None:
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    return Tiered(tiers=tiered, data_parallel_size=2, tensor_parallel_size=1)
+        return L.pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    return L.tiered.ModelParallelStrategy(tiers=tiered, data_parallel_size=2,
+                                          tensor_parallel_size=1)
 
 
 def fsdp1(tiered: dict | None):
-    from pytorch_lightning.strategies import FSDPStrategy
-
-    from tierstore.integrations.lightning import FSDPStrategy as Tiered
-
+    FSDPStrategy = L.pl.strategies.FSDPStrategy
     if tiered is None:
         # Lightning refuses its FSDPStrategy without an accelerator, by its exact type: a
         # subclass with nothing else changed runs it on the CPU.
@@ -223,10 +249,13 @@ def fsdp1(tiered: dict | None):
             pass
 
         return CpuFSDPStrategy(state_dict_type="sharded")
-    return Tiered(tiers=tiered)
+    return L.tiered.FSDPStrategy(tiers=tiered)
 
 
 def run_one(root: str, run: str) -> None:
+    global L
+    run, _, package = run.partition("@")
+    L = Lightning(package or "lightning")
     if run == "tierstore":
         trainer = train(root, run, model_parallel(tiers(f"{root}/tierstore")),
                         f"{root}/tierstore/checkpoints", monitor=True, save_last="link")
@@ -249,18 +278,17 @@ def run_one(root: str, run: str) -> None:
               ckpt_path="last")
     elif run == "default":
         train(root, run, model_parallel(None), f"{root}/default/checkpoints")
-    elif run == "fsdp1-half":
-        train(root, run, fsdp1(tiers(f"{root}/fsdp1")), f"{root}/fsdp1/checkpoints",
-              max_steps=STEPS // 2)
-    elif run == "fsdp1-resumed":
-        train(root, run, fsdp1(tiers(f"{root}/fsdp1")), f"{root}/fsdp1/checkpoints",
-              ckpt_path="last")
+    elif run in ("mp-half", "fsdp1-half", "mp-resumed", "fsdp1-resumed"):
+        kind, _, part = run.partition("-")
+        strategy = (model_parallel if kind == "mp" else fsdp1)(tiers(f"{root}/{kind}"))
+        if part == "half":
+            train(root, run, strategy, f"{root}/{kind}/checkpoints", max_steps=STEPS // 2)
+        else:
+            train(root, run, strategy, f"{root}/{kind}/checkpoints", ckpt_path="last")
     elif run == "fsdp1-default":
         train(root, run, fsdp1(None), f"{root}/fsdp1-default/checkpoints")
     elif run == "fabric":
         fabric_runs(root)
-    elif run == "refusals":
-        refusals()
     else:
         raise SystemExit(f"unknown run {run!r}")
 
@@ -272,7 +300,8 @@ def fabric_runs(root: str) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     from torch.distributed.fsdp import fully_shard
 
-    from tierstore.integrations.lightning.fabric import FSDPStrategy, ModelParallelStrategy
+    FSDPStrategy = L.tiered_fabric.FSDPStrategy
+    ModelParallelStrategy = L.tiered_fabric.ModelParallelStrategy
 
     def parallelize(model, mesh):
         for layer in model:
@@ -284,14 +313,14 @@ def fabric_runs(root: str) -> None:
         return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
     kinds = {
-        "fabric-fsdp2": (lambda t: ModelParallelStrategy(parallelize, tiers=t,
+        f"fabric-fsdp2-{L.name}": (lambda t: ModelParallelStrategy(parallelize, tiers=t,
                                                          data_parallel_size=2,
                                                          tensor_parallel_size=1), mlp),
-        "fabric-fsdp1": (lambda t: FSDPStrategy(tiers=t),
+        f"fabric-fsdp1-{L.name}": (lambda t: FSDPStrategy(tiers=t),
                          lambda: FSDP1(mlp(), device_id=torch.device("cpu"),
                                        use_orig_params=True)),
     }
-    from lightning_fabric import Fabric
+    Fabric = L.fabric.Fabric
 
     for name, (strategy, make) in kinds.items():
         torch.manual_seed(0)
@@ -319,30 +348,11 @@ def fabric_runs(root: str) -> None:
         rest = fabric.load(newest_path, state)
         got = final_state(model2, optimizer2)
         problems = [k for k in want if k in got and not same_bytes(want[k], got[k])]
-        if newest_path != f"{dirpath}/step=4.ckpt" or state["step"] != 4 or problems or set(want) != set(got) \
-                or rest != {"notes": {"empty": {}, 3: "int key"}}:
+        if (newest_path != f"{dirpath}/step=4.ckpt" or state["step"] != 4 or problems
+                or set(want) != set(got) or rest != {"notes": {"empty": {}, 3: "int key"}}):
             print(f"MISMATCH {name}: newest={newest_path} step={state['step']} rest={rest} "
                   f"differ={problems} keys={sorted(set(want) ^ set(got))}", flush=True)
         fabric.strategy.teardown()
-
-
-def refusals() -> None:
-    """Each strategy refuses the mode that gathers the whole state into one file on rank 0."""
-    from tierstore.integrations.lightning import fabric, trainer
-
-    modes = [(trainer.ModelParallelStrategy, {"save_distributed_checkpoint": False}),
-             (trainer.FSDPStrategy, {"state_dict_type": "full"}),
-             (fabric.ModelParallelStrategy, {"parallelize_fn": lambda m, d: m,
-                                             "save_distributed_checkpoint": False}),
-             (fabric.FSDPStrategy, {"state_dict_type": "full"})]
-    for cls, kwargs in modes:
-        try:
-            cls(tiers={"tier": []}, **kwargs)
-        except ValueError as exc:
-            if "saves each rank's shard through DCP" not in str(exc):
-                print(f"MISMATCH {cls.__module__}.{cls.__name__}: {exc}", flush=True)
-        else:
-            print(f"MISMATCH {cls.__module__}.{cls.__name__}({kwargs}) was accepted", flush=True)
 
 
 def main() -> int:
@@ -352,7 +362,10 @@ def main() -> int:
     faulthandler.dump_traceback_later(190, exit=True)
     root, runs = sys.argv[1], sys.argv[2:]
     for run in runs:
+        started = time.monotonic()
         run_one(root, run)
+        if os.environ["RANK"] == "0":  # what each run costs, in the test's output
+            print(f"RUN {run}: {time.monotonic() - started:.1f} s", flush=True)
     return 0
 
 

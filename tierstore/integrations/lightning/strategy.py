@@ -1,11 +1,12 @@
 """What the Trainer's and Fabric's strategies share: the store's lifetime, agreeing on a path,
 and moving module and optimizer states between a model and DCP.
 
-:class:`StoreStrategy` is a mixin placed before a Lightning strategy in the bases of each of the
-four classes (``tierstore.integrations.lightning.trainer`` and ``.fabric``): it takes ``tiers=``
-and hands every other argument to the strategy, opens the store once the strategy has set up its
-process group, and closes it at teardown. The states go through torch's distributed state-dict
-API (``torch.distributed.checkpoint.state_dict``), which knows FSDP1, FSDP2 and tensor-parallel
+:class:`StoreStrategy` is a mixin placed before a Lightning strategy in the bases of each
+strategy class (made by :func:`strategy_class` for one Lightning package: see
+:mod:`~tierstore.integrations.lightning.packages`): it takes ``tiers=`` and hands every other
+argument to the strategy, opens the store once the strategy has set up its process group, and
+closes it at teardown. The states go through torch's distributed state-dict API
+(``torch.distributed.checkpoint.state_dict``), which knows FSDP1, FSDP2 and tensor-parallel
 modules alike.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import types
 from typing import Any, Callable, Iterable, TypeVar
 
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -26,11 +28,12 @@ from tierstore.errors import CheckpointNotFound
 from tierstore.store import Store
 
 from tierstore.integrations.lightning.checkpointing import Checkpoints
+from tierstore.integrations.lightning.packages import MODULES, counterpart, runner
 from tierstore.integrations.lightning.paths import checkpoint_id, checkpoint_path
 from tierstore.integrations.lightning.pointers import pointed_id
 
-__all__ = ["StoreStrategy", "argument", "refuse_gathered_saves", "optimizer_key",
-           "module_state", "optimizer_state"]
+__all__ = ["StoreStrategy", "strategy_class", "argument", "refuse_gathered_saves",
+           "optimizer_key", "module_state", "optimizer_state"]
 
 _T = TypeVar("_T")
 
@@ -57,15 +60,46 @@ def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
 
 
+def strategy_class(hooks: type, parent: type, package: str, **attributes: Any) -> type:
+    """The class ``hooks`` (a :class:`StoreStrategy` subclass) over Lightning's strategy
+    ``parent``, of Lightning module ``package`` (``"lightning.pytorch"``, ...), with the name of
+    ``parent`` and the class ``attributes`` ``hooks`` asks for, as the adapter's module for
+    ``package`` exports it (so that pickle finds it by name there)."""
+    name, module = parent.__name__, MODULES[package]
+    other, other_module = counterpart(package)
+    doc = (f"{(hooks.__doc__ or '').rstrip()}\n\n    For the {runner(package)} of ``{package}``, "
+           f"whose strategy it extends; with ``{other}``, use\n    "
+           f"``{other_module}.{name}``.\n")
+
+    def body(namespace: dict[str, Any]) -> None:
+        namespace.update(attributes)
+        namespace.update(__module__=module, __qualname__=name, __doc__=doc,
+                         _lightning_package=package, _lightning_strategy=parent)
+
+    return types.new_class(name, (hooks, parent), exec_body=body)
+
+
 class StoreStrategy:
     """Mixin: checkpoints of a Lightning strategy go to the tierstore store built from
     ``tiers`` (the path of a TOML file, or a dict of the same shape)."""
 
     global_rank: int
+    #: set by :func:`strategy_class`: the Lightning module whose strategy this class extends
+    #: (``"lightning.pytorch"``, ``"pytorch_lightning"``, ...) and that strategy
+    _lightning_package: str
+    _lightning_strategy: type
 
     def __init__(self, *args: Any, tiers: str | os.PathLike | dict, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._checkpoints = Checkpoints(tiers)
+
+    def __repr__(self) -> str:
+        # Lightning's refusal of a strategy of the other package prints this: it says which
+        # class that package takes.
+        cls = type(self)
+        other, module = counterpart(self._lightning_package)
+        return (f"<{cls.__module__}.{cls.__qualname__} for {self._lightning_package}; "
+                f"with {other}, use {module}.{self._lightning_strategy.__name__}>")
 
     @property
     def store(self) -> Store:
