@@ -238,18 +238,25 @@ def test_status_reports_a_dead_object_store_and_answers_for_the_local_tiers(
     seaweed.kill()
     try:
         proc, status = cli("status", toml, "--json")
-        # Reported, and "bad" (exit 1) so that a monitor running `status` notices it.
-        assert proc.returncode == 1, proc.stderr
-        assert "tier(s) s3 unreachable" in proc.stderr, proc.stderr
+        # Reported, with a status of its own (3: not a bad checkpoint, 1) so that a monitor
+        # running `status` notices it and tells it apart.
+        assert proc.returncode == 3, proc.stderr
+        assert "1 tier unreachable: s3" in proc.stderr, proc.stderr
         disk, s3 = status["tiers"]
         assert (disk["name"], disk["reachable"], disk["newest"]) == ("disk", True, "step-2")
         assert (s3["name"], s3["reachable"], s3["newest"]) == ("s3", False, None)
         proc, _ = cli("status", toml)
-        assert "tier 's3' is unreachable" in proc.stdout
-        # `ls` lists what the local tier holds, and says (exit 1, stderr) that the listing
+        assert proc.returncode == 3, proc.stderr
+        # One sentence: where it was asked, and the option that says where the server is.
+        endpoint = seaweed.endpoint_url
+        assert (f"tier 's3' is unreachable: {s3_bucket}/run cannot be connected to at "
+                f"{endpoint} (") in proc.stdout, proc.stdout
+        assert "endpoint_url in the tier's options" in proc.stdout, proc.stdout
+        assert "GaveUp" not in proc.stdout, proc.stdout
+        # `ls` lists what the local tier holds, and says (exit 3, stderr) that the listing
         # lacks the dead tier's: a script must not take it for everything there is.
         proc, listed = cli("ls", toml, "--json")
-        assert proc.returncode == 1, proc.stderr
+        assert proc.returncode == 3, proc.stderr
         assert "tier 's3' is unreachable, so what it holds is not listed" in proc.stderr
         assert [(c["id"], c["tiers"]) for c in listed] == [("step-2", ["disk"]),
                                                            ("step-1", ["disk"])], listed

@@ -27,8 +27,8 @@
                                             lost node, a preemption), once per contender
                                             (stock DCP, tierstore): the same report and charts
 
-Every command takes --json (one JSON document on stdout, nothing else there) and exits 0 on
-success, 1 when what it checked is bad (or the operation failed), 2 on a usage or config error.
+Every command takes --json (one JSON document on stdout, nothing else there) and exits with
+one status per situation, whatever the command (the list below, from tierstore.cli.exits).
 Long operations draw a progress bar on stderr when it is a terminal. ls, status, inspect,
 verify, plan, export and scrub (without --repair) open the store read-only: beside a running job
 they resume none of its drains and write nothing to any tier; wait and gc are the ones that act.
@@ -40,6 +40,7 @@ import argparse
 import os
 import sys
 
+from tierstore.cli.exits import Exit, help_text
 from tierstore.errors import (LIST_HINT, CheckpointNotFound, ConfigError, PluginError,
                               TierstoreError)
 from tierstore.version import __version__
@@ -52,6 +53,10 @@ _COMMANDS = ("ls", "status", "inspect", "plan", "verify", "promote", "export", "
              "gc", "pin", "unpin", "plugins", "demo")
 
 
+#: what an ``id`` argument is, and where to find one
+_ID_HELP = "a checkpoint id, as 'tierstore ls CONFIG' lists them (for example step-100)"
+
+
 def _command(name: str):
     """The function running command ``name``, imported when it runs."""
     def run(args: argparse.Namespace) -> int:
@@ -61,15 +66,21 @@ def _command(name: str):
     return run
 
 
+def _plain(text: str) -> str:
+    """``text`` as a terminal shows it: no reStructuredText or Markdown code markup."""
+    return text.replace("``", "").replace("`", "'")
+
+
 def _parser() -> argparse.ArgumentParser:
-    # The module docstring is the help, shown as plain text (not reStructuredText markup).
-    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.replace("``", ""),
+    # The module docstring is the help, and the exit statuses its epilog, as plain text.
+    parser = argparse.ArgumentParser(prog="tierstore", description=_plain(__doc__),
+                                     epilog=help_text(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"tierstore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, config: str | None = "config") -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
+        p = sub.add_parser(name, help=_plain(help), description=_plain(help))
         if config == "config":
             p.add_argument("config", help="the store's TOML file")
         elif config == "optional":
@@ -81,22 +92,22 @@ def _parser() -> argparse.ArgumentParser:
 
     command("ls", "list checkpoints, newest first")
     command("status", "what a failure would cost now, per tier")
-    command("inspect", "a checkpoint's files and tensors").add_argument("id")
+    command("inspect", "a checkpoint's files and tensors").add_argument("id", help=_ID_HELP)
     p = command("plan", "where a restore at a given shape would read each file from")
-    p.add_argument("id")
+    p.add_argument("id", help=_ID_HELP)
     p.add_argument("--world-size", type=int, metavar="N",
                    help="ranks of the restoring job (default: the save's)")
     p.add_argument("--ranks-per-node", type=int, metavar="R",
                    help="ranks per node of the restoring job (default: the save's)")
     p = command("verify", "check a checkpoint's sizes and checksums")
-    p.add_argument("id")
+    p.add_argument("id", help=_ID_HELP)
     p.add_argument("--tier", help="check only this tier")
     p = command("promote", "copy a checkpoint to a tier whatever its `every`")
-    p.add_argument("id")
+    p.add_argument("id", help=_ID_HELP)
     p.add_argument("--to", required=True, metavar="TIER", help="the tier to copy it to")
     p.add_argument("--pin", action="store_true", help="pin it there (keep never evicts it)")
     p = command("export", "write a checkpoint as one consolidated file")
-    p.add_argument("id")
+    p.add_argument("id", help=_ID_HELP)
     p.add_argument("--format", required=True, choices=("torch", "safetensors", "dcp"))
     p.add_argument("--out", required=True, metavar="PATH", help="the file to write")
     p = command("scrub", "verify every copy on every tier")
@@ -107,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="give up after S seconds (exit 1)")
     command("gc", "remove leftovers of interrupted saves")
     for name in ("pin", "unpin"):
-        command(name, f"{name} a checkpoint").add_argument("id")
+        command(name, f"{name} a checkpoint").add_argument("id", help=_ID_HELP)
     command("plugins", "list registered plugins", config="optional")
     command("demo", "run the demo job", config=None).add_argument(
         "rest", nargs=argparse.REMAINDER)
@@ -151,33 +162,83 @@ def _goodput(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tierstore`` console script."""
+    """Entry point of the ``tierstore`` console script: the exit status (:class:`Exit`)."""
     args = _parser().parse_args(argv)
     try:
-        return args.fn(args)
-    except (ConfigError, PluginError, ValueError) as exc:
-        return _error(exc, 2)
+        _check_id(args)
+        status = args.fn(args)
+        # What is still buffered goes out here, where a reader that went away is caught.
+        sys.stdout.flush()
+        return int(status)
     except CheckpointNotFound as exc:  # the id named is not there: a usage error
-        config = getattr(args, "config", None) or "tiers.toml"
-        return _error(str(exc).replace(LIST_HINT, f"`tierstore ls {config}` shows what is "
-                                                  f"stored"), 2)
+        return _error(_not_found(exc, args), Exit.USAGE)
+    except (ConfigError, PluginError, ValueError) as exc:
+        return _error(exc, Exit.USAGE)
     except TierstoreError as exc:  # what it did failed (a copy, a check): "bad"
-        return _error(exc, 1)
+        return _error(exc, Exit.BAD)
     except KeyboardInterrupt:
-        return _error("interrupted", 130)
+        return _error("interrupted", Exit.INTERRUPTED)
     except BrokenPipeError:
         # The reader of stdout went away (`tierstore ls --json | head`): what it did not
         # read is not wanted. Point stdout at /dev/null so that the interpreter's own flush
-        # at exit does not raise again, and end as Python does on EPIPE.
+        # at exit does not raise again, and end as a command SIGPIPE ended, without a word.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return int(Exit.PIPE_CLOSED)
     except Exception as exc:  # noqa: BLE001 - one line for the operator, never a traceback
-        return _error(f"{type(exc).__name__}: {exc}", 1)
+        return _error(f"{type(exc).__name__}: {exc}", Exit.BAD)
 
 
-def _error(message: object, status: int) -> int:
+def _check_id(args: argparse.Namespace) -> None:
+    """Refuse an id that is not one before the store (and torch) is loaded: ValueError saying
+    what an id is, or, for a Lightning checkpoint file name, which id it is stored under."""
+    given = getattr(args, "id", None)
+    if given is None:
+        return
+    from tierstore.format.ids import validate_checkpoint_id
+
+    try:
+        validate_checkpoint_id(given)
+    except ValueError:
+        from tierstore.cli.ids import looks_like_lightning_file
+
+        if looks_like_lightning_file(given):
+            raise ValueError(_lightning_hint(args)) from None
+        raise
+
+
+def _not_found(exc: CheckpointNotFound, args: argparse.Namespace) -> str:
+    """The message for an id on no tier: the same from every command, pointing a shell user at
+    ``tierstore ls`` (not at ``store.list()``); for a Lightning file name, the same answer as
+    when it is no valid id (``last.ckpt`` is one, ``epoch=0-step=10.ckpt`` is not)."""
+    from tierstore.cli.ids import looks_like_lightning_file
+
+    given = getattr(args, "id", None)
+    if given is not None and looks_like_lightning_file(given):
+        return _lightning_hint(args)
+    hint = f"`tierstore ls {_config_name(args)}` shows what is stored"
+    message = str(exc)
+    return message.replace(LIST_HINT, hint) if LIST_HINT in message else f"{message}; {hint}"
+
+
+def _lightning_hint(args: argparse.Namespace) -> str:
+    """What ``args.id``, a Lightning file name, is stored as (see :mod:`tierstore.cli.ids`)."""
+    from tierstore.cli.commands import stored_ids
+    from tierstore.cli.ids import lightning_hint
+
+    try:
+        stored = stored_ids(args)
+    except Exception:  # noqa: BLE001 - a hint must not hide the error it explains
+        stored = []
+    return lightning_hint(args.id, stored, _config_name(args), args.command)
+
+
+def _config_name(args: argparse.Namespace) -> str:
+    return getattr(args, "config", None) or "tiers.toml"
+
+
+def _error(message: object, status: Exit) -> int:
     print(f"tierstore: error: {message}", file=sys.stderr)
-    return status
+    return int(status)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The commands of ``tierstore``: each opens the store of a TOML file, calls one ``Store`` method
 (the same a program would call) and prints its answer, as text or, with ``--json``, as the one
-JSON document the README documents. Each returns the exit status: 0 done, 1 what it checked is
-bad (the usage and config errors, 2, are raised and printed by :func:`tierstore.cli.main`)."""
+JSON document the README documents. Each returns its exit status
+(:class:`~tierstore.cli.exits.Exit`: done, what it checked is bad, a tier did not answer); the
+usage and config errors are raised and printed by :func:`tierstore.cli.main`."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import time
 import warnings
 from typing import Any, Callable, Iterator
 
+from tierstore.cli.exits import Exit
 from tierstore.cli.progress import ProgressBars
 from tierstore.config.validate import load_config
 from tierstore.errors import CheckpointNotFound, ConfigError
 from tierstore.plugin.host import KINDS, build_plugin_host
 
-__all__ = ["COMMANDS"]
+__all__ = ["COMMANDS", "stored_ids"]
 
 
 @contextlib.contextmanager
@@ -35,6 +37,13 @@ def _store(args: argparse.Namespace, bars: ProgressBars | None = None, *,
     with open_store(args.config, plugins=[bars] if bars is not None else [],
                     tolerate_unreachable=True, read_only=read_only) as store:
         yield store
+
+
+def stored_ids(args: argparse.Namespace) -> list[str]:
+    """The ids of the checkpoints the store of ``args.config`` holds (read-only), newest
+    first: what an id that names none is compared with."""
+    with _store(args, read_only=True) as store:
+        return [info.id for info in store.list()]
 
 
 def _bars(args: argparse.Namespace) -> ProgressBars:
@@ -106,8 +115,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # -- the commands -----------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """Checkpoints, newest first, and the tiers holding them (1 when a tier is unreachable:
-    the listing lacks what it holds)."""
+    """Checkpoints, newest first, and the tiers holding them (:attr:`Exit.TIER_DOWN` when a
+    tier is unreachable: the listing lacks what it holds)."""
     with _store(args, read_only=True) as store:
         infos = store.list()
         # (status() asks what list() asked; a tier that did not answer is marked down by then)
@@ -120,12 +129,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for name, why in sorted(down.items()):
         print(f"tierstore: tier '{name}' is unreachable, so what it holds is not listed: {why}",
               file=sys.stderr)
-    return 1 if down else 0
+    return Exit.TIER_DOWN if down else Exit.OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Per tier: reachable, newest, age, steps behind, bytes, free space; pending copies (1
-    when a tier is unreachable)."""
+    """Per tier: reachable, newest, age, steps behind, bytes, free space; pending copies
+    (:attr:`Exit.TIER_DOWN` when a tier is unreachable)."""
     with _store(args, read_only=True) as store:
         status = store.status()
     rows = [[t.name, "yes" if t.reachable else "NO", t.newest or "-", _age(t.newest_age_s),
@@ -140,10 +149,11 @@ def cmd_status(args: argparse.Namespace) -> int:
              if status.pending else "\nno pending copies")
     _emit(args, status.to_json(), text)
     down = [t.name for t in status.tiers if not t.reachable]
-    if down:  # what it checked is bad: monitoring that runs `status` must see it
-        print(f"tierstore: tier(s) {', '.join(down)} unreachable", file=sys.stderr)
-        return 1
-    return 0
+    if down:  # monitoring that runs `status` must see it, apart from a bad checkpoint
+        print(f"tierstore: {_count(len(down), 'tier')} unreachable: {', '.join(down)}",
+              file=sys.stderr)
+        return Exit.TIER_DOWN
+    return Exit.OK
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -164,7 +174,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if report.objects:
         lines += ["", "other values: " + ", ".join(report.objects)]
     _emit(args, report.to_json(), "\n".join(lines))
-    return 0
+    return Exit.OK
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -188,7 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lines.append(f"on no tier of any node of that job: {', '.join(plan.missing)}: "
                      f"the restore would fail")
     _emit(args, plan.to_json(), "\n".join(lines))
-    return 1 if plan.missing else 0
+    return Exit.BAD if plan.missing else Exit.OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -205,7 +215,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     {"tier": None, "file": None, "problem": "on no tier"}]}, "")
             raise
     _emit(args, report.to_json(), str(report))
-    return 0 if report.ok else 1
+    return Exit.OK if report.ok else Exit.BAD
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
@@ -219,7 +229,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
             f"promoted {result.checkpoint_id} to '{result.tier}' from '{result.source}' "
             f"({_size(result.bytes)} in {result.seconds:.2f} s)")
     _emit(args, result.to_json(), text + (", pinned there" if result.pinned else ""))
-    return 0
+    return Exit.OK
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -232,11 +242,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", UserWarning)
         result = store.export(args.id, args.format, args.out)
     text = (f"exported {result.checkpoint_id} to {result.path} ({args.format}: "
-            f"{result.tensors} tensors, {_size(result.bytes)})")
+            f"{_count(result.tensors, 'tensor')}, {_size(result.bytes)})")
     if result.skipped:
         text += f"\nleft out (not tensors): {', '.join(result.skipped)}"
     _emit(args, result.to_json(), text)
-    return 0
+    return Exit.OK
 
 
 def cmd_scrub(args: argparse.Namespace) -> int:
@@ -251,7 +261,7 @@ def cmd_scrub(args: argparse.Namespace) -> int:
         finally:
             bars.finish()
     lines = [f"checked {report.checked} cop{'y' if report.checked == 1 else 'ies'}: "
-             + ("all good" if not report.bad else f"{len(report.bad)} problem(s)")]
+             + ("all good" if not report.bad else _count(len(report.bad), "problem"))]
     lines += [f"bad: tier '{p.tier}': {p.checkpoint_id}/{p.file or ''}: {p.what}"
               for p in report.bad]
     lines += [f"repaired: {r.checkpoint_id} on '{r.tier}' from '{r.source}' "
@@ -261,7 +271,7 @@ def cmd_scrub(args: argparse.Namespace) -> int:
     if report.bad and not args.repair:
         lines.append("run `tierstore scrub --repair` to replace the bad copies from good ones")
     _emit(args, report.to_json(), "\n".join(lines))
-    return 0 if report.ok else 1
+    return Exit.OK if report.ok else Exit.BAD
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
@@ -282,7 +292,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
     _emit(args, {"copied": copies, "seconds": time.perf_counter() - started},
           "\n".join(f"copied {c.checkpoint_id} -> {c.tier}" for c in pending)
           or "no pending copies")
-    return 0
+    return Exit.OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -291,7 +301,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         removed = store.gc()
     _emit(args, {"removed": removed},
           "\n".join(f"removed {r}" for r in removed) or "nothing to remove")
-    return 0
+    return Exit.OK
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
@@ -299,7 +309,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
     with _store(args) as store:
         (store.pin if args.command == "pin" else store.unpin)(args.id)
     _emit(args, {"id": args.id, "pinned": args.command == "pin"}, f"{args.command}ned {args.id}")
-    return 0
+    return Exit.OK
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -316,7 +326,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     _emit(args, {kind: [{"name": name, "plugin": reg.plugin, "origin": reg.origin}
                         for name, reg in regs] for kind, regs in found.items()},
           "\n".join(lines))
-    return 0
+    return Exit.OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -325,11 +335,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if not args.json:
         demo_main(args.rest)
-        return 0
+        return Exit.OK
     with contextlib.redirect_stdout(sys.stderr):  # only the JSON document on stdout
         demo_main(args.rest)
     _emit(args, {"demo": "finished"}, "")
-    return 0
+    return Exit.OK
 
 
 #: name -> (function, help, arguments after CONFIG)

@@ -13,7 +13,7 @@ from tierstore.errors import ConfigError, PluginError
 from tierstore.format.item_io import register_extension
 from tierstore.plugin.host import PluginHost
 from tierstore.plugin.options import validate_table
-from tierstore.plugin.retry import cannot_connect, foreground
+from tierstore.plugin.retry import GaveUp, cannot_connect, foreground
 from tierstore.tiers.layout import TierLayout, compute_layouts
 from tierstore.tiers.schedule import AutoSchedule
 from tierstore.tiers.chunked import ChunkedBackend
@@ -137,7 +137,7 @@ def _check_tier(tier: Tier, config: StoreConfig, host: PluginHost) -> tuple[str,
             why = (f"{origin} failed checking tier '{tc.name}': {type(exc).__name__}: "
                    f"{config.source.redact(str(exc))}")
             return _FAILED, why, why
-        why = config.source.redact(f"cannot be connected to ({type(exc).__name__}: {exc})")
+        why = config.source.redact(_no_connection(tc, tier, config, exc))
         return _DOWN, why, why
     if not problem:
         return _OK, "", ""
@@ -147,6 +147,37 @@ def _check_tier(tier: Tier, config: StoreConfig, host: PluginHost) -> tuple[str,
     return _UNUSABLE, (
         f"{where}: tier '{tc.name}': {key} {config.source.quote(backend.describe())} cannot "
         f"be used: {reason}; point '{key}' at a writable location"), reason
+
+
+#: the keys of a tier's ``options`` that say where an object store's server is
+_ENDPOINT_KEYS = ("endpoint_url", "endpoint", "aws_endpoint", "aws_endpoint_url")
+
+
+def _no_connection(tc: TierConfig, tier: Tier, config: StoreConfig, exc: BaseException) -> str:
+    """One sentence for a tier whose server cannot be connected to: where it was asked, what
+    the last try answered, and the option that says where the server is. The retries' summary
+    (GaveUp) is left out: it wraps that answer in words of its own, and a dead server is not
+    news that the retries add to."""
+    last = exc.__cause__ if isinstance(exc, GaveUp) and exc.__cause__ is not None else exc
+    answer = f"{type(last).__name__}: {last}"
+    options = tc.backend_options.get("options")
+    if not isinstance(options, dict):  # a backend of its own kind of address (a peer's)
+        return (f"{tier.backend.describe()} cannot be connected to ({answer}); check that its "
+                f"server is running")
+    # An object store's options: fsspec's terms (both built-in backends that have them take
+    # these), or obstore's own names.
+    kwargs = options.get("client_kwargs")
+    tables = (("", options), ("client_kwargs.", kwargs if isinstance(kwargs, dict) else {}))
+    key, endpoint = next(((prefix + name, table[name]) for prefix, table in tables
+                          for name in _ENDPOINT_KEYS if table.get(name)), ("endpoint_url", None))
+    where = config.source.where("tier", tc.index, "options")
+    if endpoint is None:
+        return (f"{tier.backend.describe()} cannot be connected to at its provider's default "
+                f"endpoint ({answer}); check the network, or set endpoint_url in the tier's "
+                f"options ({where}) if its server is elsewhere")
+    return (f"{tier.backend.describe()} cannot be connected to at {endpoint} ({answer}); check "
+            f"that the server is running there and that {key} in the tier's options "
+            f"({where}) is its address")
 
 
 def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost,
