@@ -34,8 +34,9 @@ from tierstore.engine.manifests import build_manifest
 from tierstore.errors import IntegrityError, TierstoreError
 from tierstore.format.checksum import hash_stream, same_digest
 from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.tiers.parity_sets import (MEMBERS_FILE, PARITY_FILE, ParitySet, header_of,
-                                         parity_of, plain_header, read_members, recoverable)
+from tierstore.tiers.parity_sets import (MEMBERS_FILE, PARITY_FILE, ParityLayout, ParityPiece,
+                                         ParitySet, header_of, parity_of, plain_header,
+                                         read_members, recoverable)
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import all_gather_message
 from tierstore.transport.shapes import as_bool, as_dict, as_int, as_list, as_str, as_tuple, optional
@@ -72,21 +73,26 @@ class _ChunkSource(TransferEnd):
         return self._chunk[at:at + length]
 
 
-def _xor_from_peers(group: Any, rank: int, found: ParitySet, transfers: list[Transfer],
+def _encoding(layout: ParityLayout, rank: int,
+              skip: int | None = None) -> dict[Transfer, ParityPiece]:
+    """The pieces of the set's encoding that ``rank`` sends or receives (none from or to
+    ``skip``), each by the transfer that moves it from its member to its holder, in the
+    layout's order (the one every rank lists them in)."""
+    return {Transfer(p.member, p.holder, p.file, p.size, p.offset): p for p in layout.pieces
+            if skip not in (p.member, p.holder) and rank in (p.member, p.holder)}
+
+
+def _xor_from_peers(group: Any, rank: int, encoding: dict[Transfer, ParityPiece],
                     parity: torch.Tensor, open_source: Callable[[Transfer], TransferEnd],
                     piece_bytes: int) -> int:
-    """Run ``transfers`` (pieces of members' streams), XORing what this rank receives into
-    ``parity`` at the place its holder's chunk keeps it; bytes received."""
-    bases = {}
-    for t in transfers:
-        if t.dst == rank:
-            for rel, offset, _, at in found.pieces(t.src, rank):
-                bases[(t.src, rel, offset)] = at - offset
+    """Run the transfers of ``encoding`` (:func:`_encoding`), XORing what this rank receives
+    into ``parity`` at the place its piece has in this rank's chunk; bytes received."""
 
     def open_target(t: Transfer) -> TransferEnd:
-        return _XorInto(parity, bases[(t.src, t.key, t.offset)])
+        piece = encoding[t]
+        return _XorInto(parity, piece.at - piece.offset)
 
-    return run_transfers(group, rank, transfers, open_source, open_target,
+    return run_transfers(group, rank, list(encoding), open_source, open_target,
                          lambda *_: None, piece_bytes)
 
 
@@ -103,15 +109,16 @@ def protect(group: Any, rank: int, members: list[int], header: dict, cid: str, s
     headers = {r: header_of(h) for r, h in headers.items()}
     headers[rank] = header
     found = ParitySet.of(members, headers)
-    transfers = [t for t in found.encode_transfers() if rank in (t.src, t.dst)]
+    encoding = _encoding(found.layout, rank)
+    sizes = found.layout.sizes[rank]
 
     def open_source(t: Transfer) -> TransferEnd:
-        return open_to_send(source.backend, f"{cid}/{t.key}", header["files"][t.key].size)
+        return open_to_send(source.backend, f"{cid}/{t.key}", sizes[t.key])
 
     received = []
     _write_parity(parity_tier, cid, found, rank, strategy, announce, lambda parity: received.append(
-        _xor_from_peers(group, rank, found, transfers, parity, open_source, piece_bytes)))
-    return sum(t.size for t in transfers if t.src == rank), received[0], found.chunk
+        _xor_from_peers(group, rank, encoding, parity, open_source, piece_bytes)))
+    return sum(t.size for t in encoding if t.src == rank), received[0], found.chunk
 
 
 def _write_parity(parity_tier: Tier, cid: str, found: ParitySet, rank: int, strategy: str,
@@ -211,8 +218,7 @@ def verify_parity(group: Any, rank: int, cid: str, own: list[tuple[Tier, Manifes
         return open_to_send(copies[t.key].backend, f"{cid}/{t.key}", files[t.key].size)
 
     fresh = torch.zeros(found.chunk, dtype=torch.uint8)
-    transfers = [t for t in found.encode_transfers() if rank in (t.src, t.dst)]
-    _xor_from_peers(group, rank, found, transfers, fresh, open_own, piece_bytes)
+    _xor_from_peers(group, rank, _encoding(found.layout, rank), fresh, open_own, piece_bytes)
     stored = parity_tier.backend.read_bytes(f"{cid}/{PARITY_FILE}")
     if len(stored) == found.chunk and torch.equal(
             torch.frombuffer(bytearray(stored), dtype=torch.uint8) if stored else fresh, fresh):
@@ -364,15 +370,27 @@ def _parity_sound(tier: Tier | None, cid: str) -> bool:
     return True
 
 
-def _survivor_ready(rank: int, lost: int, cid: str, own: list[tuple[Tier, Manifest]],
-                    parity_tier: Tier | None
+def _planned_set(raw: bytes, members: tuple[int, ...]) -> ParitySet:
+    """The set a ``members.json`` (``raw``) describes, once its ranks are the set the load
+    planned the rebuild for (``members``, as every rank's parity manifest records it): every
+    member then lists the rebuild's transfers from its layout alike, in one order."""
+    found = read_members(raw)
+    if found.ranks != tuple(members):
+        raise IntegrityError(f"its set's description names ranks {list(found.ranks)}, its "
+                             f"parity's manifest {list(members)}")
+    return found
+
+
+def _survivor_ready(rank: int, lost: int, members: tuple[int, ...], cid: str,
+                    own: list[tuple[Tier, Manifest]], parity_tier: Tier | None
                     ) -> tuple[ParitySet, torch.Tensor, Callable[[Transfer], TransferEnd]]:
-    """What a survivor needs to help rebuild ``lost``: its set (``members.json``), a copy of
-    its parity chunk, and how to open its own files of the save (each a copy whose entry has
-    the digest the set records). Raises (IntegrityError, OSError) when it has not all of it."""
+    """What a survivor needs to help rebuild ``lost``: its set (``members.json``, with its
+    layout), a copy of its parity chunk, and how to open its own files of the save (each a
+    copy whose entry has the digest the set records). Raises (IntegrityError, OSError) when it
+    has not all of it."""
     if parity_tier is None:
         raise IntegrityError("it holds no parity tier")
-    found = read_members(parity_tier.backend.read_bytes(f"{cid}/{MEMBERS_FILE}"))
+    found = _planned_set(parity_tier.backend.read_bytes(f"{cid}/{MEMBERS_FILE}"), members)
     chunk = torch.frombuffer(bytearray(parity_tier.backend.read_bytes(
         f"{cid}/{PARITY_FILE}")), dtype=torch.uint8) if found.chunk else \
         torch.empty(0, dtype=torch.uint8)
@@ -389,8 +407,10 @@ def _survivor_ready(rank: int, lost: int, cid: str, own: list[tuple[Tier, Manife
             raise IntegrityError(f"checkpoint '{cid}': rank {rank} holds no copy of its {rel} "
                                  f"to rebuild rank {lost}'s files with")
 
+    sizes = found.layout.sizes[rank]
+
     def open_own(t: Transfer) -> TransferEnd:
-        return open_to_send(sources[t.key].backend, f"{cid}/{t.key}", files[t.key].size)
+        return open_to_send(sources[t.key].backend, f"{cid}/{t.key}", sizes[t.key])
 
     return found, chunk, open_own
 
@@ -403,14 +423,16 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
     survivors = [r for r in members if r != lost]
     if rank not in members:
         return None
-    # Each member first readies what it needs (a survivor: its set's description, its parity
-    # chunk and its own files; the lost member's rank: the set, told by the lowest survivor),
-    # then the set agrees: a member that cannot take part says so, instead of raising while
-    # the others wait for it in the transfers until the collective timeout.
+    # Each member first readies what it needs (a survivor: its set's description and layout,
+    # its parity chunk and its own files; the lost member's rank: the set, told by the lowest
+    # survivor), then the set agrees: a member that cannot take part says so, instead of
+    # raising while the others wait for it in the transfers until the collective timeout.
+    # From there on every step takes the set's layout, read once here, as plain data.
     found, chunk, problem = None, None, ""
     if rank != lost:
         try:
-            found, chunk, open_own = _survivor_ready(rank, lost, cid, own, parity_tier)
+            found, chunk, open_own = _survivor_ready(rank, lost, members, cid, own,
+                                                     parity_tier)
         except (OSError, ValueError, KeyError, IntegrityError) as exc:
             problem = f"rank {rank}: {exc}"
     # The lowest survivor tells the lost member's rank (which has nothing) what its set is.
@@ -421,7 +443,7 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
         try:
             if not told[survivors[0]]:
                 raise IntegrityError(f"rank {survivors[0]} could not read its set")
-            found = read_members(told[survivors[0]].encode())
+            found = _planned_set(told[survivors[0]].encode(), members)
         except (ValueError, KeyError, IntegrityError) as exc:
             problem = f"rank {rank}: {exc}"
     others = [r for r in members if r != rank]
@@ -433,14 +455,16 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
                         cid, lost, "; ".join(problems))
         return None
     assert found is not None
+    layout = found.layout
     # 1. Each survivor XORs the other survivors' chunks into a copy of its parity: one chunk
     #    of the lost member's stream.
     if rank != lost:
-        transfers = [t for t in found.encode_transfers(skip=lost) if rank in (t.src, t.dst)]
-        _xor_from_peers(group, rank, found, transfers, chunk, open_own, piece_bytes)
-    # 2. The survivors send the lost member's rank its files' pieces.
-    moves = [Transfer(holder, lost, rel, size, offset) for holder in survivors
-             for rel, offset, size, _ in found.pieces(lost, holder)]
+        _xor_from_peers(group, rank, _encoding(layout, rank, skip=lost), chunk, open_own,
+                        piece_bytes)
+    # 2. The survivors send the lost member's rank its files' pieces, each from where its
+    #    holder's rebuilt chunk has it (the layout lists them by holder, in set order).
+    moves = {Transfer(p.holder, lost, p.file, p.size, p.offset): p for p in layout.pieces
+             if p.member == lost}
     header = found.headers[lost]
     if rank == lost:
         try:
@@ -449,8 +473,8 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
             # The survivors send all the same (they cannot know): received and dropped.
             log.warning("checkpoint %s: the files of rank %d are not rebuilt from parity: %s",
                         cid, lost, exc)
-            run_transfers(group, rank, moves, None, lambda t: _DROPPED, lambda *_: None,
-                          piece_bytes)
+            run_transfers(group, rank, list(moves), None, lambda t: _DROPPED,
+                          lambda *_: None, piece_bytes)
             return None
         try:
             ends = {}
@@ -458,10 +482,11 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
             def open_target(t: Transfer) -> TransferEnd:
                 if t.key not in ends:
                     ends[t.key] = rebuilt_tier.backend.receiving_end(
-                        f"{staging}/{t.key}", header["files"][t.key].size)
+                        f"{staging}/{t.key}", layout.sizes[lost][t.key])
                 return ends[t.key]
 
-            run_transfers(group, rank, moves, None, open_target, lambda *_: None, piece_bytes)
+            run_transfers(group, rank, list(moves), None, open_target, lambda *_: None,
+                          piece_bytes)
             for end in ends.values():
                 end.close(fsync=rebuilt_tier.backend.durable)
             for rel, entry in header["files"].items():
@@ -495,12 +520,9 @@ def _rebuild_one(group: Any, rank: int, cid: str, lost: int, members: tuple[int,
             rebuilt_tier.abort_save(cid, staging)
             raise
         return rebuilt_tier, manifest
-    positions = {}
-    for rel, offset, _, at in found.pieces(lost, rank):
-        positions[(rel, offset)] = at - offset
-
     def open_source(t: Transfer) -> TransferEnd:
-        return _ChunkSource(chunk, positions[(t.key, t.offset)])
+        piece = moves[t]
+        return _ChunkSource(chunk, piece.at - piece.offset)
 
-    run_transfers(group, rank, moves, open_source, None, lambda *_: None, piece_bytes)
+    run_transfers(group, rank, list(moves), open_source, None, lambda *_: None, piece_bytes)
     return None

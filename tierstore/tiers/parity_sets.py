@@ -1,8 +1,9 @@
 """Parity sets as plain data (the ``erasure`` replication strategy): which bytes of which member's
-files each member's parity chunk covers (:class:`ParitySet`, over tierstore.format.parity's
-layout), the set's description kept beside each chunk (``members.json``), what a parity tier
-holds, and which lost members a save's parity can rebuild. Reading only: encoding, checking and
-rebuilding are tierstore.engine.parity's."""
+files each member's parity chunk covers (:class:`ParitySet` and its :class:`ParityLayout`, over
+tierstore.format.parity's chunks), the set's description kept beside each chunk
+(``members.json``), what a parity tier holds, and which lost members a save's parity can
+rebuild. Reading only: encoding, checking and rebuilding are tierstore.engine.parity's, which
+takes each set's layout as the plain data made here with the set, once."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from tierstore.errors import IntegrityError
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.format.parity import chunk_index, common_length
 from tierstore.tiers.tier import Tier
-from tierstore.transport.transfer import Transfer
 
-__all__ = ["PARITY_FILE", "MEMBERS_FILE", "ParitySet", "read_members", "plain_header",
-           "header_of", "parity_held", "parity_of", "recoverable"]
+__all__ = ["PARITY_FILE", "MEMBERS_FILE", "ParityPiece", "ParityLayout", "ParitySet",
+           "read_members", "plain_header", "header_of", "parity_held", "parity_of",
+           "recoverable"]
 
 #: the parity chunk a member keeps, and the set's headers, in its parity tier's checkpoint
 PARITY_FILE = "parity"
@@ -26,19 +27,74 @@ _FORMAT = 1
 
 
 @dataclass(frozen=True)
+class ParityPiece:
+    """One range of a member's stream that one other member's parity chunk covers: ``size``
+    bytes of ``member``'s file ``file`` from byte ``offset`` of the file, at byte ``at`` of
+    ``holder``'s chunk. Encoding moves it from ``member`` to ``holder``; a rebuild of
+    ``member`` moves it back, from ``holder``'s rebuilt chunk."""
+
+    member: int
+    holder: int
+    file: str
+    offset: int
+    size: int
+    at: int
+
+
+@dataclass(frozen=True)
+class ParityLayout:
+    """Where every byte of a parity set's streams lies (plain data, made once with its set):
+    ``ranks``, the members in set order; ``chunk``, the bytes of each member's parity chunk;
+    ``sizes``, each member's files in stream order (name -> bytes); ``pieces``, every range of
+    a member's file in another member's chunk, by member, then holder (both in set order),
+    then stream order: the one order in which every rank of the set lists the transfers."""
+
+    ranks: tuple[int, ...]
+    chunk: int
+    sizes: dict[int, dict[str, int]]
+    pieces: tuple[ParityPiece, ...]
+
+    @classmethod
+    def of(cls, ranks: tuple[int, ...], chunk: int,
+           sizes: dict[int, dict[str, int]]) -> "ParityLayout":
+        """The layout of the set of ``ranks`` whose members' files have ``sizes`` (each
+        member's in stream order), cut into chunks of ``chunk`` bytes."""
+        n = len(ranks)
+        pieces = []
+        for j, member in enumerate(ranks):
+            for r, holder in enumerate(ranks):
+                if member == holder:
+                    continue
+                lo = chunk_index(r, j, n) * chunk
+                hi, at = lo + chunk, 0
+                for rel, size in sizes[member].items():
+                    start, end = max(lo, at), min(hi, at + size)
+                    if start < end:
+                        pieces.append(ParityPiece(member, holder, rel, start - at, end - start,
+                                                  start - lo))
+                    at += size
+        return cls(tuple(ranks), chunk, sizes, tuple(pieces))
+
+
+@dataclass(frozen=True)
 class ParitySet:
     """One parity set of one save, as plain data: its members (ranks, in rank order), each
-    member's replication header (its files and the save's fields) and the chunk length."""
+    member's replication header (its files and the save's fields), the chunk length, and the
+    set's :class:`ParityLayout`, computed from them once, when the set is made."""
 
     ranks: tuple[int, ...]
     headers: dict[int, dict]
     chunk: int
+    layout: ParityLayout
 
     @classmethod
     def of(cls, ranks: list[int], headers: dict[int, dict]) -> "ParitySet":
-        """The set of ``ranks`` with their ``headers``, its chunk length computed."""
+        """The set of ``ranks`` with their ``headers``, its chunk length and layout computed."""
         lengths = [sum(e.size for e in headers[r]["files"].values()) for r in ranks]
-        return cls(tuple(ranks), headers, common_length(lengths, len(ranks)) // (len(ranks) - 1))
+        chunk = common_length(lengths, len(ranks)) // (len(ranks) - 1)
+        sizes = {r: {rel: e.size for rel, e in sorted(headers[r]["files"].items())}
+                 for r in ranks}
+        return cls(tuple(ranks), headers, chunk, ParityLayout.of(tuple(ranks), chunk, sizes))
 
     def position(self, rank: int) -> int:
         """Where ``rank`` is in the set."""
@@ -50,29 +106,11 @@ class ParitySet:
 
     def pieces(self, member: int, holder: int) -> list[tuple[str, int, int, int]]:
         """The pieces of ``member``'s stream in ``holder``'s parity chunk: ``(file, offset in
-        the file, bytes, offset in the chunk)``."""
-        n = len(self.ranks)
-        c = chunk_index(self.position(holder), self.position(member), n)
-        lo, hi = c * self.chunk, (c + 1) * self.chunk
-        out, at = [], 0
-        for rel, entry in self.files(member):
-            start, end = max(lo, at), min(hi, at + entry.size)
-            if start < end:
-                out.append((rel, start - at, end - start, start - lo))
-            at += entry.size
-        return out
-
-    def encode_transfers(self, skip: int | None = None) -> list[Transfer]:
-        """Every piece each member sends each other member for its parity (none from or to
-        ``skip``), in one order all ranks compute alike."""
-        out = []
-        for member in self.ranks:
-            for holder in self.ranks:
-                if member == holder or skip in (member, holder):
-                    continue
-                out += [Transfer(member, holder, rel, size, offset)
-                        for rel, offset, size, _ in self.pieces(member, holder)]
-        return out
+        the file, bytes, offset in the chunk)`` (from :attr:`layout`)."""
+        # A rank that is not a member, or a member's own stream, is a ValueError.
+        chunk_index(self.position(holder), self.position(member), len(self.ranks))
+        return [(p.file, p.offset, p.size, p.at) for p in self.layout.pieces
+                if p.member == member and p.holder == holder]
 
     def to_json(self) -> bytes:
         """``members.json``: plain data (entries as their fields)."""
@@ -82,10 +120,13 @@ class ParitySet:
 
 
 def plain_header(header: dict) -> dict:
+    """A replication header as plain data (its file entries as their fields), for a message
+    or ``members.json``."""
     return {**header, "files": {rel: dataclasses.asdict(e) for rel, e in header["files"].items()}}
 
 
 def header_of(plain: dict) -> dict:
+    """The replication header :func:`plain_header` wrote (its entries as FileEntry again)."""
     return {**plain, "files": {rel: FileEntry(**f) for rel, f in plain["files"].items()}}
 
 
@@ -107,6 +148,7 @@ def read_members(raw: bytes) -> ParitySet:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise IntegrityError(f"{MEMBERS_FILE} is not a parity set's description "
                              f"({type(exc).__name__}: {exc})") from None
+
 
 def _set_of(manifest: Manifest) -> tuple[int, ...] | None:
     try:
