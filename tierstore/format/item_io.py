@@ -34,6 +34,7 @@ from tierstore.format.manifest import FileEntry
 from tierstore.format.tensor_records import (TEMPLATE_MAX_BYTES, host_tensor, save_tensor,
                                              storage_alignment, template_for, tensor_bytes)
 from tierstore.format.values import check_value
+from tierstore.format.streams import write_all
 
 __all__ = ["NoCloseWriter", "BufferReader", "needed_ranges", "read_runs", "runs_bytes",
            "check_blocks", "block_bytes_for", "BLOCK_MIN_BYTES", "ItemLocation", "HashingWriter",
@@ -166,7 +167,7 @@ class HashingWriter(io.RawIOBase):
                 self.flush()
         else:
             self.flush()
-            self.raw.write(view)
+            write_all(self.raw, view)
             self.large_writes.append((self.offset, n))
         self.offset += n
         return n
@@ -185,7 +186,7 @@ class HashingWriter(io.RawIOBase):
         if self._pending:
             # A new buffer each time: the backend file may keep what it was given.
             chunk, self._pending = self._pending, bytearray()
-            self.raw.write(chunk)
+            write_all(self.raw, chunk)
 
 
 def item_size(item: WriteItem) -> int:

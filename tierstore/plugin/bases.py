@@ -15,6 +15,7 @@ import abc
 import os
 from typing import IO, TYPE_CHECKING, Any, Callable, ClassVar, Collection
 
+from tierstore.format.streams import write_all
 from tierstore.plugin.options import Option
 from tierstore.transport.ends import TransferEnd, WrittenFile
 
@@ -217,7 +218,7 @@ class Backend(abc.ABC):
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write a whole small file (manifest, metadata)."""
         with self.open_write(path) as f:
-            f.write(data)
+            write_all(f, data)
 
     def read_bytes(self, path: str) -> bytes:
         """Read a whole small file."""

@@ -40,6 +40,7 @@ from typing import IO, Callable, Iterable
 from tierstore.format.checksum import Hasher
 from tierstore.format.chunk_recipe import Recipe, parse_recipe, parse_recipe_name
 from tierstore.format.manifest_check import CHECKSUM_PATTERN
+from tierstore.format.streams import write_all
 from tierstore.plugin.bases import Backend, DirectoryLock
 
 __all__ = ["CHUNK_BYTES", "OBJECT_CHUNK_BYTES", "CHUNKS_DIR", "ChunkStore", "ChunkReader", "chunk_path",
@@ -264,11 +265,11 @@ class ChunkStore:
         self._makedirs(posixpath.dirname(path))
         if not self.backend.supports_rename:
             with self.backend.open_write(path) as f:
-                f.write(data)
+                write_all(f, data)
             return
         beside = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         with self.backend.open_write(beside) as f:
-            f.write(data)
+            write_all(f, data)
         self.backend.rename(beside, path, replace=True)
 
     def _makedirs(self, path: str) -> None:
