@@ -263,3 +263,57 @@ def test_a_signing_store_names_chunks_by_keyed_digests_nobody_else_can_make(tmp_
         report = store.verify("step-2", tier="disk")
         assert not report.ok
         _assert_step(_load(store, "step-2", base), 2, base)  # from 'ram'
+
+
+def _recipe(root, cid: str) -> tuple[str, dict]:
+    name = next(n for n in os.listdir(root / cid) if ".distcp.tierstore-chunked." in n)
+    return name.split(".tierstore-chunked.")[0], json.loads((root / cid / name).read_text())
+
+
+def test_a_deduplicated_file_loads_through_its_chunks_own_pages(tmp_path):
+    """Each large item starts on a page of the file, so its chunks start on pages too and a
+    load maps the chunks' files side by side (no copy of their bytes); a chunk another user
+    could change is read instead of mapped, a short one is a damaged chunk store."""
+    import mmap
+
+    from tierstore.tiers.chunks import MissingChunk, chunk_path
+
+    base = _base()
+    # one data file per rank: the large items follow small ones in it
+    with tierstore.open({"store": {"io_threads": 1}, **_config(tmp_path)}) as store:
+        dcp.save(_state(1, base), storage_writer=store.writer(), checkpoint_id="step-1")
+        store.wait()
+        root = tmp_path / "disk"
+        data_file, recipe = _recipe(root, "step-1")
+        chunks = recipe["chunks"]
+        starts = [sum(length for length, _ in chunks[:i]) for i in range(len(chunks))]
+        # the four 1 MiB base tensors each start a chunk on a page, after the small items
+        large = [s for s, (length, _) in zip(starts, chunks) if length == MiB]
+        assert len(large) == 4 and max(large) > 0, (starts, chunks)
+        assert all(s % mmap.PAGESIZE == 0 for s in large), large
+        whole = b"".join((root / chunk_path(d)).read_bytes() for _, d in chunks)
+        backend = store._ctx.tiers.named("disk").backend
+
+        def mapped() -> bytes:
+            with backend.open_read(f"step-1/{data_file}") as f:
+                pages = f.mapped()
+                assert pages is not None
+                try:
+                    return bytes(pages)
+                finally:
+                    pages.close()
+
+        assert mapped() == whole
+        big = next(d for (length, d), s in zip(chunks, starts)
+                   if length == MiB and s % mmap.PAGESIZE == 0)
+        os.chmod(root / chunk_path(big), 0o664)  # another user could write it: read, not mapped
+        assert mapped() == whole
+        _assert_step(_load(store, "step-1", base), 1, base)
+        with open(root / chunk_path(big), "r+b") as f:
+            f.truncate(MiB - 1)
+        with backend.open_read(f"step-1/{data_file}") as f:
+            with pytest.raises(MissingChunk, match=f"chunk {big}"):
+                f.mapped()
+        assert not store.verify("step-1", "disk").ok
+        # the load takes the RAM tier's copy instead, bitwise
+        _assert_step(_load(store, "step-1", base), 1, base)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import mmap
 import pickle
 import time
 import uuid
@@ -446,6 +447,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
             with tier.open_write(f"{save.staging}/{relative}", needed) as raw:
                 out = HashingWriter(raw, tier.keyring.new_hasher(), block_bytes_for(needed),
                                     tier.keyring.new_hasher)
+                if record_cuts:  # (large items on pages: their chunks load mapped)
+                    out.align_items = mmap.PAGESIZE
                 results = write_items(out, buckets[n], planner, relative,
                                       [c.extension() for c in tier.codecs],
                                       written_before=spilled)

@@ -83,6 +83,11 @@ class ItemLocation:
     raw_span: tuple[int, int] | None = None
 
 
+#: the least bytes of an item that a file cut into chunks starts on a page (padding of less
+#: than a page before each: under 0.4 % of such an item)
+ALIGN_ITEMS_FROM = 1 << 20
+
+
 class HashingWriter(io.RawIOBase):
     """Wraps a backend file: counts the offset and hashes every byte written through it.
 
@@ -115,6 +120,9 @@ class HashingWriter(io.RawIOBase):
         self._block = self._new_hasher() if block_bytes else None
         #: where each item starts (:meth:`start_item`)
         self.cuts: list[int] = []
+        #: a page size, or 0: items of at least ALIGN_ITEMS_FROM bytes start on a page of the
+        #: file (:meth:`align_item`), where a tier that cuts the file into chunks cuts it
+        self.align_items = 0
 
     def writable(self) -> bool:
         return True
@@ -129,6 +137,17 @@ class HashingWriter(io.RawIOBase):
         if hook is not None:
             self.flush()
             hook()
+
+    def align_item(self, nbytes: int) -> None:
+        """An item of ``nbytes`` starts next: with :attr:`align_items`, one of at least
+        :data:`ALIGN_ITEMS_FROM` bytes starts on a page, zeros before it (no item's bytes: DCP
+        reads each item at its own offset). A deduplicated tier cuts the file's chunks where
+        items start, and a chunk that starts on a page can be loaded through its own file's
+        pages (tierstore.tiers.chunk_map)."""
+        if self.align_items and nbytes >= ALIGN_ITEMS_FROM:
+            gap = -self.offset % self.align_items
+            if gap:
+                self.write(bytes(gap))
 
     def blocks(self) -> list[str] | None:
         """The digests of the file's blocks as written so far (the last one may be short);
@@ -280,6 +299,7 @@ def write_items(out: HashingWriter, items: list[WriteItem], planner: SavePlanner
     results = []
     alignment = storage_alignment()
     for item in items:
+        out.align_item(item_size(item))
         out.start_item()
         offset = out.offset
         stream, descriptors = encode_to(out, list(extensions))
@@ -794,10 +814,19 @@ def map_checked(f: IO[bytes], entry: FileEntry, keyring,
     Returns ``(copy, "")`` when it matches: the load reads from ``copy``, which then owns
     ``f``; ``(None, why)`` when not; ``(None, None)`` when ``f`` is not a regular file (a
     stream: read it once, checking it on the way and keeping the old bytes)."""
-    if getattr(f, "read_whole_first", False) and entry.size <= BUFFERED_CHECK_MAX:
-        # A file put together from pieces (a deduplicated tier's chunks): read into this
-        # process's memory and checked whole, then read from there, as a mapped file is.
-        return _checked_in_memory(f, entry, keyring, runs)
+    if getattr(f, "read_whole_first", False):
+        # A file put together from pieces (a deduplicated tier's chunks): its pieces mapped
+        # side by side where they are local files, else read into this process's memory;
+        # checked whole, then read from there, as a mapped file is.
+        mapped = getattr(f, "mapped", None)
+        pages = mapped() if mapped is not None else None
+        if pages is not None:
+            if len(pages) != entry.size:
+                pages.close()
+                return None, f"file is {len(pages)} bytes, its manifest says {entry.size}"
+            return _checked_pages(f, pages, entry, keyring, runs)
+        if entry.size <= BUFFERED_CHECK_MAX:
+            return _checked_in_memory(f, entry, keyring, runs)
     try:
         fd = f.fileno()
         st = os.fstat(fd)
@@ -834,7 +863,14 @@ def _map_checked_pages(f: IO[bytes], fd: int, entry: FileEntry, keyring,
                        runs: list[tuple[int, int]] | None
                        ) -> tuple[MappedCopy | None, str | None]:
     """:func:`map_checked` through the file's pages, mapped read-only."""
-    pages = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    return _checked_pages(f, mmap.mmap(fd, 0, access=mmap.ACCESS_READ), entry, keyring, runs)
+
+
+def _checked_pages(f: IO[bytes], pages: mmap.mmap, entry: FileEntry, keyring,
+                   runs: list[tuple[int, int]] | None
+                   ) -> tuple[MappedCopy | None, str | None]:
+    """:func:`map_checked` through ``pages``, a mapping of the whole file (closed here unless
+    the copy returned owns it)."""
     try:
         if runs is None:
             hasher = keyring.hasher_for(entry.checksum)

@@ -480,6 +480,38 @@ class ChunkReader(io.RawIOBase):
             raise MissingChunk(f"{self.name}: chunk {chunks[index][1]} is missing from the "
                                f"tier's chunk store") from None
 
+    def mapped(self):
+        """The whole file as one read-only mapping of its chunks' own pages, in order
+        (:func:`tierstore.tiers.chunk_map.map_chunks`: a load checks and reads it as it does a
+        whole mapped file, with no copy); None on an object store, whose chunks are no local
+        files, or where the chunks' files cannot be mapped. MissingChunk when one is
+        missing or short."""
+        if self._store.parallel:
+            return None
+        from tierstore.tiers.chunk_map import map_chunks  # (ctypes and mmap: local tiers only)
+
+        def open_chunk(index: int, digest: str) -> IO[bytes]:
+            try:
+                f = self._store.backend.open_read(chunk_path(digest))
+            except FileNotFoundError:
+                self._store.forget(digest)
+                raise MissingChunk(f"{self.name}: chunk {digest} is missing from the tier's "
+                                   f"chunk store") from None
+            if not hasattr(f, "fileno"):
+                f.close()
+                raise io.UnsupportedOperation("a chunk's file has no descriptor")
+            return f
+
+        try:
+            return map_chunks(list(self._recipe.chunks), open_chunk, self.name)
+        except io.UnsupportedOperation:
+            return None
+        except MissingChunk:
+            raise
+        except OSError as exc:
+            raise MissingChunk(f"{exc}; the chunk store is damaged (run `tierstore scrub "
+                               f"--repair`)") from None
+
     def _chunk_at(self, pos: int) -> int:
         return bisect.bisect_right(self._starts, pos) - 1
 
