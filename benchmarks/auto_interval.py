@@ -20,17 +20,17 @@ Needs nothing beyond ``make test``'s set-up (no object store).
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 import tomllib
+from contextlib import nullcontext
 from pathlib import Path
 
 from tierstore_simulate.run import run
 from tierstore_simulate.scenario import parse_scenario
+
+from harness import parser, print_table, scratch
 
 STEPS, STEP_S = 40, 0.25
 FIXED = (1, 2, 4, 8)
@@ -61,7 +61,7 @@ def scenario_toml(kills: tuple[int, ...], repeat: int = 1) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--out", default=None, help="keep the simulations here (default: a temp dir)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"no failure rate with {sorted(unknown)} failures; the rates: "
                 + ", ".join(RATES))
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="auto-interval-"))
     began = time.time()
     results = []
-    try:
+    with nullcontext(args.out) if args.out else scratch("auto-interval-") as where:
+        out = Path(where)
         for rate, kills in ((r, k) for r, k in RATES.items() if len(k) in wanted):
             scenario = parse_scenario(tomllib.loads(scenario_toml(kills, args.repeat)),
                                       f"rate {rate}")
@@ -105,20 +105,18 @@ def main(argv: list[str] | None = None) -> int:
                             "auto_every": auto.get("intervals", {}).get("ram"),
                             "rounds": {n: [r["goodput"] for r in c.get("rounds", [])]
                                        for n, c in by_name.items()}})
-    finally:
-        if not args.out:
-            shutil.rmtree(out, ignore_errors=True)
-    header = "| failures | " + " | ".join(f"every {e}" for e in FIXED) + \
-        " | auto (ended with every) | auto / best fixed |"
     rounds = f" (each the median of {args.repeat} rounds)" if args.repeat > 1 else ""
     print(f"\nGoodput{rounds}, and in brackets stall + lost progress in seconds:\n")
-    print(header + "\n|" + " --- |" * (len(FIXED) + 3))
+    rows = []
     for r in results:
         moved = r["stall_plus_lost_s"]
-        cells = [f"{r['goodput'][f'every {e}']:.1%} ({moved[f'every {e}']:.1f})" for e in FIXED]
-        print(f"| {r['failures']} | " + " | ".join(cells) +
-              f" | {r['goodput']['auto']:.1%} ({moved['auto']:.1f}; every "
-              f"{r['auto_every']}) | **{r['auto_vs_best']:.2f}x** {r['best_fixed']} |")
+        rows.append([r["failures"],
+                     *(f"{r['goodput'][f'every {e}']:.1%} ({moved[f'every {e}']:.1f})"
+                       for e in FIXED),
+                     f"{r['goodput']['auto']:.1%} ({moved['auto']:.1f}; every "
+                     f"{r['auto_every']})", f"**{r['auto_vs_best']:.2f}x** {r['best_fixed']}"])
+    print_table(["failures", *(f"every {e}" for e in FIXED), "auto (ended with every)",
+                 "auto / best fixed"], rows)
     verdicts = [r["auto_vs_best"] >= TARGET for r in results]
     for r, ok in zip(results, verdicts):
         print(f"{'PASS' if ok else 'MISS'}: {r['rate']}: auto within 5 % of the best fixed "

@@ -55,8 +55,9 @@ import sys
 import tempfile
 import time
 
-from common import (benchmark_parser, finish_report, fs_type, print_verdicts, progress_log,
-                    rounds_text, rotated, verdict, warmup_then_rounds)
+from harness import (benchmark_parser, finish_report, fs_type, parse_rounds, print_verdicts,
+                     progress_log, ratios, rotated, rounds_text, scratch, verdict,
+                     warmup_then_rounds)
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 CONTENDERS = ("live", "quiet")
@@ -71,7 +72,7 @@ import json, sys, threading
 sys.path.insert(0, sys.argv[1])
 import torch.distributed.checkpoint as dcp
 import tierstore
-from common import make_state_dict, progress_log
+from harness import make_state_dict, progress_log
 from tierstore.events import Phase
 
 _, _bench_dir, config, size_mib, tensors, checkpoints = sys.argv
@@ -202,9 +203,9 @@ def parse_args(argv=None):
                          size_mib=64, tensors=16)
     p.add_argument("--checkpoints", type=int, default=5,
                    help="checkpoints the job saves, each with its copy pending (default 5)")
-    args = p.parse_args(argv)
-    if args.checkpoints < 1 or args.repeat < 1:
-        p.error("--checkpoints and --repeat must be at least 1")
+    args = parse_rounds(p, argv)
+    if args.checkpoints < 1:
+        p.error("--checkpoints must be at least 1")
     return args
 
 
@@ -214,67 +215,69 @@ def main(argv=None) -> int:
     parent = args.dir or tempfile.gettempdir()
     kind = fs_type(parent)
     t_start = time.perf_counter()
-    base = tempfile.mkdtemp(prefix="tierstore-cli-beside-job-", dir=parent)
-    stores = {"live": os.path.join(base, "live"), "quiet": os.path.join(base, "quiet")}
-    configs = {k: os.path.join(base, f"{k}.toml") for k in CONTENDERS}
-    roots = {k: [os.path.join(d, "fast"), os.path.join(d, "slow")] for k, d in stores.items()}
     expected = [[f"step-{s}", ["fast"]] for s in range(args.checkpoints, 0, -1)]  # newest first
     seconds: dict[str, list[float]] = {k: [] for k in CONTENDERS}
     cpu: dict[str, list[float]] = {k: [] for k in CONTENDERS}
     wrong_listings: list[str] = []
     job = None
     job_status = None
-    try:
-        for k in CONTENDERS:
-            os.makedirs(stores[k])
-            write_config(configs[k], *roots[k], args.io_threads)
-        log(f"job: saving {args.checkpoints} x {args.size_mib} MiB with its drains held")
-        job, pending = start_job(base, configs["live"], args)
-        want_pending = [[f"step-{s}", "slow"] for s in range(1, args.checkpoints + 1)]
-        if pending != want_pending:
-            raise SystemExit(f"the job reports pending copies {pending}, not {want_pending}")
-        # The quiet store: the same tiers, byte for byte, with nobody attached. Synced so the
-        # copy's writeback does not land inside the timed rounds.
-        for live_root, quiet_root in zip(roots["live"], roots["quiet"]):
-            if os.path.isdir(live_root):
-                shutil.copytree(live_root, quiet_root, symlinks=True)
-        os.sync()
-        before = snapshot(roots["live"] + roots["quiet"])
+    with scratch("tierstore-cli-beside-job-", parent) as base:
+        stores = {"live": os.path.join(base, "live"), "quiet": os.path.join(base, "quiet")}
+        configs = {k: os.path.join(base, f"{k}.toml") for k in CONTENDERS}
+        roots = {k: [os.path.join(d, "fast"), os.path.join(d, "slow")]
+                 for k, d in stores.items()}
+        try:
+            for k in CONTENDERS:
+                os.makedirs(stores[k])
+                write_config(configs[k], *roots[k], args.io_threads)
+            log(f"job: saving {args.checkpoints} x {args.size_mib} MiB with its drains held")
+            job, pending = start_job(base, configs["live"], args)
+            want_pending = [[f"step-{s}", "slow"] for s in range(1, args.checkpoints + 1)]
+            if pending != want_pending:
+                raise SystemExit(f"the job reports pending copies {pending}, not "
+                                 f"{want_pending}")
+            # The quiet store: the same tiers, byte for byte, with nobody attached. Synced so
+            # the copy's writeback does not land inside the timed rounds.
+            for live_root, quiet_root in zip(roots["live"], roots["quiet"]):
+                if os.path.isdir(live_root):
+                    shutil.copytree(live_root, quiet_root, symlinks=True)
+            os.sync()
+            before = snapshot(roots["live"] + roots["quiet"])
 
-        def one_round(rnd: int, warm: bool, res: dict, say) -> None:
-            for which in rotated(CONTENDERS, rnd):
-                took, used, listed = run_ls(configs[which])
-                got = [[c["id"], c["tiers"]] for c in listed]
-                if got != expected:
-                    wrong_listings.append(f"{which}: {got}")
-                res["seconds"][which].append(took)
-                res["cpu"][which].append(used)
-            s = res["seconds"]
-            say(f"round {rnd + 1}: live {s['live'][-1]:.3f} s, quiet {s['quiet'][-1]:.3f} s "
-                f"({s['live'][-1] / s['quiet'][-1]:.2f}x)")
+            def one_round(rnd: int, warm: bool, res: dict, say) -> None:
+                for which in rotated(CONTENDERS, rnd):
+                    took, used, listed = run_ls(configs[which])
+                    got = [[c["id"], c["tiers"]] for c in listed]
+                    if got != expected:
+                        wrong_listings.append(f"{which}: {got}")
+                    res["seconds"][which].append(took)
+                    res["cpu"][which].append(used)
+                s = res["seconds"]
+                say(f"round {rnd + 1}: live {s['live'][-1]:.3f} s, quiet {s['quiet'][-1]:.3f} s "
+                    f"({s['live'][-1] / s['quiet'][-1]:.2f}x)")
 
-        warmup_then_rounds(args, log, lambda: {"seconds": {k: [] for k in CONTENDERS},
-                                               "cpu": {k: [] for k in CONTENDERS}},
-                           one_round, {"seconds": seconds, "cpu": cpu})
-        changed = changes(before, snapshot(roots["live"] + roots["quiet"]))
+            warmup_then_rounds(args, log, lambda: {"seconds": {k: [] for k in CONTENDERS},
+                                                   "cpu": {k: [] for k in CONTENDERS}},
+                               one_round, {"seconds": seconds, "cpu": cpu})
+            changed = changes(before, snapshot(roots["live"] + roots["quiet"]))
 
-        # Release the job: its drains make the copies now, and it must end cleanly.
-        log("job: released, finishing its drains")
-        job.stdin.write("done\n")
-        job.stdin.close()
-        done = read_line(job, 900, base)
-        job_status = job.wait(120)
-        if job_status != 0 or done != "DONE []":
-            raise SystemExit(f"the job ended with {job_status} ({done!r})\n{job_stderr(base)}")
-    finally:
-        if job is not None and job.poll() is None:
-            job.kill()
-            job.wait()
-        shutil.rmtree(base, ignore_errors=True)
+            # Release the job: its drains make the copies now, and it must end cleanly.
+            log("job: released, finishing its drains")
+            job.stdin.write("done\n")
+            job.stdin.close()
+            done = read_line(job, 900, base)
+            job_status = job.wait(120)
+            if job_status != 0 or done != "DONE []":
+                raise SystemExit(f"the job ended with {job_status} ({done!r})\n"
+                                 f"{job_stderr(base)}")
+        finally:
+            if job is not None and job.poll() is None:
+                job.kill()
+                job.wait()
 
     med = {k: statistics.median(v) for k, v in seconds.items()}
     ratio = med["live"] / med["quiet"]
-    per_round = [a / b for a, b in zip(seconds["live"], seconds["quiet"])]
+    per_round = ratios(seconds["live"], seconds["quiet"])
     unchanged = not changed
     print(f"\ntierstore ls beside a job with {args.checkpoints} pending drains, against a quiet "
           f"copy ({args.checkpoints} x {args.size_mib} MiB in {args.tensors} tensors, {kind} "

@@ -121,13 +121,11 @@ import logging
 import os
 import pstats
 import re
-import shutil
-import statistics
 import sys
-import tempfile
 import threading
 import time
 import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -137,11 +135,9 @@ import tierstore
 from tierstore import DrainError
 from tierstore.events import EventKind
 
-from common import (disk_parent, finish_report, fs_type, proc_cpu, progress_log, rotated,
-                    tests_module)
-
-# The SeaweedFS server the tests use (tests/servers.py).
-SeaweedS3 = tests_module("servers").SeaweedS3
+from harness import (SeaweedS3, benchmark_parser, disk_parent, finish_report, median,
+                     parse_rounds, print_table, proc_cpu, progress_log, quiesce, rotated,
+                     scratch, seaweed)
 
 BUCKET = "tierstore-dead-tier"
 CONFIGS = ("a-local", "b-alive", "c-dead")
@@ -467,8 +463,7 @@ class Instruments:
 def timed_save(st: Stores, cfg: str, inst: Instruments) -> tuple[float, float, dict[str, float]]:
     store, tracer = st.stores[cfg], st.tracers[cfg]
     cid = st.next_id(cfg)
-    gc.collect()
-    os.sync()
+    quiesce()
     profiler = inst.profiler if cfg == "c-dead" else None
     tracer.arm()
     inst.probe.arm()
@@ -578,7 +573,7 @@ def restart_path(server: SeaweedS3, sd: dict[str, torch.Tensor], base: str, tag:
                         out.up_per_round[call].append(secs)
             settle(server.pid)
             log(f"  restart round {rnd + 1}: server up, " + ", ".join(
-                f"{c} {ms(med(out.up_per_round[c][-UP_CALLS:]))} ms" for c in CALLS)
+                f"{c} {ms(median(out.up_per_round[c][-UP_CALLS:]))} ms" for c in CALLS)
                 + f"; killing SeaweedFS pid {server.pid} (SIGKILL)")
             server.kill()
             firsts = {call: call_once(call, drain=False) for call in order}
@@ -613,12 +608,12 @@ def summarize_restart(rc: RestartCalls) -> tuple[dict, list[dict]]:
                      "open_with_server_dead_raises": rc.open_dead_error, "calls": {}}
     verdicts = []
     for call in CALLS:
-        up = med(rc.up[call])
+        up = median(rc.up[call])
         extra = [x - up for x in rc.first[call]]
         figures["calls"][call] = {
             "up_s": rc.up[call], "up_median_s": up,
             "first_after_kill_s": rc.first[call], "second_after_kill_s": rc.second[call],
-            "extra_s": extra, "extra_median_s": med(extra), "extra_max_s": max(extra),
+            "extra_s": extra, "extra_median_s": median(extra), "extra_max_s": max(extra),
             "unreachable_events": rc.unreachable_events[call]}
         verdicts.append({
             "target": f"first {CALL_NAMES[call]} after the kill minus the median with the "
@@ -673,10 +668,6 @@ def run_round(rnd: int, warm: bool, all_stores: list[Stores], res: Results, log,
 
 # -- report --------------------------------------------------------------------------------------
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def summarize(res: Results, shapes: dict[str, str], first_calls: dict,
               drains: dict, settled: list[float], restart: RestartCalls | None = None) -> dict:
     out: dict = {"shapes": {}, "verdicts": [], "first_calls_after_kill": first_calls,
@@ -685,7 +676,7 @@ def summarize(res: Results, shapes: dict[str, str], first_calls: dict,
         out["restart_path"], out["verdicts"] = summarize_restart(restart)
     for shape, desc in shapes.items():
         s = {cfg: res.save[(shape, cfg)] for cfg in CONFIGS}
-        a, b, c = (med(s[cfg]) for cfg in CONFIGS)
+        a, b, c = (median(s[cfg]) for cfg in CONFIGS)
         diffs = [x - y for x, y in zip(s["c-dead"], s["a-local"])]
         extra_ms = (c - a) * 1e3
         phase_names: list[str] = []
@@ -694,17 +685,17 @@ def summarize(res: Results, shapes: dict[str, str], first_calls: dict,
                 for n in segs:
                     if n not in phase_names:
                         phase_names.append(n)
-        phases = {cfg: {n: med([segs.get(n, 0.0) for segs in res.phases[(shape, cfg)]])
+        phases = {cfg: {n: median([segs.get(n, 0.0) for segs in res.phases[(shape, cfg)]])
                         for n in phase_names} for cfg in CONFIGS}
         out["shapes"][shape] = {
             "tensors": desc,
             "save_seconds": s, "median_save_s": {"a": a, "b": b, "c": c},
             "cpu_seconds": {cfg: res.cpu[(shape, cfg)] for cfg in CONFIGS},
-            "median_cpu_s": {cfg: med(res.cpu[(shape, cfg)]) for cfg in CONFIGS},
+            "median_cpu_s": {cfg: median(res.cpu[(shape, cfg)]) for cfg in CONFIGS},
             "ratio_c_over_a": c / a, "ratio_b_over_a": b / a,
             "extra_ms_c_minus_a": extra_ms,
             "extra_ms_per_round": [d * 1e3 for d in diffs],
-            "extra_ms_median_of_rounds": med(diffs) * 1e3,
+            "extra_ms_median_of_rounds": median(diffs) * 1e3,
             "latest_seconds": {cfg: res.latest[(shape, cfg)] for cfg in CONFIGS},
             "list_seconds": {cfg: res.list_[(shape, cfg)] for cfg in CONFIGS},
             "phase_median_s": phases,
@@ -754,18 +745,19 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, kind: str) 
         print()
         print(f"### {shape}: {d['tensors']} fp32")
         print()
-        print("| config | save median ms | vs (a) | extra vs (a) ms | CPU s | latest() median / "
-              "max ms | list() median / max ms | save rounds (ms) |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         a = d["median_save_s"]["a"]
+        rows = []
         for cfg, key in zip(CONFIGS, "abc"):
             m = d["median_save_s"][key]
             lat, lst = d["latest_seconds"][cfg], d["list_seconds"][cfg]
-            print(f"| {LABELS[cfg]} | {ms(m)} | {m / a:.2f}x | "
-                  f"{'' if key == 'a' else f'{(m - a) * 1e3:+.1f}'} | "
-                  f"{d['median_cpu_s'][cfg]:.3f} | {ms(med(lat))} / {ms(max(lat))} | "
-                  f"{ms(med(lst))} / {ms(max(lst))} | "
-                  f"{' '.join(ms(x) for x in d['save_seconds'][cfg])} |")
+            rows.append([LABELS[cfg], ms(m), f"{m / a:.2f}x",
+                         "" if key == "a" else f"{(m - a) * 1e3:+.1f}",
+                         f"{d['median_cpu_s'][cfg]:.3f}", f"{ms(median(lat))} / {ms(max(lat))}",
+                         f"{ms(median(lst))} / {ms(max(lst))}",
+                         " ".join(ms(x) for x in d["save_seconds"][cfg])])
+        print_table(["config", "save median ms:", "vs (a):", "extra vs (a) ms:", "CPU s:",
+                     "latest() median / max ms:", "list() median / max ms:",
+                     "save rounds (ms)"], rows)
         print()
         print(f"Extra cost of the dead tier (c - a): {d['extra_ms_c_minus_a']:+.1f} ms "
               f"(difference of medians); median of per-round differences "
@@ -788,8 +780,8 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, kind: str) 
                       if v >= 0.01) for cfg in CONFIGS))
         if d["b_drain_wait_seconds"]:
             print(f"(b) drain to the live server, save return -> store.wait(): median "
-                  f"{med(d['b_drain_wait_seconds']):.2f} s (untimed for the save); then the "
-                  f"server was let settle (median {med(summary['settle_s']):.2f} s)")
+                  f"{median(d['b_drain_wait_seconds']):.2f} s (untimed for the save); then the "
+                  f"server was let settle (median {median(summary['settle_s']):.2f} s)")
         print()
         print("Where a save's time goes: median ms from each mark (column) to the next one. "
               "start: dcp.save called; save_begin: writer.reset done -> DCP plans; write_file "
@@ -802,11 +794,9 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, kind: str) 
             for n in d["phase_median_s"][cfg]:
                 if n not in names:
                     names.append(n)
-        print("| config | " + " | ".join(names) + " |")
-        print("| --- |" + " ---: |" * len(names))
-        for cfg in CONFIGS:
-            ph = d["phase_median_s"][cfg]
-            print(f"| {cfg} | " + " | ".join(ms(ph.get(n, 0.0)) for n in names) + " |")
+        print_table(["config", *(f"{n}:" for n in names)],
+                    [[cfg, *(ms(d["phase_median_s"][cfg].get(n, 0.0)) for n in names)]
+                     for cfg in CONFIGS])
     fc = summary["first_calls_after_kill"]
     if fc:
         print()
@@ -824,17 +814,18 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, kind: str) 
               f"{len(rp['open_with_server_dead_s'])} rounds; extra = first call after the "
               f"kill minus the median with the server up:")
         print()
-        print("| call | server up: median (min-max) ms | first call after the kill: median "
-              "(rounds) ms | extra: median / worst ms | second call after the kill: median ms "
-              "| `unreachable` events |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        for call, f in rp["calls"].items():
-            print(f"| `{CALL_NAMES[call]}` | {ms(f['up_median_s'])} ({ms(min(f['up_s']))}-"
-                  f"{ms(max(f['up_s']))}) | {ms(med(f['first_after_kill_s']))} ("
-                  + " ".join(ms(x) for x in f["first_after_kill_s"]) + f") | "
-                  f"{f['extra_median_s'] * 1e3:+.1f} / {f['extra_max_s'] * 1e3:+.1f} | "
-                  f"{ms(med(f['second_after_kill_s']))} | "
-                  + " ".join(str(n) for n in f["unreachable_events"]) + " |")
+        print_table(
+            ["call", "server up: median (min-max) ms:",
+             "first call after the kill: median (rounds) ms:", "extra: median / worst ms:",
+             "second call after the kill: median ms:", "`unreachable` events:"],
+            [[f"`{CALL_NAMES[call]}`",
+              f"{ms(f['up_median_s'])} ({ms(min(f['up_s']))}-{ms(max(f['up_s']))})",
+              f"{ms(median(f['first_after_kill_s']))} ("
+              + " ".join(ms(x) for x in f["first_after_kill_s"]) + ")",
+              f"{f['extra_median_s'] * 1e3:+.1f} / {f['extra_max_s'] * 1e3:+.1f}",
+              ms(median(f["second_after_kill_s"])),
+              " ".join(str(n) for n in f["unreachable_events"])]
+             for call, f in rp["calls"].items()])
         print()
         print(f"tierstore.open() with the server dead (for the record): "
               f"{rp['open_with_server_dead_raises'] or 'opened'} after "
@@ -855,20 +846,13 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, kind: str) 
 # -- main ----------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__, 5, "the first saves after the kill",
+                         "parent of the local tiers' temp directory (default: system temp dir); "
+                         "not tmpfs", size_mib=None, tensors=None)
     p.add_argument("--large", type=parse_shape, default=(8, 16 << 20),
                    help="few large tensors, COUNTxSIZE (default 8x16M)")
     p.add_argument("--small", type=parse_shape, default=(2000, 4 << 10),
                    help="many small tensors, COUNTxSIZE (default 2000x4K)")
-    p.add_argument("--repeat", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed rounds after the kill (default 1)")
-    p.add_argument("--dir", default=None,
-                   help="parent of the local tiers' temp directory (default: system temp dir); "
-                        "not tmpfs")
-    p.add_argument("--io-threads", type=int, default=None,
-                   help="tierstore [store] io_threads (default: tierstore's own default)")
     p.add_argument("--max-attempts", type=int, default=None,
                    help="S3 tier max_attempts (default: the backend's, 6)")
     p.add_argument("--retry-seconds", type=float, default=None,
@@ -881,18 +865,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="longest wait for the dead stores' failing drains at the end (default "
                         "60 s); what is left then is abandoned with close(wait=False)")
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    p.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile the dead stores' timed saves (cProfile, the saving thread) "
                         "and print the N entries with the most cumulative time")
     p.add_argument("--verbose", action="store_true",
                    help="print tierstore's warnings (every retry) on stderr")
-    args = p.parse_args(argv)
-    if args.repeat < 1 or args.warmup < 0 or args.kill_rounds < 0:
-        p.error("--repeat must be at least 1, --warmup and --kill-rounds at least 0")
+    args = parse_rounds(p, argv)
+    if args.kill_rounds < 0:
+        p.error("--kill-rounds must be at least 0")
     return args
+
+
+def close_all(all_stores: list[Stores], log) -> None:
+    """Close every store: the dead ones without waiting for their failing drains."""
+    for st in all_stores:
+        for cfg, store in st.stores.items():
+            try:
+                store.close(wait=cfg != "c-dead")
+            except DrainError as exc:  # noqa: PERF203 - cleanup goes on
+                log(f"close of {st.shape}/{cfg}: {exc}")
 
 
 def failures_named(exc: DrainError) -> int:
@@ -906,26 +897,28 @@ def main(argv: list[str] | None = None) -> int:
     log = progress_log(args.quiet)
     counter = LogCounter(args.verbose)
     tlog = logging.getLogger("tierstore")
-    tlog.addHandler(counter)
 
     t_start = time.perf_counter()
     shapes = {"large": describe(*args.large), "small": describe(*args.small)}
     sds = {"large": make_shape_sd(*args.large, seed=0), "small": make_shape_sd(*args.small, seed=1)}
-    base = tempfile.mkdtemp(prefix="tierstore-deadtier-", dir=parent)
-    alive, doomed = SeaweedS3(), SeaweedS3()
     inst = Instruments(FsspecProbe())
-    inst.probe.install()
     all_stores: list[Stores] = []
     tag = uuid.uuid4().hex[:8]
     first_calls: dict = {}
     drains = {"final_wait_s": 0.0, "wait_raised": 0, "failures_in_errors": 0,
               "failed_events": 0, "timed_out": False, "log_counts": {}}
-    try:
-        for srv, what in ((alive, "alive"), (doomed, "to be killed")):
-            srv.start()
-            srv.make_bucket(BUCKET)
-            log(f"SeaweedFS ({what}) up at {srv.endpoint_url} in {srv.startup_seconds:.1f} s "
-                f"(pid {srv.pid})")
+    # Undone in reverse order, whatever happens: the stores closed, both servers stopped (the
+    # doomed one is gone already), the temp dir removed, the log handler and the probe taken
+    # out.
+    with ExitStack() as stack:
+        inst.probe.install()
+        stack.callback(inst.probe.uninstall)
+        tlog.addHandler(counter)
+        stack.callback(tlog.removeHandler, counter)
+        base = stack.enter_context(scratch("tierstore-deadtier-", parent))
+        alive = stack.enter_context(seaweed(BUCKET, log=log, label=" (alive)"))
+        doomed = stack.enter_context(seaweed(BUCKET, log=log, label=" (to be killed)"))
+        stack.callback(close_all, all_stores, log)
         inst.server_pid = alive.pid
         log(f"local tiers under {base} ({kind})")
         restart = None
@@ -980,18 +973,6 @@ def main(argv: list[str] | None = None) -> int:
         drains["final_wait_s"] = time.perf_counter() - t0
         drains["failed_events"] = sum(st.tracers["c-dead"].drain_failures for st in all_stores)
         summary = summarize(res, shapes, first_calls, drains, inst.settled, restart)
-    finally:
-        for st in all_stores:
-            for cfg, store in st.stores.items():
-                try:
-                    store.close(wait=cfg != "c-dead")
-                except DrainError as exc:  # noqa: PERF203 - cleanup goes on
-                    log(f"close of {st.shape}/{cfg}: {exc}")
-        for srv in (alive, doomed):
-            srv.stop()   # SIGKILL by pid (the doomed one is gone already), temp dir removed
-        shutil.rmtree(base, ignore_errors=True)
-        tlog.removeHandler(counter)
-        inst.probe.uninstall()
     drains["log_counts"] = dict(counter.counts)
     print_report(summary, args, base, kind)
     if inst.profiler is not None:

@@ -99,16 +99,11 @@ missed. The server is stopped and every temp directory removed at the end, also 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import math
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -120,15 +115,13 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import tierstore
-from tierstore.events import EventKind
 from tierstore.tiers.chunks import CHUNK_BYTES, CHUNKS_DIR
 
-from common import (GB, check_equal, disk_parent, fs_type, print_informational, print_verdicts,
-                    proc_cpu, progress_log, remove, rotated, tests_module, verdict,
-                    warm_page_cache)
-
-_servers = tests_module("servers")
-SeaweedS3 = _servers.SeaweedS3
+from harness import (GB, Clock, DrainTimer, check_equal, counts_delta, delete_prefix,
+                     disk_parent, finish_report, fs_type, median, parse_quick, parser,
+                     print_informational, print_table, print_verdicts, proc_cpu, progress_log,
+                     quiesce, ratios, remove, rotated, rounds_text, scratch, seaweed, verdict,
+                     warm_page_cache)
 
 BUCKET = "tierstore-dedup-bench"
 STATES = ("lora", "embedding", "full")
@@ -308,11 +301,7 @@ class Places:
                 if v.get("type") != "directory"}
 
     def s3_delete(self, prefix: str) -> None:
-        try:
-            self.fs.rm(f"{BUCKET}/{prefix}", recursive=True)
-        except FileNotFoundError:
-            pass
-        self.fs.invalidate_cache()
+        delete_prefix(self.fs, f"{BUCKET}/{prefix}")
 
     def requests(self) -> dict[str, int]:
         try:
@@ -345,25 +334,6 @@ def written_bytes(before: dict[str, int], after: dict[str, int], cid: str) -> di
             "chunks": len(chunks)}
 
 
-def req_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))
-            if after.get(k, 0) != before.get(k, 0)}
-
-
-class DrainEvents:
-    """Observer: wall-clock time of each tier's drain_finished."""
-
-    def __init__(self) -> None:
-        self.finished: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event) -> None:
-        if event.kind == EventKind.DRAIN_FINISHED:
-            with self._lock:
-                self.finished[event.tier] = event.at
-
-
 # -- results ------------------------------------------------------------------------------------
 
 @dataclass
@@ -390,8 +360,7 @@ def save_round(pl: Places, state: State, who: str, k: int, stores: dict, listing
             remove(os.path.join(pl.stock_dir(name), f"step-{old}"))
     elif who == "stock-s3" and k - KEEP >= 1:
         pl.s3_delete(f"{pl.prefix(name, who)}/step-{k - KEEP}")
-    gc.collect()
-    os.sync()
+    quiesce()
     req0 = pl.requests()
     srv0, cpu0 = proc_cpu(pl.server.pid), time.process_time()
     wall0 = time.time()
@@ -405,15 +374,15 @@ def save_round(pl: Places, state: State, who: str, k: int, stores: dict, listing
         store.wait()
         t2 = time.perf_counter()
         cpu, srv = time.process_time() - cpu0, proc_cpu(pl.server.pid) - srv0
-        req = req_delta(req0, pl.requests())
+        req = counts_delta(req0, pl.requests())
         info = {c.id: c for c in store.list()}.get(cid)
         if info is None or sorted(info.tiers) != sorted(TIERS):
             raise SystemExit(f"{name} {who} {cid}: not on every tier after wait() "
                              f"({info.tiers if info else 'nowhere'})")
         disk, s3 = events.finished.get("disk"), events.finished.get("s3")
         out.update(save_s=t1 - t0, durable_s=t2 - t0,
-                   disk_s=None if disk is None else disk - wall0,
-                   s3_commit_s=None if s3 is None else s3 - wall0)
+                   disk_s=None if disk is None else disk.at - wall0,
+                   s3_commit_s=None if s3 is None else s3.at - wall0)
         for tier in TIERS:
             after = pl.tier_listing(name, who, tier)
             out[tier] = written_bytes(listings[(who, tier)], after, cid)
@@ -424,7 +393,7 @@ def save_round(pl: Places, state: State, who: str, k: int, stores: dict, listing
                                                            thread_count=args.fs_thread_count))
         t1 = time.perf_counter()
         cpu, srv = time.process_time() - cpu0, proc_cpu(pl.server.pid) - srv0
-        req = req_delta(req0, pl.requests())
+        req = counts_delta(req0, pl.requests())
         out.update(save_s=t1 - t0, durable_s=None, disk_s=t1 - t0, s3_commit_s=None)
         out["disk"] = written_bytes({}, dir_listing(path), "")  # every file is new
     else:
@@ -434,7 +403,7 @@ def save_round(pl: Places, state: State, who: str, k: int, stores: dict, listing
                                                        **pl.options))
         t1 = time.perf_counter()
         cpu, srv = time.process_time() - cpu0, proc_cpu(pl.server.pid) - srv0
-        req = req_delta(req0, pl.requests())
+        req = counts_delta(req0, pl.requests())
         out.update(save_s=t1 - t0, durable_s=t1 - t0, disk_s=None, s3_commit_s=t1 - t0)
         out["s3"] = written_bytes({}, pl.s3_listing(prefix), "")
     out.update(cpu_s=cpu, server_cpu_s=srv, s3_requests=req)
@@ -454,24 +423,22 @@ def load_round(pl: Places, state: State, who: str, cid: str, dest: dict,
         store = tierstore.open({"tier": [cfg]})
     elif who == "stock-fs":
         warm_page_cache(os.path.join(pl.stock_dir(name), cid))
-    gc.collect()
+    quiesce(sync=False)
     try:
-        cpu0 = time.process_time()
-        t0 = time.perf_counter()
-        if store is not None:
-            dcp.load(dest, storage_reader=store.reader(), checkpoint_id=cid)
-        elif who == "stock-fs":
-            dcp.load(dest, storage_reader=FileSystemReader(os.path.join(pl.stock_dir(name),
-                                                                        cid)))
-        else:
-            dcp.load(dest, storage_reader=FsspecReader(f"{pl.url(name, who)}/{cid}",
-                                                       **pl.options))
-        secs, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        with Clock() as clock:
+            if store is not None:
+                dcp.load(dest, storage_reader=store.reader(), checkpoint_id=cid)
+            elif who == "stock-fs":
+                dcp.load(dest, storage_reader=FileSystemReader(os.path.join(pl.stock_dir(name),
+                                                                            cid)))
+            else:
+                dcp.load(dest, storage_reader=FsspecReader(f"{pl.url(name, who)}/{cid}",
+                                                           **pl.options))
     finally:
         if store is not None:
             store.close()
     check_equal(f"{name}: restore {who}", dest, state.sd)
-    return secs, cpu
+    return clock.seconds, clock.cpu
 
 
 def run_state(pl: Places, state: State, args: argparse.Namespace,
@@ -484,7 +451,7 @@ def run_state(pl: Places, state: State, args: argparse.Namespace,
     listings: dict = {}
     try:
         for who in STORES:
-            events = DrainEvents()
+            events = DrainTimer()
             stores[who] = (tierstore.open({"tier": pl.tiers(name, who, who == "dedup")},
                                           plugins=[events]), events)
             for tier in TIERS:
@@ -516,35 +483,30 @@ def run_state(pl: Places, state: State, args: argparse.Namespace,
 
 # -- figures and report -------------------------------------------------------------------------
 
-def med(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def summarize_state(res: StateResults) -> dict:
     """Medians over steps 2..N per save contender, per load contender, and the ratios."""
     saves = {}
     for who, steps in res.steps.items():
         later = steps[1:]
-        fig = {"save_s": med([s["save_s"] for s in later]),
-               "durable_s": med([s["durable_s"] for s in later]),
-               "disk_s": med([s["disk_s"] for s in later]),
-               "s3_commit_s": med([s["s3_commit_s"] for s in later]),
-               "cpu_s": med([s["cpu_s"] for s in later]),
-               "server_cpu_s": med([s["server_cpu_s"] for s in later]),
+        fig = {"save_s": median([s["save_s"] for s in later]),
+               "durable_s": median([s["durable_s"] for s in later]),
+               "disk_s": median([s["disk_s"] for s in later]),
+               "s3_commit_s": median([s["s3_commit_s"] for s in later]),
+               "cpu_s": median([s["cpu_s"] for s in later]),
+               "server_cpu_s": median([s["server_cpu_s"] for s in later]),
                "first_save_s": steps[0]["save_s"], "first_durable_s": steps[0]["durable_s"],
-               "s3_puts": med([s["s3_requests"].get("PUT", 0) for s in later]),
-               "s3_gets": med([s["s3_requests"].get("GET", 0) for s in later]),
-               "s3_lists": med([s["s3_requests"].get("LIST", 0) for s in later])}
+               "s3_puts": median([s["s3_requests"].get("PUT", 0) for s in later]),
+               "s3_gets": median([s["s3_requests"].get("GET", 0) for s in later]),
+               "s3_lists": median([s["s3_requests"].get("LIST", 0) for s in later])}
         for tier in TIERS:
             if tier in steps[0]:
-                fig[f"{tier}_bytes"] = med([s[tier]["bytes"] for s in later])
+                fig[f"{tier}_bytes"] = median([s[tier]["bytes"] for s in later])
                 fig[f"{tier}_first_bytes"] = steps[0][tier]["bytes"]
         saves[who] = fig
-    loads = {who: {"seconds": xs, "median_s": med(xs), "median_cpu_s": med(res.load_cpu[who]),
-                   "gbps": res.payload / med(xs) / GB} for who, xs in res.loads.items()}
+    loads = {who: {"seconds": xs, "median_s": median(xs), "median_cpu_s": median(res.load_cpu[who]),
+                   "gbps": res.payload / median(xs) / GB} for who, xs in res.loads.items()}
     return {"desc": res.desc, "payload_bytes": res.payload,
-            "ideal_bytes": med(res.ideal[1:]), "saves": saves, "loads": loads,
+            "ideal_bytes": median(res.ideal[1:]), "saves": saves, "loads": loads,
             "steps": res.steps, "ideal_per_step": res.ideal}
 
 
@@ -584,8 +546,7 @@ def verdicts_and_info(results: dict[str, StateResults], summaries: dict[str, dic
             ratio(s, "saves", "durable_s", "dedup", "plain"),
             per_step(res, "durable_s", "dedup", "plain"))
         for tier in ("ram", "s3"):
-            rounds = [x / y for x, y in zip(res.loads[f"dedup:{tier}"],
-                                            res.loads[f"plain:{tier}"])]
+            rounds = ratios(res.loads[f"dedup:{tier}"], res.loads[f"plain:{tier}"])
             add(state, f"dedup/plain restore from {tier}", RESTORE_MAX,
                 ratio(s, "loads", None, f"dedup:{tier}", f"plain:{tier}"), rounds)
     for state, s in summaries.items():
@@ -599,7 +560,7 @@ def verdicts_and_info(results: dict[str, StateResults], summaries: dict[str, dic
                 ratio(s, "saves", "save_s", who, "stock-fs"),
                 per_step(res, "save_s", who, "stock-fs"))
             for tier, stock in (("ram", "stock-fs"), ("s3", "stock-s3")):
-                rounds = [x / y for x, y in zip(res.loads[f"{who}:{tier}"], res.loads[stock])]
+                rounds = ratios(res.loads[f"{who}:{tier}"], res.loads[stock])
                 add(state, f"{who} restore from {tier} / stock {stock}", None,
                     ratio(s, "loads", None, f"{who}:{tier}", stock), rounds)
     return verdicts, info
@@ -620,30 +581,24 @@ def print_state(state: str, s: dict, res: StateResults, args: argparse.Namespace
     print(f"Medians of steps 2-{args.steps}; ideal (the 1 MiB chunks the step changed): "
           f"{mib(s['ideal_bytes'])} MiB of {s['payload_bytes'] / 2**20:.2f} MiB.")
     print()
-    print("| contender | save s | durable on S3 s | S3 commit s | disk s | MiB written ram "
-          "| disk | s3 "
-          "| S3 PUT / GET+HEAD / LIST | CPU s | srv CPU s | step 1 save / durable s "
-          "| step 1 MiB ram / disk / s3 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-          "| ---: |")
+    rows = []
     for who in SAVES:
         f = s["saves"][who]
-        first = " / ".join(mib(f.get(f"{t}_first_bytes")) for t in TIERS)
         reqs = ("-" if who == "stock-fs" else
                 f"{f['s3_puts']:.0f} / {f['s3_gets']:.0f} / {f['s3_lists']:.0f}")
-        print(f"| {who} | {sec(f['save_s'])} | {sec(f['durable_s'])} | "
-              f"{sec(f['s3_commit_s'])} | {sec(f['disk_s'])} | "
-              f"{mib(f.get('ram_bytes'))} | {mib(f.get('disk_bytes'))} | "
-              f"{mib(f.get('s3_bytes'))} | {reqs} | {f['cpu_s']:.2f} | "
-              f"{f['server_cpu_s']:.2f} | {sec(f['first_save_s'])} / "
-              f"{sec(f['first_durable_s'])} | {first} |")
+        rows.append([who, sec(f["save_s"]), sec(f["durable_s"]), sec(f["s3_commit_s"]),
+                     sec(f["disk_s"]), mib(f.get("ram_bytes")), mib(f.get("disk_bytes")),
+                     mib(f.get("s3_bytes")), reqs, f"{f['cpu_s']:.2f}",
+                     f"{f['server_cpu_s']:.2f}",
+                     f"{sec(f['first_save_s'])} / {sec(f['first_durable_s'])}",
+                     " / ".join(mib(f.get(f"{t}_first_bytes")) for t in TIERS)])
+    print_table(["contender", "save s:", "durable on S3 s:", "S3 commit s:", "disk s:",
+                 "MiB written ram:", "disk:", "s3:", "S3 PUT / GET+HEAD / LIST:", "CPU s:",
+                 "srv CPU s:", "step 1 save / durable s:", "step 1 MiB ram / disk / s3:"], rows)
     print()
-    print("| restore | median s | GB/s | CPU s | rounds (s) |")
-    print("| --- | ---: | ---: | ---: | --- |")
-    for who in LOADS:
-        ld = s["loads"][who]
-        print(f"| {who} | {ld['median_s']:.3f} | {ld['gbps']:.2f} | {ld['median_cpu_s']:.2f} | "
-              f"{' '.join(f'{x:.3f}' for x in ld['seconds'])} |")
+    print_table(["restore", "median s:", "GB/s:", "CPU s:", "rounds (s)"],
+                [[who, f"{ld['median_s']:.3f}", f"{ld['gbps']:.2f}", f"{ld['median_cpu_s']:.2f}",
+                  rounds_text(ld["seconds"])] for who, ld in ((w, s["loads"][w]) for w in LOADS)])
     print()
     d, p = s["saves"]["dedup"], s["saves"]["plain"]
     parts = []
@@ -665,11 +620,7 @@ def print_state(state: str, s: dict, res: StateResults, args: argparse.Namespace
 # -- options and main ---------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="16 MiB states, 4 steps, 2 restore rounds (about a minute); options "
-                        "given beside it still count")
+    p = parser(__doc__)
     p.add_argument("--states", default=",".join(STATES),
                    help=f"which states, comma-separated (default {','.join(STATES)})")
     p.add_argument("--size-mib", type=int, default=64,
@@ -698,10 +649,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where the figures go as JSON (default <temp dir>/tierstore-dedup.json)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
-    args = p.parse_args(argv)
-    if args.quick:
-        p.set_defaults(size_mib=16, steps=4, restores=2)
-        args = p.parse_args(argv)
+    args = parse_quick(p, argv, "16 MiB states, 4 steps, 2 restore rounds (about a minute)",
+                       size_mib=16, steps=4, restores=2)
     args.states = [s.strip() for s in args.states.split(",") if s.strip()]
     bad = [s for s in args.states if s not in STATES]
     if bad or not args.states:
@@ -719,15 +668,11 @@ def main(argv: list[str] | None = None) -> int:
     parent, kind = disk_parent(args, "the disk tier and stock FileSystemWriter would not "
                                      "be on a disk")
     t_start = time.perf_counter()
-    disk = tempfile.mkdtemp(prefix="tierstore-dedup-", dir=parent)
-    shm = tempfile.mkdtemp(prefix="tierstore-dedup-", dir=args.shm_dir)
-    server = SeaweedS3()
     results: dict[str, StateResults] = {}
-    try:
-        server.start()
-        server.make_bucket(BUCKET)
-        log(f"SeaweedFS up at {server.endpoint_url} in {server.startup_seconds:.1f} s "
-            f"(pid {server.pid}); temp dirs {disk} ({kind}), {shm} ({fs_type(shm)})")
+    with scratch("tierstore-dedup-", parent) as disk, \
+            scratch("tierstore-dedup-", args.shm_dir) as shm, \
+            seaweed(BUCKET, log=log) as server:
+        log(f"temp dirs {disk} ({kind}), {shm} ({fs_type(shm)})")
         pl = Places(shm, disk, server, uuid.uuid4().hex[:8])
         for name in args.states:
             state = build_state(name, args)
@@ -735,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
             del state
             shutil.rmtree(os.path.join(shm, name), ignore_errors=True)
             shutil.rmtree(os.path.join(disk, name), ignore_errors=True)
-            gc.collect()
+            quiesce(sync=False)
         summaries = {n: summarize_state(r) for n, r in results.items()}
         verdicts, info = verdicts_and_info(results, summaries)
         print()
@@ -758,33 +703,19 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print_verdicts(verdicts, "MISS")
         print_informational(info)
-    finally:
-        server.stop()
-        shutil.rmtree(disk, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
 
-    elapsed = time.perf_counter() - t_start
-    print(f"\n(total run time {elapsed:.0f} s)", flush=True)
-    doc = {
-        "config": {"states": args.states, "size_mib": args.size_mib, "tensors": args.tensors,
-                   "row_bytes": args.row_bytes, "changed_rows": args.changed_rows,
-                   "steps": args.steps, "restores": args.restores, "keep": KEEP,
-                   "chunk_bytes": CHUNK_BYTES, "thread_count": args.thread_count,
-                   "fs_thread_count": args.fs_thread_count, "dir": parent, "fs_type": kind,
-                   "shm_dir": args.shm_dir, "quick": args.quick,
-                   "server": "SeaweedFS (tests/servers.py), same machine"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "tierstore": tierstore.__version__},
-        "elapsed_s": elapsed,
-        "states": summaries,
-        "verdicts": verdicts,
-        "informational": info,
-    }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2, default=lambda o: None)
+    config = {"states": args.states, "size_mib": args.size_mib, "tensors": args.tensors,
+              "row_bytes": args.row_bytes, "changed_rows": args.changed_rows,
+              "steps": args.steps, "restores": args.restores, "keep": KEEP,
+              "chunk_bytes": CHUNK_BYTES, "thread_count": args.thread_count,
+              "fs_thread_count": args.fs_thread_count, "dir": parent, "fs_type": kind,
+              "shm_dir": args.shm_dir, "quick": args.quick,
+              "server": "SeaweedFS (tests/servers.py), same machine"}
+    status = finish_report(args, config, {"states": summaries, "verdicts": verdicts,
+                                          "informational": info}, t_start, path=args.out,
+                           default=lambda o: None)
     print(f"figures written to {args.out}")
-    return 1 if args.strict and not all(v["pass"] for v in verdicts) else 0
+    return status
 
 
 if __name__ == "__main__":

@@ -46,17 +46,17 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import tierstore  # noqa: E402
+import tierstore
+
+from harness import (dir_bytes, max_over_ranks, parser, print_table, run_torchrun, scratch,
+                     shm_or_tmp)
 
 STRATEGIES = {
     "clique f2": (4, {"strategy": "clique", "factor": 2, "jump": 1}),
@@ -67,7 +67,7 @@ LOST = 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--mib", type=int, default=64, help="MiB saved per rank (default 64)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per strategy (default 3)")
     p.add_argument("--dir", default=None, help="parent of the tiers (default /dev/shm)")
@@ -92,9 +92,7 @@ class _Protected:
 
 
 def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return max_over_ranks([seconds])[0]
 
 
 def _state(rank: int, mib: int) -> dict:
@@ -102,13 +100,6 @@ def _state(rank: int, mib: int) -> dict:
     numel = (mib << 20) // 4 // 16
     # Keys of this rank's own: DCP writes a tensor every rank has under one name once.
     return {f"rank{rank}.t{i}": torch.randn(numel, generator=gen) for i in range(16)}
-
-
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for base, _, files in os.walk(path):
-        total += sum(os.path.getsize(os.path.join(base, f)) for f in files)
-    return total
 
 
 def _at_rest(root: str) -> int:
@@ -122,13 +113,13 @@ def _at_rest(root: str) -> int:
 
 def _held_for(root: str, cid: str) -> tuple[int, int]:
     """(own files' bytes, bytes of replicas and parity) of ``cid`` in a node's tier."""
-    own = _dir_bytes(os.path.join(root, cid))
+    own = dir_bytes(os.path.join(root, cid))
     extra = 0
     for sub in (".replicas", ".parity"):
         top = os.path.join(root, sub)
         if os.path.isdir(top):
             for name in os.listdir(top):
-                extra += _dir_bytes(os.path.join(top, name, cid))
+                extra += dir_bytes(os.path.join(top, name, cid))
     return own, extra
 
 
@@ -214,23 +205,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    parent = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-    base = tempfile.mkdtemp(prefix="tierstore-erasure-", dir=parent)
     results = {}
-    try:
+    with scratch("tierstore-erasure-", args.dir or shm_or_tmp()) as base:
         for name, (world, _) in STRATEGIES.items():
             out = os.path.join(base, "result.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={world}", os.path.abspath(__file__), "--worker", name,
-                   "--mib", str(args.mib), "--rounds", str(args.rounds), "--dir", base,
-                   "--out", out]
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
             print(f"running {name} on {world} ranks ...", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True, env=env)
+            code = run_torchrun([os.path.abspath(__file__), "--worker", name, "--mib",
+                                 str(args.mib), "--rounds", str(args.rounds), "--dir", base,
+                                 "--out", out], world)
+            if code != 0:
+                raise SystemExit(f"{name}: torchrun exited with status {code}")
             with open(out) as f:
                 results[name] = json.load(f)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
     summary = {}
     for name, got in results.items():
         rows = got["rounds"]
@@ -239,18 +225,18 @@ def main(argv=None) -> int:
     clique = summary["clique f2"]
     print(f"\n{args.mib} MiB per rank, {args.rounds} rounds, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}; medians, slowest rank\n")
-    print("| strategy | ranks | memory per node | at rest, keep 2 (promised) | protect s "
-          "| vs clique | raw gloo s | copy s | restore intact s | restore, node lost s "
-          "| lost / clique's lost |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
     for name, s in summary.items():
         # (the last round's: by then keep holds two saves on every node)
         at_rest = results[name]["rounds"][-1]["at_rest_x"]
-        print(f"| {name} | {s['world']} | {s['memory_x']:.2f}x | {at_rest:.2f}x "
-              f"({2 * s['memory_x']:.2f}x) | {s['protect_s']:.3f} | "
-              f"{s['protect_s'] / clique['protect_s']:.2f}x | {s['raw_gloo_s']:.3f} | "
-              f"{s['copy_s']:.3f} | {s['intact_s']:.3f} | {s['lost_s']:.3f} | "
-              f"{s['lost_s'] / clique['lost_s']:.2f}x |")
+        rows.append([name, s["world"], f"{s['memory_x']:.2f}x",
+                     f"{at_rest:.2f}x ({2 * s['memory_x']:.2f}x)", f"{s['protect_s']:.3f}",
+                     f"{s['protect_s'] / clique['protect_s']:.2f}x", f"{s['raw_gloo_s']:.3f}",
+                     f"{s['copy_s']:.3f}", f"{s['intact_s']:.3f}", f"{s['lost_s']:.3f}",
+                     f"{s['lost_s'] / clique['lost_s']:.2f}x"])
+    print_table(["strategy", "ranks:", "memory per node:", "at rest, keep 2 (promised):",
+                 "protect s:", "vs clique:", "raw gloo s:", "copy s:", "restore intact s:",
+                 "restore, node lost s:", "lost / clique's lost:"], rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mib": args.mib, "rounds": args.rounds, "summary": summary,

@@ -121,7 +121,6 @@ import argparse
 import gc
 import math
 import os
-import statistics
 import sys
 import threading
 import time
@@ -130,8 +129,8 @@ from typing import Callable
 
 import torch
 
-from common import (GB, MlpTrainer as Trainer, add_mlp_trainer_args, finish_report,
-                    progress_log, rotated)
+from harness import (GB, MlpTrainer as Trainer, add_mlp_trainer_args, add_output_args,
+                     finish_report, median, parser, print_table, progress_log, rotated)
 
 VARIANTS = ("none", "eager", "thread", "idle", "thread+idle")
 COPYING = VARIANTS[1:]
@@ -382,31 +381,27 @@ def run_fraction(env: Env, frac: float, idle_s: float,
 
 # -- figures and the report -----------------------------------------------------------------------
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def figures(steps: dict[str, list[Step]], copy_s: float) -> dict:
     """Per variant: medians, overhead vs none, per-round overheads."""
     base = steps["none"]
-    none_med = med([s.step_s for s in base])
+    none_med = median([s.step_s for s in base])
     out = {}
     for v, ss in steps.items():
-        step_med = med([s.step_s for s in ss])
+        step_med = median([s.step_s for s in ss])
         spans = [s.copy_span_s for s in ss if s.copy_span_s is not None]
         f = {"steps": [asdict(s) for s in ss],
              "median_step_s": step_med,
              "overhead_s": step_med - none_med,
              "overhead_x_copy": (step_med - none_med) / copy_s,
              "per_round_overhead_s": [a.step_s - b.step_s for a, b in zip(ss, base)],
-             "median_pre_step_s": med([s.pre_step_s for s in ss]),
-             "median_blocking_s": med([s.post_step_s + s.pre_step_s for s in ss]),
-             "median_wait_s": med([s.wait_s for s in ss]),
-             "median_compute_s": med([s.compute_s for s in ss]),
-             "median_copied_by_wait_end": med([s.copied_by_wait_end for s in ss]),
-             "median_copied_in_wait_main": med([s.copied_in_wait_main for s in ss]),
-             "median_copy_span_s": med(spans) if spans else None,
-             "median_cpu_s": med([s.cpu_s for s in ss])}
+             "median_pre_step_s": median([s.pre_step_s for s in ss]),
+             "median_blocking_s": median([s.post_step_s + s.pre_step_s for s in ss]),
+             "median_wait_s": median([s.wait_s for s in ss]),
+             "median_compute_s": median([s.compute_s for s in ss]),
+             "median_copied_by_wait_end": median([s.copied_by_wait_end for s in ss]),
+             "median_copied_in_wait_main": median([s.copied_in_wait_main for s in ss]),
+             "median_copy_span_s": median(spans) if spans else None,
+             "median_cpu_s": median([s.cpu_s for s in ss])}
         out[v] = f
     return out
 
@@ -425,8 +420,8 @@ def head_to_head(steps: dict[str, list[Step]], a: str, b: str) -> dict | None:
         word = "lost to"
     else:
         word = "was not clearly different from"
-    return {"a": a, "b": b, "per_round_s": diffs, "median_s": med(diffs), "a_shorter_rounds": wins,
-            "rounds": n, "verdict": word}
+    return {"a": a, "b": b, "per_round_s": diffs, "median_s": median(diffs),
+            "a_shorter_rounds": wins, "rounds": n, "verdict": word}
 
 
 def conclusion(summary: dict) -> str:
@@ -494,10 +489,7 @@ def print_report(summary: dict, env: Env) -> None:
           "the first chunk's start to the last chunk's end. CPU: process CPU seconds per step, "
           "all threads. Per round: step - same round's `none` step.")
     print()
-    print("| idle fraction | variant | median step s | overhead ms | x copy | wait before "
-          "opt.step ms | blocking ms | wait ms | copied by wait end | copy span ms | CPU s "
-          "| overhead per round (ms) |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    rows = []
     for fr in summary["fractions"]:
         for v, f in fr["figures"].items():
             if v == "none":
@@ -511,10 +503,13 @@ def print_report(summary: dict, env: Env) -> None:
                 span = ("-" if f["median_copy_span_s"] is None
                         else f"{f['median_copy_span_s'] * 1e3:.0f}")
             per = " ".join(f"{x * 1e3:+.0f}" for x in f["per_round_overhead_s"])
-            print(f"| {fr['fraction']:g} | {v} | {f['median_step_s']:.3f} | {over} | {ratio} | "
-                  f"{f['median_pre_step_s'] * 1e3:.0f} | {f['median_blocking_s'] * 1e3:.0f} | "
-                  f"{f['median_wait_s'] * 1e3:.0f} | {copied} | {span} | "
-                  f"{f['median_cpu_s']:.2f} | {per} |")
+            rows.append([f"{fr['fraction']:g}", v, f"{f['median_step_s']:.3f}", over, ratio,
+                         f"{f['median_pre_step_s'] * 1e3:.0f}",
+                         f"{f['median_blocking_s'] * 1e3:.0f}", f"{f['median_wait_s'] * 1e3:.0f}",
+                         copied, span, f"{f['median_cpu_s']:.2f}", per])
+    print_table(["idle fraction:", "variant", "median step s:", "overhead ms:", "x copy:",
+                 "wait before opt.step ms:", "blocking ms:", "wait ms:", "copied by wait end:",
+                 "copy span ms:", "CPU s:", "overhead per round (ms)"], rows)
     print()
     for fr in summary["fractions"]:
         for h in (fr.get("idle_vs_thread"), fr.get("thread_idle_vs_thread")):
@@ -536,8 +531,7 @@ def print_report(summary: dict, env: Env) -> None:
 # -- options and main -----------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     add_mlp_trainer_args(p)
     p.add_argument("--steps", type=int, default=8,
                    help="measured rounds (one step per variant) per idle fraction (default 8)")
@@ -554,8 +548,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated variants (default all: {', '.join(VARIANTS)}; none is "
                         f"always run)")
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    add_output_args(p, strict=False, quiet="no per-step progress lines")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.layers < 1:
         p.error("--steps, --batch and --layers must be at least 1, --warmup at least 0")
@@ -572,7 +565,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
     args.chosen = tuple(v for v in VARIANTS if v == "none" or v in chosen)
-    args.strict = False  # no acceptance targets (finish_report reads it)
     return args
 
 
@@ -605,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = run_fraction(env, frac, idle_s, args.chosen)
         fractions.append({"fraction": frac, "idle_s": idle_s, "steps": steps})
         copies += time_copies(chunks, COPIES_PER_SLOT)
-    copy_med = med(copies)
+    copy_med = median(copies)
 
     summary_fractions = []
     for fr in fractions:
@@ -613,8 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         summary_fractions.append({
             "fraction": fr["fraction"], "idle_s": fr["idle_s"],
             "figures": figures(steps, copy_med),
-            "wait_share": (med([s.wait_s for s in steps["none"]])
-                           / med([s.step_s for s in steps["none"]])),
+            "wait_share": (median([s.wait_s for s in steps["none"]])
+                           / median([s.step_s for s in steps["none"]])),
             "none_spread_s": (max(s.step_s for s in steps["none"])
                               - min(s.step_s for s in steps["none"])),
             "idle_vs_thread": head_to_head(steps, "idle", "thread"),

@@ -42,22 +42,21 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from harness import barrier, finish_rank, max_over_ranks, parser, relaunch, torchrun_main
 
 CONTENDERS = ("lightning", "tierstore")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--state-mib", type=int, default=48,
                    help="parameters + Adam moments over both ranks, MiB (default 48)")
     p.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
@@ -100,22 +99,20 @@ def worker(args: argparse.Namespace) -> int:
                     print(f"round {round_} {contender:9s}: stall median "
                           f"{statistics.median(stalls) * 1e3:7.1f} ms, fit {fit:.2f} s",
                           file=sys.stderr, flush=True)
-                dist.barrier()
+                barrier()
                 if rank == 0:
                     shutil.rmtree(root, ignore_errors=True)
     finally:
-        dist.barrier()
+        barrier()
         if rank == 0:
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(shm, ignore_errors=True)
     if rank == 0:
         report(args, results)
-    dist.destroy_process_group()
-    return 0
+    return finish_rank(rank, 0)
 
 
-
-def timed(fn, seconds: list[float]):
+def timing(fn, seconds: list[float]):
     """``fn`` that appends each call's duration to ``seconds`` (raised or not)."""
     def call(*a, **kw):
         started = time.perf_counter()
@@ -146,7 +143,7 @@ def fit_once(args, contender: str, root: str, ram: str
              "keep": 2}]}, data_parallel_size=2, tensor_parallel_size=1)
     checkpoint = ModelCheckpoint(dirpath=f"{root}/checkpoints", every_n_train_steps=args.every,
                                  save_top_k=1)
-    stalls, saves = timed(checkpoint)
+    stalls, saves = time_saves(checkpoint)
     in_strategy: list[float] = []
     pl.seed_everything(0, verbose=False)
     steps = args.every * (args.warmup + args.saves)
@@ -154,16 +151,17 @@ def fit_once(args, contender: str, root: str, ram: str
                          callbacks=[checkpoint], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, default_root_dir=root)
-    trainer.save_checkpoint = timed(trainer.save_checkpoint, saves)
-    strategy.save_checkpoint = timed(strategy.save_checkpoint, in_strategy)
+    trainer.save_checkpoint = timing(trainer.save_checkpoint, saves)
+    strategy.save_checkpoint = timing(strategy.save_checkpoint, in_strategy)
     started = time.perf_counter()
     trainer.fit(model(args), train_dataloaders=data(args, steps))
     fit = time.perf_counter() - started
-    return (slowest(stalls[args.warmup:]), slowest(saves[args.warmup:]),
-            slowest(in_strategy[args.warmup:]), slowest([fit])[0])
+    # a stall is the slower rank's
+    return (max_over_ranks(stalls[args.warmup:]), max_over_ranks(saves[args.warmup:]),
+            max_over_ranks(in_strategy[args.warmup:]), max_over_ranks([fit])[0])
 
 
-def timed(checkpoint) -> tuple[list[float], list[float]]:
+def time_saves(checkpoint) -> tuple[list[float], list[float]]:
     """Time ``checkpoint.on_train_batch_end`` at the steps where it saved."""
     stalls: list[float] = []
     saves: list[float] = []
@@ -178,13 +176,6 @@ def timed(checkpoint) -> tuple[list[float], list[float]]:
 
     checkpoint.on_train_batch_end = on_train_batch_end
     return stalls, saves
-
-
-def slowest(values: list[float]) -> list[float]:
-    """Each value's maximum over the ranks: a stall is the slower rank's."""
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 def model(args):
@@ -249,20 +240,14 @@ def report(args, results) -> None:
 
 # -- the launcher ----------------------------------------------------------------------------
 
-def launch(argv: list[str]) -> int:
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run this script under torchrun, 2 ranks on this machine."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.abspath(__file__), *argv]
-    return subprocess.run(cmd, env=env).returncode
+    return relaunch(__file__, argv, 2)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return worker(args)
-    return launch(argv)
+    """Under torchrun: be one rank. Otherwise: launch torchrun with these arguments."""
+    return torchrun_main(argv, parse_args, worker, launch)
 
 
 if __name__ == "__main__":

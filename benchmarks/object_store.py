@@ -122,11 +122,8 @@ import datetime
 import gc
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -143,16 +140,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 import tierstore
 from tierstore_plugins.obstore_options import split_url, store_config as obstore_config
 
-from common import (GB, benchmark_parser, check_equal, checkpoint_files, disk_parent,
-                    finish_report, fs_type, kill_all, make_state_dict, nbytes_of,
-                    print_informational, print_verdicts, proc_cpu, progress_log, remove, rotated,
-                    rounds_text, tests_module, timing_figures, under_torchrun, verdict,
-                    warm_page_cache, warmup_then_rounds)
-
-# The SeaweedFS server the tests use (tests/servers.py) and the credentials it enforces.
-_servers = tests_module("servers")
-SeaweedS3, ACCESS_KEY, SECRET_KEY, REGION = (_servers.SeaweedS3, _servers.ACCESS_KEY,
-                                             _servers.SECRET_KEY, _servers.REGION)
+from harness import (ACCESS_KEY, GB, REGION, SECRET_KEY, SeaweedS3, barrier, benchmark_parser,
+                     check_equal, checkpoint_files, delete_prefix, dir_bytes, disk_parent,
+                     finish_report, fs_type, make_state_dict, nbytes_of, parse_quick,
+                     print_informational, print_table, print_verdicts, proc_cpu, progress_log,
+                     quiesce, remove, rotated, rounds_text, run_torchrun, scratch, seaweed,
+                     timing_figures, under_torchrun, verdict, warm_page_cache, warmup_then_rounds,
+                     worker_env)
 
 CHECKPOINT_ID = "step-1"
 BUCKET = "tierstore-bench"
@@ -210,11 +204,7 @@ class S3:
         return f"s3://{BUCKET}/{prefix}"
 
     def delete(self, prefix: str) -> None:
-        try:
-            self.fs.rm(f"{BUCKET}/{prefix}", recursive=True)
-        except FileNotFoundError:
-            pass
-        self.fs.invalidate_cache(f"{BUCKET}/{prefix}")
+        delete_prefix(self.fs, f"{BUCKET}/{prefix}")
 
 
 def s3tc_env(endpoint: str) -> dict[str, str]:
@@ -251,11 +241,6 @@ def s3tc_config():
 
 
 # -- timing over ranks ---------------------------------------------------------------------------
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
 
 class Stopwatch:
     """Wall, process CPU and server CPU seconds from its start (after a barrier) to each
@@ -340,10 +325,6 @@ def codec_names(levels: list[int]) -> list[str]:
 
 def codec_config(name: str) -> list:
     return [] if name == "none" else [{"name": "zstd", "level": int(name.split("-", 1)[1])}]
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, n)) for r, _d, ns in os.walk(path) for n in ns)
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -591,7 +572,7 @@ def run_round(rnd: int, label: str, p: Pass, shape: Shape, sd: dict, dest: dict,
                 written.remove(pre)
             for entry in os.listdir(rdir):
                 remove(os.path.join(rdir, entry))
-        gc.collect()
+        quiesce(sync=False)
         barrier()
         os.sync()
 
@@ -642,8 +623,7 @@ def run_round(rnd: int, label: str, p: Pass, shape: Shape, sd: dict, dest: dict,
                 continue
             for t in dest.values():
                 t.zero_()
-            gc.collect()
-            os.sync()
+            quiesce()
             marks, why = attempt(lambda: run_load(p, name, dest, prefixes[LOAD_READS[name]],
                                                   src))
             if why is not None:
@@ -695,7 +675,7 @@ def run_pass(p: Pass, shapes: list[Shape], log: Callable[[str], None]) -> dict[s
             barrier()
             if p.rank == 0:
                 remove(src_root)
-        del sd, dest
+        sd = dest = None  # freed before the next shape
         gc.collect()
     return out
 
@@ -719,8 +699,7 @@ def run_zstd_round(rnd: int, label: str, base: str, real_sd: dict, real_dest: di
                 [{"name": "local", "backend": "local", "path": out,
                   "codecs": codec_config(name)}], io_threads))
             stores.append(store)
-            gc.collect()
-            os.sync()
+            quiesce()
             watch = Stopwatch(None)
             dcp.save(real_sd, storage_writer=store.writer(), checkpoint_id=CHECKPOINT_ID)
             watch.mark()
@@ -872,30 +851,29 @@ def print_shape(world: int, shape: Shape, s: dict, saves: tuple, loads: tuple) -
     per_rank = "" if world == 1 else (f", {shape.size_mib // world} MiB in "
                                       f"{shape.tensors // world} tensors per rank")
     print(f"\n### {shape.label}, {world} rank{'s' if world > 1 else ''}{per_rank}\n")
-    print("| save | save s | durable s | GB/s | vs obstore put | vs FsspecWriter | CPU s "
-          "| srv CPU s | durable rounds (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     failed = s["failed"]
+    rows = []
     for name in (n for n in saves if f"save:{n}" not in failed):
         sv, du = f[f"save:{name}"], f[f"durable:{name}"]
         rr = r[f"durable:{name}"]
         drained = name.endswith("+drain")
-        save_s = f"{sv['median_s']:.3f}" if drained else "="
-        cpu = (f"{sv['median_cpu_s']:.2f} / {du['median_cpu_s']:.2f}" if drained
-               else f"{du['median_cpu_s']:.2f}")
-        print(f"| {name} | {save_s} | {du['median_s']:.3f} | {du['gbps']:.2f} | "
-              f"{x(rr['vs_obstore_put'])} | {x(rr['vs_FsspecWriter'])} | {cpu} | "
-              f"{du['median_server_cpu_s']:.2f} | {rounds_text(du['seconds'])} |")
+        rows.append([name, f"{sv['median_s']:.3f}" if drained else "=", f"{du['median_s']:.3f}",
+                     f"{du['gbps']:.2f}", x(rr["vs_obstore_put"]), x(rr["vs_FsspecWriter"]),
+                     f"{sv['median_cpu_s']:.2f} / {du['median_cpu_s']:.2f}" if drained
+                     else f"{du['median_cpu_s']:.2f}",
+                     f"{du['median_server_cpu_s']:.2f}", rounds_text(du["seconds"])])
+    print_table(["save", "save s:", "durable s:", "GB/s:", "vs obstore put:",
+                 "vs FsspecWriter:", "CPU s:", "srv CPU s:", "durable rounds (s)"], rows)
     print()
-    print("| load | load s | GB/s | vs obstore get | vs FsspecReader | CPU s | srv CPU s "
-          "| rounds (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    rows = []
     for name in (n for n in loads if f"load:{n}" not in failed):
         ld, rr = f[f"load:{name}"], r[f"load:{name}"]
-        print(f"| {name} | {ld['median_s']:.3f} | {ld['gbps']:.2f} | "
-              f"{x(rr['vs_obstore_get'])} | {x(rr['vs_FsspecReader'])} | "
-              f"{ld['median_cpu_s']:.2f} | {ld['median_server_cpu_s']:.2f} | "
-              f"{rounds_text(ld['seconds'])} |")
+        rows.append([name, f"{ld['median_s']:.3f}", f"{ld['gbps']:.2f}",
+                     x(rr["vs_obstore_get"]), x(rr["vs_FsspecReader"]),
+                     f"{ld['median_cpu_s']:.2f}", f"{ld['median_server_cpu_s']:.2f}",
+                     rounds_text(ld["seconds"])])
+    print_table(["load", "load s:", "GB/s:", "vs obstore get:", "vs FsspecReader:", "CPU s:",
+                 "srv CPU s:", "rounds (s)"], rows)
     if failed:
         print()
     for key, why in failed.items():
@@ -937,16 +915,15 @@ def print_report(summary: dict, args: argparse.Namespace, shapes: list[Shape], s
         print(f"zstd on a training state: {real_desc}; local tier (fsync on), saves timed until "
               f"dcp.save returns, loads from the page cache; MB/s of tensor payload (10^6 B/s).")
         print()
-        print("| codecs | checkpoint MB | ratio | save median s | save MB/s | vs none | save CPU s "
-              "| load median s | load MB/s | save rounds (s) |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-        for name, d in z.items():
-            s, ld = d["save"], d["load"]
-            print(f"| {name} | {d['checkpoint_bytes'] / 1e6:.2f} | {d['ratio']:.3f} | "
-                  f"{s['median_s']:.3f} | {s['gbps'] * 1000:.0f} | "
-                  f"{s['gbps'] / z['none']['save']['gbps']:.2f}x | {s['median_cpu_s']:.2f} | "
-                  f"{ld['median_s']:.3f} | {ld['gbps'] * 1000:.0f} | "
-                  f"{rounds_text(s['seconds'])} |")
+        print_table(["codecs", "checkpoint MB:", "ratio:", "save median s:", "save MB/s:",
+                     "vs none:", "save CPU s:", "load median s:", "load MB/s:",
+                     "save rounds (s)"],
+                    [[name, f"{d['checkpoint_bytes'] / 1e6:.2f}", f"{d['ratio']:.3f}",
+                      f"{d['save']['median_s']:.3f}", f"{d['save']['gbps'] * 1000:.0f}",
+                      f"{d['save']['gbps'] / z['none']['save']['gbps']:.2f}x",
+                      f"{d['save']['median_cpu_s']:.2f}", f"{d['load']['median_s']:.3f}",
+                      f"{d['load']['gbps'] * 1000:.0f}", rounds_text(d["save"]["seconds"])]
+                     for name, d in z.items()])
     print()
     print_verdicts(summary["verdicts"])
     print_informational(summary["informational"])
@@ -982,9 +959,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="second shape: state dict size (default 16)")
     p.add_argument("--many-tensors", type=int, default=4096,
                    help="second shape: number of tensors (default 4096; 0: no second shape)")
-    p.add_argument("--quick", action="store_true",
-                   help="64 MiB in 16 tensors only, no zstd, 1 warm-up + 1 round (about a "
-                        "minute); options given beside it still count")
     p.add_argument("--ranks", type=parse_ranks, default=[1],
                    help="rank counts, e.g. 1,4 (default 1); counts above 1 run under torchrun "
                         "(gloo)")
@@ -1005,10 +979,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vocabulary (tied embedding/head; default 8192)")
     p.add_argument("--model-steps", type=int, default=5,
                    help="AdamW steps before the state is saved (default 5)")
-    args = p.parse_args(argv)
-    if args.quick:  # new defaults, parsed again: what the command line says still wins
-        p.set_defaults(size_mib=64, tensors=16, many_tensors=0, zstd_levels=[], repeat=1)
-        args = p.parse_args(argv)
+    args = parse_quick(p, argv, "64 MiB in 16 tensors only, no zstd, 1 warm-up + 1 round (about "
+                       "a minute)", size_mib=64, tensors=16, many_tensors=0, zstd_levels=[],
+                       repeat=1)
     if args.repeat < 1 or args.warmup < 0:
         p.error("--repeat must be at least 1 and --warmup at least 0")
     for world in args.ranks:
@@ -1052,30 +1025,19 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def torchrun_pass(args: argparse.Namespace, argv: list[str], world: int,
+def torchrun_pass(args: argparse.Namespace, argv: list[str], world: int, base: str,
                   env: dict) -> dict[str, Results]:
     """Part 1 under ``torchrun --nproc-per-node world``; its results, or RuntimeError."""
-    fd, out = tempfile.mkstemp(prefix="tierstore-objstore-", suffix=".json")
-    os.close(fd)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    run = [torchrun] if os.path.exists(torchrun) else [sys.executable, "-m",
-                                                        "torch.distributed.run"]
-    procs: list[subprocess.Popen] = []
+    out = os.path.join(base, f"pass-{world}.json")
     try:
-        procs.append(subprocess.Popen(
-            [*run, "--standalone", f"--nproc-per-node={world}", os.path.abspath(__file__),
-             *argv], env=dict(env, **{OUT_ENV: out}), start_new_session=True))
-        try:
-            code = procs[0].wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"timed out after {args.timeout:.0f} s") from None
-        if code != 0:
-            raise RuntimeError(f"torchrun exited with status {code} (its output is above)")
-        with open(out) as f:
-            return {k: Results(**v) for k, v in json.load(f).items()}
-    finally:
-        kill_all(procs)
-        os.remove(out)
+        code = run_torchrun([os.path.abspath(__file__), *argv], world,
+                            env=worker_env(**env, **{OUT_ENV: out}), timeout=args.timeout)
+    except TimeoutError as exc:
+        raise RuntimeError(str(exc)) from None
+    if code != 0:
+        raise RuntimeError(f"torchrun exited with status {code} (its output is above)")
+    with open(out) as f:
+        return {k: Results(**v) for k, v in json.load(f).items()}
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -1091,17 +1053,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     shapes = [Shape(*s) for s in shape_list(args)]
     codecs = codec_names(args.zstd_levels) if args.zstd_levels else []
-    disk = tempfile.mkdtemp(prefix="tierstore-objstore-", dir=parent)
-    shm = tempfile.mkdtemp(prefix="tierstore-objstore-", dir=args.shm_dir)
-    server = SeaweedS3()
     passes: dict[int, dict[str, Results]] = {}
     failed: dict[int, str] = {}
     zres = real_sd = real_desc = None
-    try:
-        server.start()
-        log(f"SeaweedFS up at {server.endpoint_url} in {server.startup_seconds:.1f} s "
-            f"(pid {server.pid}); temp dirs {disk} ({kind}), {shm} ({fs_type(shm)})")
-        server.make_bucket(BUCKET)
+    with scratch("tierstore-objstore-", parent) as disk, \
+            scratch("tierstore-objstore-", args.shm_dir) as shm, \
+            seaweed(BUCKET, log=log) as server:
+        log(f"temp dirs {disk} ({kind}), {shm} ({fs_type(shm)})")
         os.environ.update(s3tc_env(server.endpoint_url))  # s3torchconnector's only way in
         s3 = S3(server.endpoint_url, server.pid)
         s3tc_why = s3tc_problem()
@@ -1114,12 +1072,11 @@ def main(argv: list[str] | None = None) -> int:
                 passes[1] = run_pass(Pass(s3, 0, 1, disk, shm, args, tag, saves, loads),
                                      shapes, log)
                 continue
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                       **{ENDPOINT_ENV: server.endpoint_url, PID_ENV: str(server.pid),
-                          BASE_ENV: f"{disk}:{shm}", TAG_ENV: tag,
-                          S3TC_ENV: "1" if s3tc_why is None else "0"})
+            env = {ENDPOINT_ENV: server.endpoint_url, PID_ENV: str(server.pid),
+                   BASE_ENV: f"{disk}:{shm}", TAG_ENV: tag,
+                   S3TC_ENV: "1" if s3tc_why is None else "0"}
             try:
-                passes[world] = torchrun_pass(args, argv, world, env)
+                passes[world] = torchrun_pass(args, argv, world, disk, env)
             except RuntimeError as exc:
                 failed[world] = str(exc)
                 log(f"{world} ranks: {exc}")
@@ -1138,10 +1095,6 @@ def main(argv: list[str] | None = None) -> int:
                             nbytes_of(real_sd) if real_sd else None)
         print_report(summary, args, shapes, saves, loads, server, disk, shm, s3tc_why, failed,
                      real_desc)
-    finally:
-        server.stop()
-        shutil.rmtree(disk, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
 
     config = {"shapes": [{"size_mib": s.size_mib, "tensors": s.tensors} for s in shapes],
               "ranks": args.ranks, "failed_passes": {str(k): v for k, v in failed.items()},

@@ -27,8 +27,6 @@ one-process reference before any figure is printed.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
@@ -36,9 +34,9 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tierstore.format.parity import (common_length, encode_segments,  # noqa: E402
-                                     reduce_scatter_xor)
+from tierstore.format.parity import common_length, encode_segments, reduce_scatter_xor
+
+from harness import max_over_ranks, parser, rotated
 
 
 def reduce_scatter(segments: torch.Tensor, n: int) -> torch.Tensor:
@@ -68,7 +66,7 @@ def all_to_all(segments: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--mib", type=int, default=32, help="each rank's files, MiB (32)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (5, after 1 warm-up)")
     args = p.parse_args()
@@ -94,15 +92,13 @@ def main() -> int:
                "copy": lambda: destination.copy_(mine)}
     times: dict[str, list[float]] = {m: [] for m in methods}
     for rnd in range(args.rounds + 1):
-        order = list(methods)[rnd % len(methods):] + list(methods)[:rnd % len(methods)]
-        for name in order:
+        for name in rotated(list(methods), rnd):
             dist.barrier()
             started = time.perf_counter()
             methods[name]()
-            took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if rnd:
-                times[name].append(float(took))
+            took = max_over_ranks([time.perf_counter() - started])[0]
+            if rnd:  # round 0 warms up
+                times[name].append(took)
     if rank == 0:
         copy = statistics.median(times["copy"])
         print(f"XOR parity over {n} ranks ({n - 1}+1), {args.mib} MiB per rank, parity "

@@ -81,14 +81,11 @@ at the end, also after an error.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -96,14 +93,16 @@ import torch.distributed.checkpoint as dcp
 
 import tierstore
 
-from common import (GB, DrainTimer, benchmark_parser, checkpoint_files, disk_parent, finish_report,
-                    fs_type, make_state_dict, nbytes_of, print_informational, print_verdicts,
-                    progress_log, remove, rotated, rounds_text, timing_figures, verdict,
-                    warmup_then_rounds)
+from harness import (GB, Clock, DrainTimer, Samples, benchmark_parser, checkpoint_files,
+                     disk_parent, finish_report, fs_type, make_state_dict, memory_parent,
+                     nbytes_of, need_room, print_informational, print_table, print_verdicts,
+                     progress_log, quiesce, ratios, remove, rotated, rounds_text, scratch,
+                     verdict, warmup_then_rounds)
 
 SAVE_CONTENDERS = ("pipeline", "alone")
 DRAIN_FIGURES = ("drain-t2", "drain-t3", "drain-wall")
 COPY_CONTENDERS = ("copy-seq", "copy-par4")
+FIGURES = SAVE_CONTENDERS + DRAIN_FIGURES + COPY_CONTENDERS
 CHECKPOINT_ID = "step-1"
 TIER_NAMES = ("ram", "disk2", "disk3")
 PAR_THREADS = 4
@@ -155,28 +154,8 @@ def prepare_copy(name: str, src_dir: str, out: str) -> Callable[[], int]:
 
 # -- the run -----------------------------------------------------------------------------------
 
-def _lists(names: tuple[str, ...]) -> Callable[[], dict[str, list[float]]]:
-    return lambda: {n: [] for n in names}
-
-
-@dataclass
-class Results:
-    """Per round and contender: wall seconds, process CPU seconds and bytes moved."""
-    seconds: dict[str, list[float]] = field(
-        default_factory=_lists(SAVE_CONTENDERS + DRAIN_FIGURES + COPY_CONTENDERS))
-    cpu: dict[str, list[float]] = field(
-        default_factory=_lists(SAVE_CONTENDERS + DRAIN_FIGURES + COPY_CONTENDERS))
-    nbytes: dict[str, list[float]] = field(
-        default_factory=_lists(SAVE_CONTENDERS + DRAIN_FIGURES + COPY_CONTENDERS))
-
-    def add(self, name: str, secs: float, cpu: float, nbytes: int) -> None:
-        self.seconds[name].append(secs)
-        self.cpu[name].append(cpu)
-        self.nbytes[name].append(nbytes)
-
-
 def run_round(rnd: int, sd: dict[str, torch.Tensor], base: str, shm_base: str,
-              io_threads: int | None, res: Results, log: Callable[[str], None]) -> None:
+              io_threads: int | None, res: Samples, log: Callable[[str], None]) -> None:
     """One round: both saves (rotated order; the pipeline's drain measured with it), then both
     raw copies (rotated) from the pipeline's memory-tier checkpoint."""
     nbytes = nbytes_of(sd)
@@ -192,8 +171,7 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], base: str, shm_base: str,
         # is written back while the next contender's clock runs.
         while disk_outputs:
             remove(disk_outputs.pop())
-        gc.collect()
-        os.sync()
+        quiesce()
 
     def line(op: str, name: str, secs: float, moved: int, cpu: float) -> None:
         log(f"  round {rnd + 1} {op:<5} {name:<10} {secs:7.3f} s  {moved / secs / GB:6.2f} GB/s"
@@ -212,11 +190,11 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], base: str, shm_base: str,
                 store = open_store([("memory", ram)], io_threads, (timer,))
             stores.append(store)
             clear_and_sync()
-            c0, t0 = time.process_time(), time.perf_counter()
-            dcp.save(sd, storage_writer=store.writer(), checkpoint_id=CHECKPOINT_ID)
+            with Clock() as clock:
+                dcp.save(sd, storage_writer=store.writer(), checkpoint_id=CHECKPOINT_ID)
             t1, c1 = time.perf_counter(), time.process_time()
-            res.add(name, t1 - t0, c1 - c0, nbytes)
-            line("save", name, t1 - t0, nbytes, c1 - c0)
+            res.add(name, clock.seconds, clock.cpu, nbytes)
+            line("save", name, clock.seconds, nbytes, clock.cpu)
             if name != "pipeline":
                 store.close()
                 stores.remove(store)
@@ -248,11 +226,10 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], base: str, shm_base: str,
             clear_and_sync()
             copy = prepare_copy(name, source, out)
             os.sync()  # the new directory's own metadata
-            c0, t0 = time.process_time(), time.perf_counter()
-            moved = copy()
-            secs, cpu = time.perf_counter() - t0, time.process_time() - c0
-            res.add(name, secs, cpu, moved)
-            line("copy", name, secs, moved, cpu)
+            with Clock() as clock:
+                moved = copy()
+            res.add(name, clock.seconds, clock.cpu, moved)
+            line("copy", name, clock.seconds, moved, clock.cpu)
             disk_outputs.append(out)
     finally:
         for store in stores:
@@ -261,32 +238,28 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], base: str, shm_base: str,
         remove(sdir)
 
 
-def summarize(res: Results, payload: int) -> dict:
+def summarize(res: Samples, payload: int) -> dict:
     """Medians, GB/s, ratios and verdicts as a JSON-able dict."""
-    figures = {name: timing_figures(times, res.cpu[name], res.nbytes[name])
-               for name, times in res.seconds.items()}
+    figures = {name: res.figures(name) for name in FIGURES}
 
     def gbps_rounds(name: str) -> list[float]:
-        return [b / s for s, b in zip(res.seconds[name], res.nbytes[name])]
+        return ratios(res.nbytes[name], res.seconds[name])
 
     pipe, alone, drain = figures["pipeline"], figures["alone"], figures["drain-t2"]
     seq, par = figures["copy-seq"], figures["copy-par4"]
     verdicts = [
         verdict(f"pipeline save <= {SAVE_OVERHEAD_MAX}x memory tier alone "
                 f"(seconds, pipeline/alone)",
-                pipe["median_s"] / alone["median_s"],
-                [p / a for p, a in zip(pipe["seconds"], alone["seconds"])],
+                pipe["median_s"] / alone["median_s"], ratios(pipe["seconds"], alone["seconds"]),
                 most=SAVE_OVERHEAD_MAX),
         verdict(f"drain memory -> disk (tier 2) >= {DRAIN_VS_COPY_MIN}x raw sequential copy "
                 f"(copyfile + fsync, GB/s)",
                 drain["gbps"] / seq["gbps"],
-                [d / c for d, c in zip(gbps_rounds("drain-t2"), gbps_rounds("copy-seq"))],
-                least=DRAIN_VS_COPY_MIN),
+                ratios(gbps_rounds("drain-t2"), gbps_rounds("copy-seq")), least=DRAIN_VS_COPY_MIN),
     ]
     info = {"target": f"drain memory -> disk (tier 2) vs raw parallel copy ({PAR_THREADS} threads)",
             "ratio": drain["gbps"] / par["gbps"],
-            "per_round": [d / c for d, c in zip(gbps_rounds("drain-t2"),
-                                                gbps_rounds("copy-par4"))]}
+            "per_round": ratios(gbps_rounds("drain-t2"), gbps_rounds("copy-par4"))}
     return {"figures": figures, "payload_bytes": payload, "verdicts": verdicts,
             "informational": [info]}
 
@@ -315,8 +288,7 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, shm_base: s
           f"the checkpoint's {f['drain-t2']['bytes'] / 1e6:.1f} MB of files. CPU s: median "
           "process CPU time (user+system, all threads) of the operation.")
     print()
-    print("| op | contender | median s | GB/s | ratio | CPU s | rounds (s) |")
-    print("| --- | --- | ---: | ---: | --- | ---: | --- |")
+    rows = []
     for name, (op, label) in LABELS.items():
         s = f[name]
         if name == "pipeline":
@@ -329,8 +301,9 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, shm_base: s
             r = (f"{s['gbps'] / f['copy-seq']['gbps']:.2f}x copy-seq"
                  + (f", {s['gbps'] / f['copy-par4']['gbps']:.2f}x copy-par4"
                     if name != "copy-par4" else ""))
-        print(f"| {op} | {label} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['median_cpu_s']:.2f} | {rounds_text(s['seconds'])} |")
+        rows.append([op, label, f"{s['median_s']:.3f}", f"{s['gbps']:.2f}", r,
+                     f"{s['median_cpu_s']:.2f}", rounds_text(s["seconds"])])
+    print_table(["op", "contender", "median s:", "GB/s:", "ratio", "CPU s:", "rounds (s)"], rows)
     print()
     print_verdicts(summary["verdicts"])
     print_informational(summary["informational"])
@@ -348,26 +321,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parent, kind = disk_parent(args, "the drain figures would mean nothing")
-    shm_kind = fs_type(args.shm_dir)
-    if shm_kind not in ("tmpfs", "ramfs"):
-        print(f"warning: --shm-dir {args.shm_dir} is on {shm_kind}, not tmpfs", file=sys.stderr)
-    st = os.statvfs(args.shm_dir)
-    if st.f_bavail * st.f_frsize < 2.2 * args.size_mib * (1 << 20):
-        raise SystemExit(f"{args.shm_dir} has less free space than two checkpoints need")
+    shm_kind = memory_parent(args.shm_dir, "--shm-dir")
+    need_room(args.shm_dir, int(2.2 * args.size_mib * (1 << 20)), "two checkpoints")
     log = progress_log(args.quiet)
 
     t_start = time.perf_counter()
     sd = make_state_dict(args.size_mib, args.tensors)
     payload = nbytes_of(sd)
-    base = tempfile.mkdtemp(prefix="tierstore-pipeline-", dir=parent)
-    shm_base = tempfile.mkdtemp(prefix="tierstore-pipeline-", dir=args.shm_dir)
-    try:
+    with scratch("tierstore-pipeline-", parent) as base, \
+            scratch("tierstore-pipeline-", args.shm_dir) as shm_base:
         log(f"benchmark dirs {base} ({kind}), {shm_base} ({shm_kind})")
-        res = warmup_then_rounds(args, log, Results, lambda rnd, _warm, res, lg: run_round(
-            rnd, sd, base, shm_base, args.io_threads, res, lg))
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(shm_base, ignore_errors=True)
+        res = warmup_then_rounds(args, log, lambda: Samples(FIGURES), lambda rnd, _warm, res, lg:
+                                 run_round(rnd, sd, base, shm_base, args.io_threads, res, lg))
 
     summary = summarize(res, payload)
     print_report(summary, args, base, shm_base)

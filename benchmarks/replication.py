@@ -101,10 +101,7 @@ import collections
 import gc
 import os
 import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -118,10 +115,10 @@ import tierstore
 from tierstore.events import EventKind, Phase
 from tierstore.transport.transfer import ROUNDS_IN_FLIGHT
 
-from common import (GB, STATUS_ENV, benchmark_parser, finish_rank, finish_report, fs_type,
-                    make_state_dict, nbytes_of, print_verdicts, progress_log, read_status,
-                    rotated, rounds_text, status_file, torchrun_main, verdict)
-from common import median_or_none as med
+from harness import (GB, benchmark_parser, finish_rank, finish_report, fs_type, median,
+                     memory_parent, nbytes_of, parse_rounds, print_table, print_verdicts,
+                     progress_log, rank_state_dict, ratios, relaunch, room_problem, rotated,
+                     rounds_text, shared_temp_dir, torchrun_main, verdict)
 
 REP_CONTENDERS = ("replicate", "raw-gloo")
 STALL_CONTENDERS = ("on", "off")
@@ -161,14 +158,7 @@ def without_nproc(argv: list[str]) -> list[str]:
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run this script under ``torchrun --standalone --nproc-per-node=<nproc>`` with the same
     arguments; return rank 0's exit status (torchrun's own when a rank failed)."""
-    with status_file("tierstore-replication-status-") as status:
-        env = dict(os.environ)
-        env[STATUS_ENV] = status
-        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc}", os.path.abspath(__file__), *without_nproc(argv)]
-        rc = subprocess.call(cmd, env=env)
-        return rc if rc != 0 else read_status(status)
+    return relaunch(__file__, without_nproc(argv), args.nproc)
 
 
 # -- observing the stores ------------------------------------------------------------------------
@@ -472,7 +462,7 @@ def run_stall(bench: Bench, name: str) -> dict:
     return {"stall": stall, "staged_s": staged.seconds if staged else None,
             "staged_waited_s": staged.detail.get("waited_s") if staged else None,
             "quiet": quiet_s, "busy": busy_s, "during_rep": during_rep,
-            "lost_s": sum(busy_s) - len(busy_s) * statistics.median(quiet_s),
+            "lost_s": sum(busy_s) - len(busy_s) * median(quiet_s),
             "busy_s": t_busy - t0,
             "rep_s": (t.replicated.seconds if t.replicated is not None else None)}
 
@@ -519,30 +509,30 @@ def summarize(rounds: list[list[dict]], payload: int) -> dict:
             nbytes.append(slowest["nbytes"])
             gbps.append(slowest["nbytes"] / slowest["seconds"] / GB)
             cpu.append(sum(r[name]["cpu"] for r in ranks))
-        fig[name] = {"seconds": secs, "median_s": med(secs), "gbps_rounds": gbps,
-                     "gbps": med(gbps), "bytes_per_rank": med(nbytes), "cpu_seconds": cpu,
-                     "median_cpu_s": med(cpu)}
+        fig[name] = {"seconds": secs, "median_s": median(secs), "gbps_rounds": gbps,
+                     "gbps": median(gbps), "bytes_per_rank": median(nbytes), "cpu_seconds": cpu,
+                     "median_cpu_s": median(cpu)}
     rep_rounds = [max(ranks, key=lambda r: r["replicate"]["seconds"])["replicate"]
                   for ranks in rounds]
     fig["replicate"]["parts"] = {
-        k: med([r[k] for r in rep_rounds])
+        k: median([r[k] for r in rep_rounds])
         for k in ("transfer_s", "commit_s", "save_s", "wait_s")}
     for name in STALL_CONTENDERS:
         stalls = [max(r[name]["stall"] for r in ranks) for ranks in rounds]
-        quiet = [med([s for r in ranks for s in r[name]["quiet"]]) for ranks in rounds]
-        busy = [med([s for r in ranks for s in r[name]["busy"]]) for ranks in rounds]
+        quiet = [median([s for r in ranks for s in r[name]["quiet"]]) for ranks in rounds]
+        busy = [median([s for r in ranks for s in r[name]["busy"]]) for ranks in rounds]
         # Rounds whose replication window held no step (or "off", which has none) are left out.
-        during = [med([s for r in ranks for s in r[name]["during_rep"]]) for ranks in rounds]
+        during = [median([s for r in ranks for s in r[name]["during_rep"]]) for ranks in rounds]
         during_q = [(d, q) for d, q in zip(during, quiet) if d is not None]
         # The staged event of the rank with the longest stall: the copy inside that stall.
         staged = [max(ranks, key=lambda r: r[name]["stall"])[name]["staged_s"]
                   for ranks in rounds]
         fig[f"stall-{name}"] = {
-            "seconds": stalls, "median_s": med(stalls), "staged_s": staged,
-            "median_staged_s": med([x for x in staged if x is not None]),
+            "seconds": stalls, "median_s": median(stalls), "staged_s": staged,
+            "median_staged_s": median([x for x in staged if x is not None]),
             "quiet_step_s": quiet, "busy_step_s": busy, "during_rep_step_s": during,
-            "median_quiet_step_s": med(quiet), "median_busy_step_s": med(busy),
-            "median_during_rep_step_s": med([d for d, _q in during_q]),
+            "median_quiet_step_s": median(quiet), "median_busy_step_s": median(busy),
+            "median_during_rep_step_s": median([d for d, _q in during_q]),
             "slowdown_rounds": [b / q for b, q in zip(busy, quiet)],
             "rep_slowdown_rounds": [d / q for d, q in during_q],
             "busy_s": [max(r[name]["busy_s"] for r in ranks) for ranks in rounds],
@@ -555,27 +545,27 @@ def summarize(rounds: list[list[dict]], payload: int) -> dict:
         verdict(f"replication >= {REPLICATION_VS_RAW_MIN}x raw gloo exchange of the same "
                 f"pieces (GB/s, slowest rank)",
                 rep["gbps"] / raw["gbps"],
-                [a / b for a, b in zip(rep["gbps_rounds"], raw["gbps_rounds"])],
+                ratios(rep["gbps_rounds"], raw["gbps_rounds"]),
                 least=REPLICATION_VS_RAW_MIN),
         verdict(f"async_save stall with the peer tier on <= {STALL_ON_VS_OFF_MAX}x off "
                 f"(seconds, slowest rank)",
                 on["median_s"] / off["median_s"],
-                [a / b for a, b in zip(on["seconds"], off["seconds"])],
+                ratios(on["seconds"], off["seconds"]),
                 most=STALL_ON_VS_OFF_MAX),
     ]
     info = [
         {"target": "training step while the background runs (save, replication), "
                    "peer tier on, vs quiet steps",
-         "ratio": med(on["slowdown_rounds"]), "per_round": on["slowdown_rounds"]},
+         "ratio": median(on["slowdown_rounds"]), "per_round": on["slowdown_rounds"]},
         {"target": "training step while the background runs (save), peer tier off, "
                    "vs quiet steps",
-         "ratio": med(off["slowdown_rounds"]), "per_round": off["slowdown_rounds"]},
+         "ratio": median(off["slowdown_rounds"]), "per_round": off["slowdown_rounds"]},
         {"target": "training step during the replication window (replicate phase to "
                    "replicated event), peer tier on, vs quiet steps",
-         "ratio": med(on["rep_slowdown_rounds"]), "per_round": on["rep_slowdown_rounds"]},
+         "ratio": median(on["rep_slowdown_rounds"]), "per_round": on["rep_slowdown_rounds"]},
         {"target": "training time lost to the replication per checkpoint (training s lost, "
                    "peer tier on minus off, slowest rank)",
-         "seconds": med(on["lost_s"]) - med(off["lost_s"]),
+         "seconds": median(on["lost_s"]) - median(off["lost_s"]),
          "per_round": [a - b for a, b in zip(on["lost_s"], off["lost_s"])]},
     ]
     return {"figures": fig, "payload_bytes": payload, "verdicts": verdicts,
@@ -598,24 +588,20 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, world: int,
           f"({rep['bytes_per_rank'] / 1e6:.1f} MB) per second. CPU s: process CPU time "
           f"(user+system, all threads) summed over the ranks.")
     print()
-    print("| op | contender | median s | GB/s | ratio | CPU s | rounds (s) |")
-    print("| --- | --- | ---: | ---: | --- | ---: | --- |")
-    rows = [
+    rows = [[op, label, f"{s['median_s']:.3f}", f"{s['gbps']:.2f}", r,
+             f"{s['median_cpu_s']:.2f}", rounds_text(s["seconds"])] for op, label, s, r in (
         ("replicate", "tierstore peer replication (replicated event)",
          rep, f"{rep['gbps'] / raw['gbps']:.2f}x raw-gloo"),
         ("replicate", "raw gloo isend/irecv, same pieces, same pattern", raw,
-         "1.00x (baseline)"),
-    ]
-    for op, label, s, r in rows:
-        print(f"| {op} | {label} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['median_cpu_s']:.2f} | {rounds_text(s['seconds'])} |")
+         "1.00x (baseline)"))]
     for name, label in (("on", "async_save stall, peer tier on"),
                         ("off", "async_save stall, peer tier off")):
         s = f[f"stall-{name}"]
         r = (f"{s['median_s'] / f['stall-off']['median_s']:.2f}x off (time)" if name == "on"
              else "1.00x (baseline)")
-        print(f"| stall | {label} | {s['median_s']:.3f} | - | {r} | - | "
-              f"{rounds_text(s['seconds'])} |")
+        rows.append(["stall", label, f"{s['median_s']:.3f}", "-", r, "-",
+                     rounds_text(s["seconds"])])
+    print_table(["op", "contender", "median s:", "GB/s:", "ratio", "CPU s:", "rounds (s)"], rows)
     parts = rep["parts"]
     print()
     print(f"Replication (slowest rank, medians): {parts['transfer_s']:.3f} s from the "
@@ -637,18 +623,20 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, world: int,
           f"Staging copy s: the staged event's seconds (tierstore's copy of the state dict) "
           f"inside the longest stall of the round.")
     print()
-    print("| store | stall s | staging copy s | quiet step ms | busy step ms | slowdown | "
-          "step ms during replication | slowdown | busy s | busy steps | training s lost |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
     for name in STALL_CONTENDERS:
         s = f[f"stall-{name}"]
         during = s["median_during_rep_step_s"]
-        rep_slow = med(s["rep_slowdown_rounds"])
-        dr = f"{during * 1e3:.1f} | {rep_slow:.2f}x" if during is not None else "- | -"
+        rep_slow = median(s["rep_slowdown_rounds"])
+        dr = [f"{during * 1e3:.1f}", f"{rep_slow:.2f}x"] if during is not None else ["-", "-"]
         copy = "-" if s["median_staged_s"] is None else f"{s['median_staged_s']:.3f}"
-        print(f"| {name} | {s['median_s']:.3f} | {copy} | {s['median_quiet_step_s'] * 1e3:.1f} | "
-              f"{s['median_busy_step_s'] * 1e3:.1f} | {med(s['slowdown_rounds']):.2f}x | {dr} | "
-              f"{med(s['busy_s']):.2f} | {med(s['steps_busy']):.0f} | {med(s['lost_s']):.2f} |")
+        rows.append([name, f"{s['median_s']:.3f}", copy, f"{s['median_quiet_step_s'] * 1e3:.1f}",
+                     f"{s['median_busy_step_s'] * 1e3:.1f}",
+                     f"{median(s['slowdown_rounds']):.2f}x", *dr, f"{median(s['busy_s']):.2f}",
+                     f"{median(s['steps_busy']):.0f}", f"{median(s['lost_s']):.2f}"])
+    print_table(["store", "stall s:", "staging copy s:", "quiet step ms:", "busy step ms:",
+                 "slowdown:", "step ms during replication:", "slowdown:", "busy s:",
+                 "busy steps:", "training s lost:"], rows)
     print()
     print_verdicts(summary["verdicts"], missed="MISS")
     for v in summary["informational"]:
@@ -667,11 +655,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = benchmark_parser(__doc__, 5, "gloo connections, thread start-up, allocator growth, "
                          "and the first keep + 1 saves, which find no dropped checkpoint's "
                          "pages to reuse",
-                         "parent of the temp directory holding every tier (default /dev/shm)")
-    p.set_defaults(size_mib=256, dir="/dev/shm", warmup=2)
-    for action in p._actions:
-        if action.dest == "size_mib":
-            action.help = "state dict size per rank (default 256)"
+                         "parent of the temp directory holding every tier (default /dev/shm)",
+                         size_mib=256, per_rank=True, warmup=2)
+    p.set_defaults(dir="/dev/shm")
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks (torchrun --nproc-per-node) when not already under torchrun "
                         "(default 2)")
@@ -681,11 +667,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-s", type=float, default=0.5,
                    help="seconds of quiet training steps, and the least seconds of busy ones "
                         "(default 0.5)")
-    args = p.parse_args(argv)
+    args = parse_rounds(p, argv)
     if args.nproc < 2:
         p.error("--nproc must be at least 2 (ring replication needs a peer)")
-    if args.repeat < 1 or args.warmup < 0:
-        p.error("--repeat must be at least 1 and --warmup at least 0")
     return args
 
 
@@ -699,25 +683,14 @@ def worker(args: argparse.Namespace) -> int:
     stores: dict[str, tierstore.Store] = {}
     status = 0
     try:
-        box = [None]
-        if rank == 0:
-            kind = fs_type(args.dir)
-            st = os.statvfs(args.dir)
+        def problem() -> str | None:
+            memory_parent(args.dir, "--dir", "the memory and peer tiers would be on disk")
             # keep + 1 (a recycled one) in both stores, as many replicas held, and slack.
-            need = (4 * (KEEP + 1) + 2) * args.size_mib * (1 << 20) * world
-            problem = (f"{args.dir} has {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free, about "
-                       f"{need / 2**30:.1f} GiB are needed" if st.f_bavail * st.f_frsize < need
-                       else None)
-            if kind not in ("tmpfs", "ramfs"):
-                print(f"warning: --dir {args.dir} is on {kind}, not tmpfs; the memory and peer "
-                      f"tiers would be on disk", file=sys.stderr)
-            box = [problem or tempfile.mkdtemp(prefix="tierstore-replication-", dir=args.dir)]
-        dist.broadcast_object_list(box, group_src=0)
-        if not os.path.isabs(box[0]):
-            raise SystemExit(box[0])
-        base = box[0]
-        sd = {f"rank{rank}.{k}": v for k, v in
-              make_state_dict(args.size_mib, args.tensors, seed=rank).items()}
+            return room_problem(args.dir,
+                                (4 * (KEEP + 1) + 2) * args.size_mib * (1 << 20) * world)
+
+        base = shared_temp_dir("tierstore-replication-", args.dir, problem)
+        sd = rank_state_dict(args.size_mib, args.tensors, rank)
         recorders = {"on": Recorder(), "off": Recorder()}
         for name in STALL_CONTENDERS:
             stores[name] = tierstore.open(

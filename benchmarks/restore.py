@@ -83,11 +83,8 @@ import datetime
 import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -99,9 +96,10 @@ import tierstore
 from tierstore import EventKind
 from tierstore.events import Phase
 
-from common import (GB, STATUS_ENV, benchmark_parser, finish_rank, finish_report, free_port, kill_all,
-                    fs_type, make_state_dict, nbytes_of, progress_log, read_status, rotated,
-                    rounds_text, status_file, torchrun_main)
+from harness import (GB, STATUS_ENV, benchmark_parser, finish_rank, finish_report, fs_type,
+                     memory_parent, nbytes_of, need_room, parse_rounds, print_table,
+                     progress_log, rank_state_dict, ratios, read_status, rotated, rounds_text,
+                     run_nodes, scratch, shared_temp_dir, temp_file, torchrun_main, worker_env)
 
 CONTENDERS = ("peer-restore", "object-tier", "intact")
 NODES, PER_NODE = 2, 2
@@ -118,54 +116,18 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Both nodes' torchrun running this script, concurrently; returns rank 0's exit status
     (non-zero when a torchrun failed or the run timed out). The temp dir is made here and
     removed here, whatever happens to the ranks."""
-    parent = args.dir
-    if fs_type(parent) not in ("tmpfs", "ramfs"):
-        print(f"warning: --dir {parent} is on {fs_type(parent)}, not tmpfs; the ram and peer "
-              f"tiers would be on disk", file=sys.stderr)
-    need = 7 * args.size_mib * (1 << 20) * NODES * PER_NODE  # tiers, replicas, copy aside
-    st = os.statvfs(parent)
-    if st.f_bavail * st.f_frsize < need:
-        print(f"{parent} has {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free, about "
-              f"{need / 2**30:.1f} GiB are needed", file=sys.stderr)
-        return 1
-    base = tempfile.mkdtemp(prefix="tierstore-restore-", dir=parent)
-    with status_file("tierstore-restore-status-") as status:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env[DIR_ENV], env[STATUS_ENV] = base, status
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        if not os.path.exists(torchrun):
-            torchrun = None
-        port = free_port()
-        procs: list[subprocess.Popen] = []
-        try:
-            for node in range(NODES):
-                run = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-                procs.append(subprocess.Popen(
-                    [*run, f"--nnodes={NODES}", f"--node-rank={node}",
-                     f"--nproc-per-node={PER_NODE}", "--master-addr=127.0.0.1",
-                     f"--master-port={port}", os.path.abspath(__file__), *argv],
-                    env=env, start_new_session=True))
-            deadline = time.monotonic() + args.timeout
-            failed_at = None
-            while any(p.poll() is None for p in procs):
-                now = time.monotonic()
-                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                    failed_at = now  # one node failed: give the other a moment, then stop it
-                if now > deadline or (failed_at is not None and now > failed_at + 30):
-                    why = "timed out" if now > deadline else "a node failed"
-                    print(f"restore benchmark: {why}; stopping both torchrun invocations",
-                          file=sys.stderr)
-                    kill_all(procs)
-                    break
-                time.sleep(0.2)
-            codes = [p.returncode for p in procs]
-            if any(c != 0 for c in codes):
-                print(f"restore benchmark: torchrun exit statuses {codes}", file=sys.stderr)
-                return 1
-            return read_status(status)
-        finally:
-            kill_all(procs)  # KeyboardInterrupt, or anything else that got us here early
-            shutil.rmtree(base, ignore_errors=True)
+    memory_parent(args.dir, "--dir", "the ram and peer tiers would be on disk")
+    # tiers, replicas, the copy aside
+    need_room(args.dir, 7 * args.size_mib * (1 << 20) * NODES * PER_NODE)
+    with scratch("tierstore-restore-", args.dir) as base, \
+            temp_file("tierstore-restore-status-") as status:
+        run = run_nodes([os.path.abspath(__file__), *argv], NODES, PER_NODE,
+                        timeout=args.timeout,
+                        env=worker_env(**{DIR_ENV: base, STATUS_ENV: status}))
+        if run.why is not None:
+            print(f"restore benchmark: {run.why}", file=sys.stderr)
+            return 1
+        return read_status(status)
 
 
 # -- the store and the simulated loss ------------------------------------------------------------
@@ -349,7 +311,7 @@ def summarize(rounds: list[dict[str, dict]], nbytes: int) -> dict:
         out["ratios"] = out.get("ratios", [])
         out["ratios"].append({
             "name": f"{a} / {b}", "ratio": c[a]["median_s"] / c[b]["median_s"],
-            "per_round": [x / y for x, y in zip(c[a]["seconds"], c[b]["seconds"])]})
+            "per_round": ratios(c[a]["seconds"], c[b]["seconds"])})
     return out
 
 
@@ -364,12 +326,10 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
           "CPU time summed over the 4 ranks. The object tier is file:// on tmpfs: far faster than "
           "a real object store.")
     print()
-    print("| contender | node 1's ranks read from | median s | GB/s | ratio | node 0 s | "
-          "node 1 s | CPU s | rounds (s) |")
-    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- |")
     c = summary["contenders"]
     where = {"peer-restore": "node 0's replicas (peer fetch)",
              "object-tier": "`objects` (file://)", "intact": "own node's `ram`"}
+    rows = []
     for name in CONTENDERS:
         s = c[name]
         if name == "peer-restore":
@@ -377,9 +337,11 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
                  f"{s['median_s'] / c['intact']['median_s']:.2f}x intact")
         else:
             r = f"{c['peer-restore']['median_s'] / s['median_s']:.2f}x (peer-restore / this)"
-        print(f"| {name} | {where[name]} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['node0_median_s']:.3f} | {s['node1_median_s']:.3f} | {s['cpu_s']:.2f} | "
-              f"{rounds_text(s['seconds'])} |")
+        rows.append([name, where[name], f"{s['median_s']:.3f}", f"{s['gbps']:.2f}", r,
+                     f"{s['node0_median_s']:.3f}", f"{s['node1_median_s']:.3f}",
+                     f"{s['cpu_s']:.2f}", rounds_text(s["seconds"])])
+    print_table(["contender", "node 1's ranks read from", "median s:", "GB/s:", "ratio",
+                 "node 0 s:", "node 1 s:", "CPU s:", "rounds (s)"], rows)
     print()
     for v in summary["ratios"]:
         rounds = ", ".join(f"{x:.2f}" for x in v["per_round"])
@@ -406,10 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.set_defaults(dir="/dev/shm")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds before both torchrun invocations are killed (default 600)")
-    args = p.parse_args(argv)
-    if args.repeat < 1 or args.warmup < 0:
-        p.error("--repeat must be at least 1 and --warmup at least 0")
-    return args
+    return parse_rounds(p, argv)
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -426,12 +385,8 @@ def worker(args: argparse.Namespace) -> int:
     status = 0
     try:
         if own_base:
-            box = [tempfile.mkdtemp(prefix="tierstore-restore-", dir=args.dir) if rank == 0
-                   else None]
-            dist.broadcast_object_list(box, src=0)
-            base = box[0]
-        sd = {f"rank{rank}.{k}": v for k, v in
-              make_state_dict(args.size_mib, args.tensors, seed=rank).items()}
+            base = shared_temp_dir("tierstore-restore-", args.dir)
+        sd = rank_state_dict(args.size_mib, args.tensors, rank)
         dest = {k: torch.empty_like(v) for k, v in sd.items()}
         nbytes = nbytes_of(sd)
 

@@ -56,10 +56,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from contextlib import nullcontext
+
+from harness import rotated, run_nodes, scratch, seaweed
 
 SHAPES = {"2x2": (2, 2), "2x2-lost": (2, 2), "2x1": (2, 1), "4x2": (4, 2), "2x3": (2, 3)}
 SOURCES = ("fast", "files", "s3")
@@ -232,34 +233,20 @@ def job(spec: dict) -> int:
 
 def run_job(spec: dict, nnodes: int, nproc: int, timeout: float) -> dict | None:
     """``job(spec)`` under one torchrun per node; rank 0's RESULT (None for the save)."""
-    from common import free_port
-
-    path = os.path.join(spec["base"], f"spec-{time.monotonic_ns()}.json")
+    name = f"job-{time.monotonic_ns()}"
+    path = os.path.join(spec["base"], f"{name}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-         f"--node-rank={node}", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-         f"--master-port={port}", "--max-restarts=0", __file__, "--job", path],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node in range(nnodes)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{spec['phase']} at {nnodes}x{nproc} from {spec['source']} failed:\n"
-                           + "\n".join(err[-3000:] for _, err in outs))
-    for out, _ in outs:
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
+    run = run_nodes([os.path.abspath(__file__), "--job", path], nnodes, nproc, timeout=timeout,
+                    log_dir=spec["base"], label=name, torchrun_args=("--max-restarts=0",))
+    if run.why is not None:
+        raise RuntimeError(f"{spec['phase']} at {nnodes}x{nproc} from {spec['source']} failed "
+                           f"({run.why}):\n{run.tail()}")
+    for log in run.logs:
+        with open(log, errors="replace") as f:
+            for line in f:
+                if "RESULT " in line:
+                    return json.loads(line[line.index("RESULT ") + len("RESULT "):])
     return None
 
 
@@ -298,17 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         with open(args.job) as f:
             return job(json.load(f))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tierstore_simulate.servers import SeaweedS3
-
-    base = tempfile.mkdtemp(prefix="restore-shapes-", dir=args.dir)
-    pristine = tempfile.mkdtemp(prefix="restore-shapes-pristine-", dir=args.dir)
-    # The S3 server only when S3 is a source (a machine without seaweedfs measures the rest).
-    server = SeaweedS3().start() if "s3" in args.sources.split(",") else None
     began = time.time()
-    try:
-        if server is not None:
-            server.make_bucket(BUCKET)
+    # The S3 server only when S3 is a source (a machine without seaweedfs measures the rest).
+    with scratch("restore-shapes-", args.dir) as base, \
+            scratch("restore-shapes-pristine-", args.dir) as pristine, \
+            (seaweed(BUCKET) if "s3" in args.sources.split(",") else nullcontext()) as server:
         spec = {"base": base, "size_mib": args.size_mib, "tensors": args.tensors,
                 "s3": server.storage_options() if server is not None else None,
                 "io_threads": args.io_threads}
@@ -342,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds: dict[str, list[float]] = {}
         cpu_seconds: dict[str, list[float]] = {}
         for rnd in range(args.rounds):
-            for shape, source in contenders[rnd % len(contenders):] + \
-                    contenders[:rnd % len(contenders)]:
+            for shape, source in rotated(contenders, rnd):
                 nnodes, nproc = SHAPES[shape]
                 if source == "own":
                     job_spec = {**spec, "base": own_base[shape], "source": "fast"}
@@ -363,11 +343,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {rnd + 1}: {shape} from {source}: {result['seconds']:.3f} s "
                       f"({result['cpu_seconds']:.3f} s of CPU, all ranks)",
                       file=sys.stderr, flush=True)
-    finally:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(pristine, ignore_errors=True)
     median = {k: statistics.median(v) for k, v in seconds.items()}
     gb = args.size_mib * (1 << 20) / 1e9
     intact = median["2x2 fast"]

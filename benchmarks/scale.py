@@ -119,16 +119,14 @@ import os
 import pickle
 import platform
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import types
 from typing import Any, Callable
 
-from common import free_port, kill_all  # noqa: E402 - benchmarks/ is on sys.path
+from harness import (counts_delta, markdown_table, parser, progress_log, run_nodes, scratch,
+                     seaweed, shm_or_tmp, write_json)
 
 
 PER_NODE_AUTO = 4                  # --nodes auto: ranks per node
@@ -537,10 +535,7 @@ def worker(w: argparse.Namespace) -> int:
             raw_barrier()
             if rank == 0:
                 time.sleep(SETTLE_S)
-                after = SeaweedS3.request_counts(metrics, w.bucket)
-                server[name] = {k: after.get(k, 0) - before.get(k, 0)
-                                for k in set(after) | set(before)
-                                if after.get(k, 0) != before.get(k, 0)}
+                server[name] = counts_delta(before, SeaweedS3.request_counts(metrics, w.bucket))
 
     def check(out: dict, step: int, what: str) -> None:
         ref = state_dict(rank, step)
@@ -601,41 +596,12 @@ def run_job(args: argparse.Namespace, job: str, ranks: int, nodes: int, root: st
             bucket: str, metrics_port: int) -> tuple[list[dict] | None, str]:
     """One torchrun per node running this script's worker for ``job``; every rank's JSON, or
     None and why."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    port = free_port()
-    per = ranks // nodes
-    logs = [os.path.join(root, f"{job}-node{n}.log") for n in range(nodes)]
-    procs = []
-    try:
-        for node in range(nodes):
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
-                   f"--node-rank={node}", f"--nproc-per-node={per}", "--master-addr=127.0.0.1",
-                   f"--master-port={port}", f"--rdzv-conf=timeout={args.rdzv_timeout}",
-                   os.path.abspath(__file__), "--worker", job, "--root", root, "--bucket", bucket,
-                   "--metrics-port", str(metrics_port), "--timeout", str(args.rdzv_timeout)]
-            with open(logs[node], "w") as log:
-                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-        deadline = time.monotonic() + args.timeout
-        failed_at = None
-        why = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + 30):
-                why = f"timed out after {args.timeout} s" if now > deadline else "a node failed"
-                kill_all(procs)
-                break
-            time.sleep(0.2)
-    finally:
-        kill_all(procs)
-    codes = [p.returncode for p in procs]
-    if why is None and any(codes):
-        why = f"torchrun exit statuses {codes}"
+    run = run_nodes([os.path.abspath(__file__), "--worker", job, "--root", root, "--bucket",
+                     bucket, "--metrics-port", str(metrics_port), "--timeout",
+                     str(args.rdzv_timeout)], nodes, ranks // nodes, timeout=args.timeout,
+                    log_dir=root, label=job,
+                    torchrun_args=(f"--rdzv-conf=timeout={args.rdzv_timeout}",))
+    why = run.why
     docs = []
     for r in range(ranks):
         path = os.path.join(root, "out", f"{job}-rank{r}.json")
@@ -645,17 +611,7 @@ def run_job(args: argparse.Namespace, job: str, ranks: int, nodes: int, root: st
         except (OSError, ValueError):
             why = why or f"rank {r} left no figures"
     if why:
-        tail = []
-        for path in logs:
-            try:
-                with open(path, errors="replace") as f:
-                    lines = f.read().splitlines()
-            except OSError:
-                lines = []
-            interesting = [ln for ln in lines if "PROBLEM" in ln or "Error" in ln]
-            tail.append(f"--- {os.path.basename(path)}\n" + "\n".join(
-                (interesting[-8:] or []) + lines[-25:]))
-        return None, why + "\n" + "\n".join(tail)
+        return None, why + "\n" + run.tail()
     return docs, ""
 
 
@@ -868,23 +824,18 @@ def server_cell(srv: dict) -> str:
 
 
 def tables(results: list[dict]) -> list[str]:
+    """One markdown table per phase of ``TABLE_PHASES``, a row per configuration."""
     out = []
     phases = [p for p in TABLE_PHASES if any(p in r.get("phases", {}) for r in results)]
     for phase in phases:
+        rows = [[r["ranks"], r["nodes"], server_cell(f["server"]), cell(f["s3_requests"]),
+                 cell(f["coll_calls"]), cell(f["coll_sent"]), cell(f["coll_recv"]),
+                 cell(f["coll_recv_padded"]), cell(f["kv_ops"]), f"{f['seconds']:.1f}"]
+                for r in results if (f := r.get("phases", {}).get(phase)) is not None]
         out += [f"**{phase}**", "",
-                "| ranks | nodes | S3 at the server | S3 requests / rank | collective calls "
-                "| bytes sent | bytes received | received, padded | KV store ops | seconds |",
-                "| ---: | ---: | --- | --- | --- | --- | --- | --- | --- | ---: |"]
-        for r in results:
-            f = r.get("phases", {}).get(phase)
-            if f is None:
-                continue
-            out.append(f"| {r['ranks']} | {r['nodes']} | {server_cell(f['server'])} | "
-                       f"{cell(f['s3_requests'])} | {cell(f['coll_calls'])} | "
-                       f"{cell(f['coll_sent'])} | {cell(f['coll_recv'])} | "
-                       f"{cell(f['coll_recv_padded'])} | {cell(f['kv_ops'])} | "
-                       f"{f['seconds']:.1f} |")
-        out.append("")
+                *markdown_table(["ranks:", "nodes:", "S3 at the server", "S3 requests / rank",
+                                 "collective calls", "bytes sent", "bytes received",
+                                 "received, padded", "KV store ops", "seconds:"], rows), ""]
     return out
 
 
@@ -936,11 +887,10 @@ def model_table(all_fits: dict[str, dict]) -> list[str]:
     """One row per quantity: for each series, the model and its projections to 1,024 and
     8,192 ranks. Quantities that are 0 in every configuration are left out."""
     names = list(all_fits)
-    head, rule = "| phase | quantity | who |", "| --- | --- | --- |"
+    columns = ["phase", "quantity", "who"]
     for name in names:
-        head += f" {name}: model (N ranks) | N = 1,024 | N = 8,192 |"
-        rule += " --- | ---: | ---: |"
-    out = [head, rule]
+        columns += [f"{name}: model (N ranks)", "N = 1,024:", "N = 8,192:"]
+    rows = []
     keys = list(dict.fromkeys(k for name in names for k in all_fits[name]))
     for key in keys:
         fs = [all_fits[n].get(key) for n in names]
@@ -948,12 +898,12 @@ def model_table(all_fits: dict[str, dict]) -> list[str]:
             continue
         phase, q, who = key.split("|")
         whom = {"max": "per rank (max)", "rank0": "rank 0", "total": "all ranks"}[who]
-        row = f"| {phase} | {LABELS[q]} | {whom} |"
+        row = [phase, LABELS[q], whom]
         for g in fs:
-            row += (f" {mark(g)} | {num(g['projection']['1024'])} | "
-                    f"{num(g['projection']['8192'])} |" if g else " | | |")
-        out.append(row)
-    return out
+            row += ([mark(g), num(g["projection"]["1024"]), num(g["projection"]["8192"])]
+                    if g else ["", "", ""])
+        rows.append(row)
+    return markdown_table(columns, rows)
 
 
 def mark(f: dict) -> str:
@@ -1050,8 +1000,7 @@ def report(results: list[dict], all_fits: dict[str, dict], markdown: bool,
 # -------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--ranks", default="2,4,8,16", help="rank counts (default 2,4,8,16)")
     p.add_argument("--nodes", default="auto,2",
                    help="simulated node counts, comma-separated; each one that divides a rank "
@@ -1101,68 +1050,65 @@ def configurations(args: argparse.Namespace) -> list[tuple[int, int, bool]]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from tierstore_simulate.servers import SeaweedS3
-
     t_start = time.perf_counter()
-    parent = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    parent = args.dir or shm_or_tmp()
+    log = progress_log(False)
     results = []
     status = 0
-    with SeaweedS3() as s3:
-        log(f"SeaweedFS S3 on {s3.endpoint_url} (started in {s3.startup_seconds:.1f} s)")
+    with seaweed(log=log) as s3:
         for ranks, nodes, auto in configurations(args):
             name = f"scale-{ranks}r-{nodes}n"
             entry: dict[str, Any] = {"ranks": ranks, "nodes": nodes, "auto": auto,
                                      "bucket": name}
             results.append(entry)
-            root = tempfile.mkdtemp(prefix=f"tierstore-{name}-", dir=parent)
-            t0 = time.perf_counter()
-            try:
-                s3.make_bucket(name)
-                with open(os.path.join(root, "s3-options.json"), "w") as f:
-                    json.dump(s3.storage_options(), f)
-                jobs = ["save", "restore"] + (["restore-s3"] if args.s3_restore else [])
-                docs: dict[str, list[dict] | None] = {}
-                for job in jobs:
-                    if job == "restore-s3":
-                        shutil.rmtree(os.path.join(root, "ram"), ignore_errors=True)
-                    tj = time.perf_counter()
-                    docs[job], why = run_job(args, job, ranks, nodes, root, name, s3.metrics_port)
-                    log(f"{ranks} ranks x {nodes} nodes: {job} job "
-                        f"{'done' if docs[job] else 'FAILED'} in {time.perf_counter() - tj:.0f} s")
-                    if docs[job] is None:
-                        raise RuntimeError(f"{job} job: {why}")
-                entry["phases"] = configuration_figures(docs["save"], docs["restore"],
-                                                        docs.get("restore-s3"))
-            except Exception as exc:  # noqa: BLE001 - report it, run the others
-                entry["error"] = str(exc)
-                status = 1
-                log(f"{ranks} ranks x {nodes} nodes FAILED: {exc}")
-            finally:
-                entry["seconds"] = time.perf_counter() - t0
+            with scratch(f"tierstore-{name}-", parent, keep=args.keep) as root:
+                status |= run_configuration(args, s3, entry, root, log)
                 if args.keep:
                     log(f"kept {root}")
-                else:
-                    shutil.rmtree(root, ignore_errors=True)
     all_fits = {name: fits_for(rs) for name, rs in series(results).items()}
     elapsed = time.perf_counter() - t_start
     report(results, all_fits, args.markdown, elapsed)
     if args.json:
-        import torch
-        import tierstore
-        doc = {"config": {"ranks": args.ranks, "nodes": args.nodes,
-                          "s3_restore": args.s3_restore, "own_tensors": OWN_TENSORS,
-                          "own_numel": OWN_NUMEL, "replicated_numel": REPLICATED_NUMEL},
-               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                           "python": platform.python_version(), "torch": torch.__version__,
-                           "tierstore": tierstore.__version__},
-               "elapsed_s": elapsed, "results": results,
-               "fits": {name: {"configurations": [[r["ranks"], r["nodes"]] for r in rs],
-                               "models": all_fits[name]}
-                        for name, rs in series(results).items()}}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        config = {"ranks": args.ranks, "nodes": args.nodes, "s3_restore": args.s3_restore,
+                  "own_tensors": OWN_TENSORS, "own_numel": OWN_NUMEL,
+                  "replicated_numel": REPLICATED_NUMEL}
+        write_json(args.json, config, elapsed, {
+            "results": results,
+            "fits": {name: {"configurations": [[r["ranks"], r["nodes"]] for r in rs],
+                            "models": all_fits[name]}
+                     for name, rs in series(results).items()}}, indent=1)
     return status
+
+
+def run_configuration(args: argparse.Namespace, s3, entry: dict, root: str, log) -> int:
+    """The jobs of one configuration (``entry``: ranks, nodes, bucket) in ``root``; its
+    figures (or the error) go into ``entry``. Returns 1 when it failed."""
+    ranks, nodes, name = entry["ranks"], entry["nodes"], entry["bucket"]
+    t0 = time.perf_counter()
+    try:
+        s3.make_bucket(name)
+        with open(os.path.join(root, "s3-options.json"), "w") as f:
+            json.dump(s3.storage_options(), f)
+        jobs = ["save", "restore"] + (["restore-s3"] if args.s3_restore else [])
+        docs: dict[str, list[dict] | None] = {}
+        for job in jobs:
+            if job == "restore-s3":
+                shutil.rmtree(os.path.join(root, "ram"), ignore_errors=True)
+            tj = time.perf_counter()
+            docs[job], why = run_job(args, job, ranks, nodes, root, name, s3.metrics_port)
+            log(f"{ranks} ranks x {nodes} nodes: {job} job "
+                f"{'done' if docs[job] else 'FAILED'} in {time.perf_counter() - tj:.0f} s")
+            if docs[job] is None:
+                raise RuntimeError(f"{job} job: {why}")
+        entry["phases"] = configuration_figures(docs["save"], docs["restore"],
+                                                docs.get("restore-s3"))
+        return 0
+    except Exception as exc:  # noqa: BLE001 - report it, run the others
+        entry["error"] = str(exc)
+        log(f"{ranks} ranks x {nodes} nodes FAILED: {exc}")
+        return 1
+    finally:
+        entry["seconds"] = time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,13 +84,9 @@ import argparse
 import gc
 import json
 import os
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -104,12 +100,13 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import tierstore
-from tierstore.events import EventKind
 
-from common import (GB, benchmark_parser, blank_like, disk_parent, finish_rank, finish_report,
-                    flat_tensors, fs_type, leaves, make_state_dict, max_over_ranks,
-                    mismatched_keys, print_verdicts, progress_log, remove, rotated, status_file,
-                    torchrun_main, verdict, warm_page_cache, warmup_then_rounds, write_raw)
+from harness import (GB, Clock, StagedEvents, barrier, benchmark_parser, blank_like, disk_parent,
+                     finish_rank, finish_report, flat_tensors, fs_type, leaves, make_state_dict,
+                     max_over_ranks, mismatched_keys, parse_rounds, print_table, print_verdicts,
+                     progress_log, quiesce, ratios, remove, rotated, run_torchrun, scratch,
+                     shared_temp_dir, temp_file, torchrun_main, verdict, warm_page_cache,
+                     warmup_then_rounds, worker_env, write_raw)
 
 #: the timed operations of a round, in the order the first round runs them
 OPS = ("copy", "async-tierstore", "async-stock", "save-tierstore", "save-stock-t1",
@@ -242,32 +239,6 @@ def build_state(shape: Shape, mesh: Any = None) -> Any:
 
 # -- the run -------------------------------------------------------------------------------------
 
-class StagedSeconds:
-    """Observer passed to ``tierstore.open(plugins=[...])``: keeps every ``staged`` event's
-    ``seconds`` (the staging plugin's copy in ``async_save``) and whether it reused its
-    buffers."""
-
-    def __init__(self) -> None:
-        """No event seen yet."""
-        self.seen: list[tuple[float, bool]] = []
-        self._lock = threading.Lock()
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event) -> None:
-        """Keep ``staged`` events; ignore the rest."""
-        if event.kind == EventKind.STAGED:
-            with self._lock:
-                self.seen.append((event.seconds, bool(event.detail.get("reused"))))
-
-    def take(self) -> tuple[float, bool]:
-        """The newest ``staged`` event's (seconds, buffers reused), all of them forgotten
-        ((NaN, False) when there was none)."""
-        with self._lock:
-            out = self.seen[-1] if self.seen else (float("nan"), False)
-            self.seen.clear()
-            return out
-
-
 @dataclass
 class Env:
     """What every shape's rounds share: options, the temp dir, the async store (one for the
@@ -276,7 +247,7 @@ class Env:
     args: argparse.Namespace
     base: str
     store: "tierstore.Store"
-    staged: StagedSeconds
+    staged: StagedEvents
     rank: int = 0
     n: int = 0
 
@@ -285,28 +256,17 @@ class Env:
         self.n += 1
         return os.path.join(self.base, f"{self.n:05d}-{what}")
 
-    def barrier(self) -> None:
-        """All ranks here (nothing without torch.distributed)."""
-        if dist.is_initialized():
-            dist.barrier()
-
     def on_rank0(self, fn: Callable[[], Any]) -> None:
         """``fn()`` on rank 0 only, then a barrier (for the filesystem's shared paths)."""
         if self.rank == 0:
             fn()
-        self.barrier()
+        barrier()
 
     def settle(self) -> None:
         """Untimed, before each timed operation: collect garbage, write back dirty pages, then
         every rank starts together."""
-        gc.collect()
-        os.sync()
-        self.barrier()
-
-
-def minor_faults() -> int:
-    """Minor page faults of this process so far: a copy into touched memory takes none."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        quiesce()
+        barrier()
 
 
 def sync_store(root: str, args: argparse.Namespace, plugins: tuple = (),
@@ -355,8 +315,10 @@ def time_async(env: Env, sd: Any, method: str) -> list[float]:
         staging_completion.result()
     stall = time.perf_counter() - t0
     getattr(resp, "upload_completion", resp).result()
-    stage, reused = env.staged.take()
-    env.barrier()
+    staged = env.staged.take()
+    stage, reused = ((staged.seconds, bool(staged.detail.get("reused"))) if staged is not None
+                     else (float("nan"), False))
+    barrier()
     if path is not None:
         env.on_rank0(lambda: remove(path))
         return [stall]
@@ -441,7 +403,7 @@ def run_round(rnd: int, env: Env, sd: Any, dest: Any, res: dict[str, list[float]
     finally:
         for store in stores.values():
             store.close()
-        env.barrier()
+        barrier()
         for path in outputs.values():
             env.on_rank0(lambda p=path: remove(p))
 
@@ -451,10 +413,10 @@ def time_copy(env: Env, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple
     """One copy loop over ``pairs`` (destination, source), after ``env.settle()``: its wall
     seconds, CPU seconds and minor page faults."""
     env.settle()
-    f0, c0, t0 = minor_faults(), time.process_time(), time.perf_counter()
-    for d, s in pairs:
-        d.copy_(s)
-    return time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
+    with Clock() as clock:
+        for d, s in pairs:
+            d.copy_(s)
+    return clock.seconds, clock.cpu, clock.faults
 
 
 def describe(sd: Any) -> dict:
@@ -496,7 +458,7 @@ def summarize_shape(shape: Shape, found: dict) -> tuple[dict, list[dict]]:
     items = meta["items"]
 
     def per_round(a: str, b: str) -> list[float]:
-        return [x / y for x, y in zip(r[a], r[b])]
+        return ratios(r[a], r[b])
 
     fig = {
         "label": shape.label, **meta, "medians_s": med, "rounds_s": r,
@@ -553,36 +515,37 @@ def print_report(summary: dict, args: argparse.Namespace, base: str) -> None:
           "checked. Per-item: (sync save - raw write) / items. fsdp2: per rank, slowest rank's "
           "time.")
     print()
-    print("| shape | items | MiB | copy s | stage/copy | stall s tierstore / stock | "
-          "pre-stage s | sync save s tierstore / best stock | load s tierstore / stock | "
-          "per-item us tierstore / stock |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
     for name, f in summary["shapes"].items():
         m = f["medians_s"]
         best = f["best_stock_writer"]
-        print(f"| {f['label']} | {f['items']:,} | {f['bytes'] / (1 << 20):.0f} | "
-              f"{m['copy']:.3f} | {f['stage_over_copy']:.2f}x | "
-              f"{m['stall-tierstore']:.3f} / {m['stall-stock']:.3f} | "
-              f"{f['dcp_pre_stage_s']:.3f} | "
-              f"{m['save-tierstore']:.3f} / {m[best]:.3f} {best[len('save-stock-'):]} "
-              f"({f['save_ratio']:.2f}x) | "
-              f"{m['load-tierstore']:.3f} / {m['load-stock']:.3f} ({f['load_ratio']:.2f}x) | "
-              f"{f['per_item_us']['tierstore']:.0f} / {f['per_item_us']['stock']:.0f} |")
+        rows.append([f["label"], f"{f['items']:,}", f"{f['bytes'] / (1 << 20):.0f}",
+                     f"{m['copy']:.3f}", f"{f['stage_over_copy']:.2f}x",
+                     f"{m['stall-tierstore']:.3f} / {m['stall-stock']:.3f}",
+                     f"{f['dcp_pre_stage_s']:.3f}",
+                     f"{m['save-tierstore']:.3f} / {m[best]:.3f} {best[len('save-stock-'):]} "
+                     f"({f['save_ratio']:.2f}x)",
+                     f"{m['load-tierstore']:.3f} / {m['load-stock']:.3f} "
+                     f"({f['load_ratio']:.2f}x)",
+                     f"{f['per_item_us']['tierstore']:.0f} / {f['per_item_us']['stock']:.0f}"])
+    print_table(["shape", "items:", "MiB:", "copy s:", "stage/copy:",
+                 "stall s tierstore / stock:", "pre-stage s:",
+                 "sync save s tierstore / best stock:", "load s tierstore / stock:",
+                 "per-item us tierstore / stock:"], rows)
     print()
-    print("| shape | tensors | stage s | stages with fresh buffers | raw write s (GB/s) | "
-          "stock t1 s | stock t4 s | tierstore save GB/s | stalls per round tierstore / stock "
-          "(s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    rows = []
     for name, f in summary["shapes"].items():
         m, r = f["medians_s"], f["rounds_s"]
         stalls = " ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(r["stall-tierstore"],
                                                                 r["stall-stock"]))
-        print(f"| {name} | {f['tensors']:,} | {m['stage']:.3f} | "
-              f"{sum(x > 0 for x in r['stage-fresh'])} of {len(r['stage-fresh'])} | "
-              f"{m['raw-write']:.3f} "
-              f"({f['bytes'] / m['raw-write'] / GB:.2f}) | {m['save-stock-t1']:.3f} | "
-              f"{m['save-stock-t4']:.3f} | {f['bytes'] / m['save-tierstore'] / GB:.2f} | "
-              f"{stalls} |")
+        rows.append([name, f"{f['tensors']:,}", f"{m['stage']:.3f}",
+                     f"{sum(x > 0 for x in r['stage-fresh'])} of {len(r['stage-fresh'])}",
+                     f"{m['raw-write']:.3f} ({f['bytes'] / m['raw-write'] / GB:.2f})",
+                     f"{m['save-stock-t1']:.3f}", f"{m['save-stock-t4']:.3f}",
+                     f"{f['bytes'] / m['save-tierstore'] / GB:.2f}", stalls])
+    print_table(["shape", "tensors:", "stage s:", "stages with fresh buffers:",
+                 "raw write s (GB/s):", "stock t1 s:", "stock t4 s:", "tierstore save GB/s:",
+                 "stalls per round tierstore / stock (s)"], rows)
     for name, why in summary["failed"].items():
         print(f"\n{name}: no figures: {why}")
     print()
@@ -602,7 +565,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated shapes to run, of {', '.join(BY_NAME)} (default: all)")
     p.add_argument("--skip-large", action="store_true",
                    help="leave out the 1 GiB shape (64x16m) even when --shapes names it")
-    args = p.parse_args(argv)
+    args = parse_rounds(p, argv)
     names = [n.strip() for n in args.shapes.split(",") if n.strip()]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown or not names:
@@ -611,8 +574,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      if s.name in names and not (args.skip_large and s.large)]
     if not args.selected:
         p.error("no shape left to run")
-    if args.repeat < 1 or args.warmup < 0:
-        p.error("--repeat must be at least 1 and --warmup at least 0")
     return args
 
 
@@ -621,7 +582,7 @@ def run_in_process(args: argparse.Namespace, base: str, log: Callable[[str], Non
     """Run ``shapes`` here (on every rank under torchrun), with one async store for all of
     them; returns each shape's ``run_shape`` result."""
     os.makedirs(base, exist_ok=True)
-    staged = StagedSeconds()
+    staged = StagedEvents()
     store = sync_store(os.path.join(base, "async-store"), args, plugins=(staged,), keep=KEEP)
     env = Env(args, base, store, staged, rank)
     found = {}
@@ -638,13 +599,9 @@ def launch_fsdp2(args: argparse.Namespace, argv: list[str], base: str) -> dict:
     """The ``fsdp2`` shape: this script under ``torchrun --standalone --nproc-per-node=2`` with
     the same arguments; returns rank 0's result (raises RuntimeError when torchrun failed or
     left none)."""
-    with status_file("tierstore-shapes-fsdp2-") as result:
-        env = dict(os.environ)
-        env[DIR_ENV], env[RESULT_ENV] = base, result
-        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={FSDP2_RANKS}", os.path.abspath(__file__), *argv]
-        rc = subprocess.call(cmd, env=env)
+    with temp_file("tierstore-shapes-fsdp2-") as result:
+        rc = run_torchrun([os.path.abspath(__file__), *argv], FSDP2_RANKS,
+                          env=worker_env(**{DIR_ENV: base, RESULT_ENV: result}))
         with open(result) as f:
             text = f.read()
     if rc != 0 or not text:
@@ -658,10 +615,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     parent, kind = disk_parent(args, "the save figures would mean nothing")
     log = progress_log(args.quiet)
     t_start = time.perf_counter()
-    base = tempfile.mkdtemp(prefix="tierstore-shapes-", dir=parent)
     found: dict[str, dict] = {}
     failed: dict[str, str] = {}
-    try:
+    with scratch("tierstore-shapes-", parent) as base:
         log(f"benchmark dir {base} ({kind})")
         here = [s for s in args.selected if s.kind != "fsdp2"]
         if here:
@@ -674,8 +630,6 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
                 found["fsdp2"] = launch_fsdp2(args, argv, fsdp2_dir)
             except RuntimeError as e:
                 failed["fsdp2"] = str(e)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
     summary = summarize(found, failed)
     print_report(summary, args, base)
@@ -703,10 +657,7 @@ def worker(args: argparse.Namespace) -> int:
     try:
         if own_base:
             parent, _kind = disk_parent(args, "the save figures would mean nothing")
-            box = [tempfile.mkdtemp(prefix="tierstore-shapes-", dir=parent) if rank == 0
-                   else None]
-            dist.broadcast_object_list(box, src=0)
-            base = box[0]
+            base = shared_temp_dir("tierstore-shapes-", parent)
         found = run_in_process(args, base, log, [BY_NAME["fsdp2"]], rank, mesh)
         if rank == 0:
             if not own_base:

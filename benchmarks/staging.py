@@ -102,17 +102,14 @@ target is missed (for CI). The temp directory is removed at the end, also after 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import resource
-import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -121,12 +118,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import tierstore
-from tierstore.events import EventKind
 
-from common import (GB, benchmark_parser, finish_report, free_port, fs_type, make_state_dict,
-                    parse_with_cuda,
-                    nbytes_of, print_verdicts, progress_log, remove, rotated, rounds_text,
-                    warmup_then_rounds)
+from harness import (GB, Clock, StagedEvents, benchmark_parser, finish_report, free_bytes,
+                     free_port, fs_type, make_state_dict, nbytes_of, need_room, parse_with_cuda,
+                     print_table, print_verdicts, progress_log, quiesce, ratios, remove, rotated,
+                     rounds_text, scratch, warmup_then_rounds)
 
 METHODS = ("tierstore", "stock", "copy")
 SAVES = ("tierstore", "stock")
@@ -138,35 +134,6 @@ MIN_REPEAT = 5
 # Acceptance targets: tierstore's median stall over the baseline's, at most.
 VS_COPY_MAX = 1.3
 VS_STOCK_MAX = 0.7
-
-
-# -- tierstore's staged events -------------------------------------------------------------------
-
-class StageTimer:
-    """Observer passed to ``tierstore.open(plugins=[...])``: keeps every ``staged`` event (the
-    staging plugin's copy seconds, the seconds ``stage()`` waited for the previous save, and
-    whether the buffers were reused)."""
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-        self._lock = threading.Lock()
-
-    def __reduce__(self):
-        """Pickles as a fresh, empty observer: with ``--executor process`` the store's plugins
-        travel to DCP's checkpoint process, which stages nothing."""
-        return (StageTimer, ())
-
-    @tierstore.hookimpl
-    def tierstore_event(self, event) -> None:
-        """Keep ``staged`` events; ignore the rest."""
-        if event.kind == EventKind.STAGED:
-            with self._lock:
-                self.events.append(event)
-
-    def take(self) -> Any:
-        """The newest ``staged`` event, removed (None when there is none)."""
-        with self._lock:
-            return self.events.pop() if self.events else None
 
 
 # -- set-up ----------------------------------------------------------------------------------------
@@ -189,7 +156,7 @@ def staging_plugin(args: argparse.Namespace) -> str | None:
     return None
 
 
-def open_store(root: str, args: argparse.Namespace, timer: StageTimer) -> "tierstore.Store":
+def open_store(root: str, args: argparse.Namespace, timer: StagedEvents) -> "tierstore.Store":
     """The store under test: one ``local`` tier at ``root`` keeping two checkpoints."""
     store_table: dict = {}
     if (staging := staging_plugin(args)) is not None:
@@ -207,20 +174,13 @@ def pick_dir(args: argparse.Namespace, payload: int) -> tuple[str, str]:
     the run holds at once (``KEEP`` + 1 tierstore checkpoints and one stock checkpoint, +10%),
     else the system temp dir (which must have that room too)."""
     need = int((KEEP + 2) * payload * 1.1) + (64 << 20)
-
-    def room(path: str) -> int:
-        st = os.statvfs(path)
-        return st.f_bavail * st.f_frsize
-
     if args.dir:
-        if room(args.dir) < need:
-            raise SystemExit(f"--dir {args.dir} has {room(args.dir) / GB:.1f} GB free; the run "
-                             f"needs about {need / GB:.1f} GB")
+        need_room(args.dir, need)
         return args.dir, "--dir"
-    if os.path.isdir("/dev/shm") and room("/dev/shm") >= need:
+    if os.path.isdir("/dev/shm") and free_bytes("/dev/shm") >= need:
         return "/dev/shm", "default: /dev/shm has room"
     tmp = tempfile.gettempdir()
-    if room(tmp) < need:
+    if free_bytes(tmp) < need:
         raise SystemExit(f"neither /dev/shm nor {tmp} has the {need / GB:.1f} GB the run needs; "
                          f"use --dir")
     return tmp, f"default: /dev/shm has less than {need / GB:.1f} GB free"
@@ -254,7 +214,7 @@ class Env:
     sd: dict[str, torch.Tensor]
     dst: dict[str, torch.Tensor]
     store: "tierstore.Store"
-    timer: StageTimer
+    timer: StagedEvents
     stock_dir: str
     executor: AsyncCheckpointerType
     payload: int
@@ -275,21 +235,6 @@ class Timing:
     total: float
     cpu: float
     faults: int
-
-
-def minor_faults() -> int:
-    """Minor page faults of this process so far (all threads): touching freshly allocated
-    memory costs one per page, so they tell a fresh buffer from a reused one."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def settle(env: Env) -> None:
-    """Untimed, before each timed operation: collect garbage, flush dirty pages, and let the GPU
-    finish what is queued, so no earlier work is paid for on the next clock."""
-    gc.collect()
-    os.sync()
-    if env.args.cuda:
-        torch.cuda.synchronize()
 
 
 def mutate(env: Env) -> None:
@@ -316,41 +261,39 @@ def async_save(env: Env, method: str) -> Timing:
     else:
         path = os.path.join(env.stock_dir, f"stock-{env.saves}")
         kwargs = dict(storage_writer=FileSystemWriter(path), checkpoint_id=path)
-    f0, c0, t0 = minor_faults(), time.process_time(), time.perf_counter()
-    resp = dcp.async_save(env.sd, async_checkpointer_type=env.executor, **kwargs)
-    staging_completion = getattr(resp, "staging_completion", None)
-    if staging_completion is not None:  # an AsyncSaveResponse
-        staging_completion.result()
-    stall, cpu, faults = time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
+    with Clock() as stall:
+        resp = dcp.async_save(env.sd, async_checkpointer_type=env.executor, **kwargs)
+        staging_completion = getattr(resp, "staging_completion", None)
+        if staging_completion is not None:  # an AsyncSaveResponse
+            staging_completion.result()
     upload = getattr(resp, "upload_completion", resp)
     upload.result()
-    total = time.perf_counter() - t0
+    total = time.perf_counter() - stall.started
     if method == "tierstore":
         env.tierstore_saves.append((cid, env.mutations))
     else:
         remove(path)  # untimed; tmpfs memory back before the next operation
-    return Timing(stall, total, cpu, faults)
+    return Timing(stall.seconds, total, stall.cpu, stall.faults)
 
 
 def plain_copy(env: Env) -> Timing:
     """The one-memory-copy baseline into the preallocated destination (stall and total alike:
     a copy has no background part)."""
     sd, dst = env.sd, env.dst
-    f0, c0, t0 = minor_faults(), time.process_time(), time.perf_counter()
-    if env.args.cuda:
-        for k, t in sd.items():
-            dst[k].copy_(t, non_blocking=True)
-        torch.cuda.synchronize()
-    else:
-        for k, t in sd.items():
-            dst[k].copy_(t)
-    secs, cpu, faults = time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
-    return Timing(secs, secs, cpu, faults)
+    with Clock() as c:
+        if env.args.cuda:
+            for k, t in sd.items():
+                dst[k].copy_(t, non_blocking=True)
+            torch.cuda.synchronize()
+        else:
+            for k, t in sd.items():
+                dst[k].copy_(t)
+    return Timing(c.seconds, c.seconds, c.cpu, c.faults)
 
 
 def run_method(env: Env, method: str) -> Timing:
     """Settle, then the timed operation of ``method``."""
-    settle(env)
+    quiesce(cuda=env.args.cuda)
     if method == "copy":
         return plain_copy(env)
     return async_save(env, method)
@@ -475,7 +418,7 @@ def summarize(res: Results, payload: int, check: dict) -> dict:
         return {"target": f"tierstore stall <= {limit}x {what} (median seconds, "
                           f"tierstore/{base})",
                 "ratio": ratio, "max": limit, "pass": ratio <= limit,
-                "per_round": [a / b for a, b in zip(res.stall["tierstore"], res.stall[base])]}
+                "per_round": ratios(res.stall["tierstore"], res.stall[base])}
 
     verdicts = [verdict("copy", VS_COPY_MAX, "one plain copy"),
                 verdict("stock", VS_STOCK_MAX, "stock DCP")]
@@ -514,9 +457,7 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, why: str,
           f"memory costs a fault per page: {payload // resource.getpagesize()} pages of "
           f"{resource.getpagesize() >> 10} KiB here, fewer with huge pages).")
     print()
-    print("| method | first save stall s | median stall s | GB/s | ratio | CPU s | faults "
-          "| median total s | stalls per round (s) |")
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    rows = []
     for m in METHODS:
         s = f[m]
         first = f"{s['first']['stall_s']:.3f}" if "first" in s else "-"
@@ -527,9 +468,11 @@ def print_report(summary: dict, args: argparse.Namespace, base: str, why: str,
             r = f"{s['median_stall_s'] / f['copy']['median_stall_s']:.2f}x copy"
         else:
             r = "1.00x (baseline)"
-        print(f"| {LABELS[m]} | {first} | {s['median_stall_s']:.3f} | {s['gbps']:.2f} | {r} | "
-              f"{s['median_cpu_s']:.2f} | {s['median_faults']:.0f} | {s['median_total_s']:.3f} "
-              f"| {rounds_text(s['stall_s'])} |")
+        rows.append([LABELS[m], first, f"{s['median_stall_s']:.3f}", f"{s['gbps']:.2f}", r,
+                     f"{s['median_cpu_s']:.2f}", f"{s['median_faults']:.0f}",
+                     f"{s['median_total_s']:.3f}", rounds_text(s["stall_s"])])
+    print_table(["method", "first save stall s:", "median stall s:", "GB/s:", "ratio", "CPU s:",
+                 "faults:", "median total s:", "stalls per round (s)"], rows)
     print()
     for m in SAVES:
         fs = f[m]["first"]
@@ -597,27 +540,23 @@ def main(argv: list[str] | None = None) -> int:
     sd, dst = build_state(args)
     payload = nbytes_of(sd)
     parent, why = pick_dir(args, payload)
-    base = tempfile.mkdtemp(prefix="tierstore-staging-", dir=parent)
     staging = staging_plugin(args) or "cpu"
-    store = None
     res = Results()
     try:
-        log(f"benchmark dir {base} ({fs_type(base)}; {why}), executor {args.executor}, "
-            f"tierstore staging '{staging}'")
-        timer = StageTimer()
-        store = open_store(os.path.join(base, "tierstore"), args, timer)
-        stock_dir = os.path.join(base, "stock")
-        os.makedirs(stock_dir)
-        env = Env(args, sd, dst, store, timer, stock_dir, executor, payload)
-        first_saves(env, res, log)
-        warmup_then_rounds(args, log, Results,
-                           lambda rnd, _warm, r, lg: run_round(rnd, env, r, lg), res)
-        check = verify(env)
-        log(f"correctness: {check['checked'][0]} and {check['checked'][1]} load back equal")
+        with scratch("tierstore-staging-", parent) as base:
+            log(f"benchmark dir {base} ({fs_type(base)}; {why}), executor {args.executor}, "
+                f"tierstore staging '{staging}'")
+            timer = StagedEvents()
+            with open_store(os.path.join(base, "tierstore"), args, timer) as store:
+                stock_dir = os.path.join(base, "stock")
+                os.makedirs(stock_dir)
+                env = Env(args, sd, dst, store, timer, stock_dir, executor, payload)
+                first_saves(env, res, log)
+                warmup_then_rounds(args, log, Results,
+                                   lambda rnd, _warm, r, lg: run_round(rnd, env, r, lg), res)
+                check = verify(env)
+            log(f"correctness: {check['checked'][0]} and {check['checked'][1]} load back equal")
     finally:
-        if store is not None:
-            store.close()
-        shutil.rmtree(base, ignore_errors=True)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -46,15 +46,14 @@ import argparse
 import math
 import os
 import shutil
-import statistics
 import sys
-import tempfile
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
-from common import GB, progress_log, rotated
+
+from harness import GB, median, parser, progress_log, rotated, scratch
 
 CONTENDERS = ("torchtitan async", "tierstore async", "tierstore async_with_pinned_mem",
               "torchtitan async_with_pinned_mem")
@@ -187,14 +186,13 @@ def run_round(args: argparse.Namespace, rnd: int, parent: str, not_run: dict[str
 
 def medians(steps: list[dict[str, float]]) -> dict[str, float]:
     """A round's medians over its timed steps; ``blocked`` is stall + staging wait."""
-    out = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-    out["blocked"] = statistics.median(s["stall"] + s["staging"] for s in steps)
+    out = {k: median(s[k] for s in steps) for k in steps[0]}
+    out["blocked"] = median(s["stall"] + s["staging"] for s in steps)
     return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--state-mib", type=int, default=48,
                    help="parameters + AdamW moments in MiB (default 48)")
     p.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
@@ -223,20 +221,20 @@ def main(argv: list[str] | None = None) -> int:
                          "make test's set-up: tyro and spmd-types, then torchtitan with "
                          "--no-deps)") from None
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parent = tempfile.mkdtemp(prefix="torchtitan-stall-", dir=args.dir)
     results: dict[str, list[list[dict[str, float]]]] = {c: [] for c in CONTENDERS}
     not_run: dict[str, str] = {}
     started = time.perf_counter()
     try:
-        for rnd in range(args.rounds):
-            for contender, steps in run_round(args, rnd, parent, not_run, log).items():
-                results[contender].append(steps)
-                m = medians(steps)
-                log(f"round {rnd + 1}: {contender}: stall {m['stall'] * 1e3:.1f} ms per save "
-                    f"({m['previous'] * 1e3:.1f} waiting for the previous one), blocked "
-                    f"{m['blocked'] * 1e3:.1f} ms; the step's own work {m['work'] * 1e3:.0f} ms")
+        with scratch("torchtitan-stall-", args.dir) as parent:
+            for rnd in range(args.rounds):
+                for contender, steps in run_round(args, rnd, parent, not_run, log).items():
+                    results[contender].append(steps)
+                    m = medians(steps)
+                    log(f"round {rnd + 1}: {contender}: stall {m['stall'] * 1e3:.1f} ms per "
+                        f"save ({m['previous'] * 1e3:.1f} waiting for the previous one), blocked "
+                        f"{m['blocked'] * 1e3:.1f} ms; the step's own work "
+                        f"{m['work'] * 1e3:.0f} ms")
     finally:
-        shutil.rmtree(parent, ignore_errors=True)
         dist.destroy_process_group()
 
     state = state_bytes(args)
@@ -261,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if contender in not_run:
             print(f"  {contender}: not run here: {not_run[contender]}")
         else:
-            print(f"  {contender}: {statistics.median(ratios[contender]):.2f}x "
+            print(f"  {contender}: {median(ratios[contender]):.2f}x "
                   f"(per round: {', '.join(f'{x:.2f}' for x in ratios[contender])})")
     copy_s = state / GB / 17.0  # DESIGN.md: a memory copy runs at about 17 GB/s here
     print(f"(stall: the time in save; previous: the part of it spent waiting for the previous "

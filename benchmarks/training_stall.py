@@ -139,7 +139,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -153,8 +152,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import tierstore
 
-from common import (GB, MlpTrainer as Trainer, add_mlp_trainer_args, finish_report,
-                    fs_type, progress_log, remove)
+from harness import (GB, MlpTrainer as Trainer, add_mlp_trainer_args, add_output_args,
+                     finish_report, fs_type, need_room, parser, print_table, progress_log,
+                     remove, scratch, temp_file)
 
 CONTENDERS = ("none", "stock", "stock-async-staging", "tierstore-eager", "tierstore-lazy",
               "tierstore-budget")
@@ -495,8 +495,13 @@ def training_rss(env: Env, steps: int = 2) -> dict:
 def run_budget_subprocess(args: argparse.Namespace, parent_dir: str,
                           log: Callable[[str], None]) -> Run:
     """``tierstore-budget`` in a fresh process of this script; its ``--json`` read back."""
-    fd, path = tempfile.mkstemp(prefix="training-stall-budget-", suffix=".json")
-    os.close(fd)
+    with temp_file("training-stall-budget-") as path:
+        return _run_budget(args, parent_dir, log, path)
+
+
+def _run_budget(args: argparse.Namespace, parent_dir: str, log: Callable[[str], None],
+                path: str) -> Run:
+    """:func:`run_budget_subprocess` with its figures going to ``path``."""
     cmd = [sys.executable, os.path.abspath(__file__), "--only", SUBPROCESS,
            "--state-mib", str(args.state_mib), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch),
@@ -504,22 +509,19 @@ def run_budget_subprocess(args: argparse.Namespace, parent_dir: str,
     if args.quiet:
         cmd.append("--quiet")
     log(f"{SUBPROCESS}: in a fresh subprocess: {' '.join(cmd[1:])}")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-            r = doc["contenders"][SUBPROCESS]
-            return Run(SUBPROCESS, [Step(**s) for s in r["steps"]],
-                       [Step(**s) for s in r["warmup_steps"]], r.get("rss"), r.get("error"),
-                       subprocess=True, training_rss=doc.get("training_rss"))
-        except (OSError, ValueError, KeyError) as e:
-            tail = (proc.stdout or "")[-2000:]
-            return Run(SUBPROCESS, error=f"subprocess exit {proc.returncode}, no figures "
-                                         f"({type(e).__name__}: {e}); stdout tail: {tail}",
-                       subprocess=True)
-    finally:
-        os.remove(path)
+        with open(path) as f:
+            doc = json.load(f)
+        r = doc["contenders"][SUBPROCESS]
+        return Run(SUBPROCESS, [Step(**s) for s in r["steps"]],
+                   [Step(**s) for s in r["warmup_steps"]], r.get("rss"), r.get("error"),
+                   subprocess=True, training_rss=doc.get("training_rss"))
+    except (OSError, ValueError, KeyError) as e:
+        tail = (proc.stdout or "")[-2000:]
+        return Run(SUBPROCESS, error=f"subprocess exit {proc.returncode}, no figures "
+                                     f"({type(e).__name__}: {e}); stdout tail: {tail}",
+                   subprocess=True)
 
 
 # -- figures and the report -----------------------------------------------------------------------
@@ -626,10 +628,7 @@ def print_report(summary: dict, env: Env, order: list[str], why: str) -> None:
           "median plain copy of the whole state. CPU s: median process CPU time (user + system, "
           "all threads, so the background save's work too) per step.")
     print()
-    print("| contender | median blocking s | max blocking s | median step s | step overhead "
-          "vs none s | blocking x copy | pre-save / async_save / pre-step s (medians) | "
-          "CPU s per step | blocking per step (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |")
+    rows = []
     for name in order:
         f = c.get(name)
         if f is None:
@@ -639,21 +638,26 @@ def print_report(summary: dict, env: Env, order: list[str], why: str) -> None:
         if error and len(error) > 160:
             error = error[:157] + "..."
         if "median_blocking_s" not in f:
-            print(f"| {label} | ERROR: {error} | | | | | | | |")
+            rows.append([label, f"ERROR: {error}", "", "", "", "", "", "", ""])
             continue
         parts = (f"{f['median_pre_save_s']:.3f} / {f['median_in_save_s']:.3f} / "
                  f"{f['median_pre_step_s']:.3f}")
         per = " ".join(f"{s['blocking_s']:.3f}" for s in f["steps"])
         ratio = f.get("blocking_vs_copy")
         err = f" (ERROR: {error})" if error else ""
-        print(f"| {label}{err} | {f['median_blocking_s']:.3f} | {f['max_blocking_s']:.3f} | "
-              f"{f['median_step_s']:.3f} | {_s(f.get('step_overhead_s'), '+.3f')} | "
-              f"{_s(ratio, '.2f')}x | {parts} | {f['median_cpu_s']:.2f} | {per} |")
+        rows.append([f"{label}{err}", f"{f['median_blocking_s']:.3f}",
+                     f"{f['max_blocking_s']:.3f}", f"{f['median_step_s']:.3f}",
+                     _s(f.get("step_overhead_s"), "+.3f"), f"{_s(ratio, '.2f')}x", parts,
+                     f"{f['median_cpu_s']:.2f}", per])
     cp = summary["copy"]
-    print(f"| copy (one plain copy of the state) | {_s(cp['median_s'])} | "
-          f"{_s(max(cp['seconds']) if cp['seconds'] else None)} | | | 1.00x | | | "
-          f"{' '.join(f'{x:.3f}' for x in cp['seconds'])} |" if cp["seconds"] else
-          "| copy | - (not measured in this process) | | | | | | | |")
+    rows.append(["copy (one plain copy of the state)", _s(cp["median_s"]),
+                 _s(max(cp["seconds"]) if cp["seconds"] else None), "", "", "1.00x", "", "",
+                 " ".join(f"{x:.3f}" for x in cp["seconds"])] if cp["seconds"] else
+                ["copy", "- (not measured in this process)", "", "", "", "", "", "", ""])
+    print_table(["contender", "median blocking s:", "max blocking s:", "median step s:",
+                 "step overhead vs none s:", "blocking x copy:",
+                 "pre-save / async_save / pre-step s (medians)", "CPU s per step:",
+                 "blocking per step (s)"], rows)
     print()
     if cp["seconds"]:
         print(f"Copy: median {cp['median_s'] * 1e3:.1f} ms ({cp['gbps']:.1f} GB/s), "
@@ -706,8 +710,7 @@ def print_report(summary: dict, env: Env, order: list[str], why: str) -> None:
 # -- options and main -----------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     add_mlp_trainer_args(p)
     p.add_argument("--steps", type=int, default=8,
                    help="measured steps per contender (default 8)")
@@ -718,9 +721,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         + ", ".join(CONTENDERS))
     p.add_argument("--dir", default=None,
                    help="parent of the temp directory (default /dev/shm; needs ~3.3x the state)")
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    add_output_args(p, quiet="no per-step progress lines")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.layers < 1:
         p.error("--steps, --batch and --layers must be at least 1, --warmup at least 0")
@@ -739,12 +740,8 @@ def pick_dir(args: argparse.Namespace, state_bytes: int) -> tuple[str, str]:
     """``--dir`` or /dev/shm, checked for room: ``KEEP`` + 1 checkpoints at once, +10%."""
     need = int((KEEP + 1) * state_bytes * 1.1) + (64 << 20)
     parent = args.dir or "/dev/shm"
-    why = "--dir" if args.dir else "default"
-    st = os.statvfs(parent)
-    if st.f_bavail * st.f_frsize < need:
-        raise SystemExit(f"{parent} has {st.f_bavail * st.f_frsize / GB:.1f} GB free; the run "
-                         f"needs about {need / GB:.1f} GB (use --dir)")
-    return parent, why
+    need_room(parent, need, "use --dir")
+    return parent, "--dir" if args.dir else "default"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -760,16 +757,15 @@ def main(argv: list[str] | None = None) -> int:
     state_bytes = sum(t.nbytes for t in tensors)
     largest = max(t.nbytes for t in tensors)
     parent, why = pick_dir(args, state_bytes)
-    base = tempfile.mkdtemp(prefix="tierstore-training-stall-", dir=parent)
-    env = Env(args, trainer, base, state_bytes, largest, log)
-    log(f"model: {args.layers} x Linear({trainer.width}), {trainer.n_params / 1e6:.1f}M params, "
-        f"state {state_bytes / MiB:.0f} MiB; dir {base}; contenders: {', '.join(chosen)}")
-
     runs: dict[str, Run] = {}
     none_passes: list[Run] = []
     copies: list[float] = []
     training = None
-    try:
+    with scratch("tierstore-training-stall-", parent) as base:
+        env = Env(args, trainer, base, state_bytes, largest, log)
+        log(f"model: {args.layers} x Linear({trainer.width}), {trainer.n_params / 1e6:.1f}M "
+            f"params, state {state_bytes / MiB:.0f} MiB; dir {base}; contenders: "
+            f"{', '.join(chosen)}")
         if alone_budget:
             training = training_rss(env)
             log(f"training alone: peak RSS growth {training['growth_bytes'] / MiB:.0f} MiB")
@@ -799,8 +795,6 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_budget_subprocess(args, parent, log)
                 training = r.training_rss
                 runs[SUBPROCESS] = r
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
     summary = summarize(runs, none_passes, copies, env, training)
     order = [c for c in CONTENDERS if c in runs]
