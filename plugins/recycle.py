@@ -49,14 +49,16 @@ import logging
 import os
 import threading
 import uuid
-
-import torch
+from typing import TYPE_CHECKING
 
 from tierstore.plugin import DescriptorEnd, IntegrityError, map_populated, MappedFile, WrittenFile
 
 from .ownership import DIR_MODE
 from .safe_fs import (TierTree, mapped_end, open_dir_at, open_regular_at, remove_at,
                       written_end)
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: `tierstore ls` loads none
+    import torch
 
 __all__ = ["MappedEnd", "PageRecycler", "RECYCLE_DIR"]
 
@@ -299,8 +301,12 @@ class PageRecycler:
             elif st.st_size < size:
                 raise OSError(f"{path} holds {st.st_size} bytes, fewer than the {size} "
                               f"expected")
-            data = (map_populated(fd, size, writable=True) if size
-                    else torch.empty(0, dtype=torch.uint8))
+            if size:
+                data = map_populated(fd, size, writable=True)
+            else:
+                import torch
+
+                data = torch.empty(0, dtype=torch.uint8)
             kept = self._maps[key] = (os.dup(fd), data)
         return MappedEnd(kept[1], fd)
 

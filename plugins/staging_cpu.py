@@ -28,18 +28,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, ClassVar
-
-import torch
-from torch.distributed.tensor import DTensor
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from tierstore.plugin import hookimpl, Option, Stager, StagingError
 from tierstore.plugin.staging import (CopyBatch, StagingJob, StagingStats, StagingWorker,
                                       check_unchanged, run_copies, split_copies, watch)
-from tierstore_plugins.staging_buffers import (StagingBuffers, StateDictLayout,
-                                               describe_state_dict)
-from tierstore_plugins.staging_waves import (WaveBuffer, placeholder_tree, plan_waves,
-                                             stage_in_waves)
+
+# torch and the buffers' modules (which import it) are imported where a save stages: registering
+# the plugin, which every store does, then costs no torch (`tierstore ls` loads none)
+if TYPE_CHECKING:
+    import torch
+
+    from tierstore_plugins.staging_buffers import StagingBuffers, StateDictLayout
+    from tierstore_plugins.staging_waves import WaveBuffer
 
 __all__ = ["CpuStager", "PinnedStager", "ShmStager"]
 
@@ -111,6 +112,8 @@ class CpuStager(Stager):
 
     def _start(self, state_dict: dict[str, Any], spill: Callable[[], Any], lazy: bool
                ) -> StagingJob:
+        from tierstore_plugins.staging_buffers import describe_state_dict
+
         started = time.perf_counter()
         if self._waves is not None:  # the save before did not fit the budget
             return self._start_waves(state_dict, spill, lazy, started)
@@ -165,6 +168,8 @@ class CpuStager(Stager):
         queued on the training's current stream (which produced the tensors); an event marks
         their end. The job waits on that event (never on a stream); the optimizer hook orders
         the training stream after it instead of blocking the host."""
+        import torch
+
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         side, training = self._stream, torch.cuda.current_stream()
@@ -223,6 +228,10 @@ class CpuStager(Stager):
                      started: float) -> StagingJob:
         """Stage through the budget's buffer in waves (``staging_waves``); back to whole
         buffers when the state dict fits the budget again."""
+        from tierstore_plugins.staging_buffers import describe_state_dict
+        from tierstore_plugins.staging_waves import (WaveBuffer, placeholder_tree, plan_waves,
+                                                     stage_in_waves)
+
         if describe_state_dict(state_dict).nbytes <= self.max_staging_bytes:
             self._waves = None  # fits whole buffers again (the same measure _start uses)
             return self._start(state_dict, spill, lazy)
@@ -255,6 +264,8 @@ class CpuStager(Stager):
     def _cuda_wave_copier(self) -> Callable[[list, list], None]:
         """Copies of a wave on the side stream, after what the training stream had queued at the
         call (an event recorded now), waited for by the staging's own thread."""
+        import torch
+
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         side = self._stream
@@ -273,11 +284,15 @@ class CpuStager(Stager):
     def _copy_whole(self, value: Any) -> Any:
         """A value budgeted staging does not cut into waves (a ShardedTensor), copied now into
         buffers of its own."""
+        from tierstore_plugins.staging_buffers import StagingBuffers, describe_state_dict
+
         single = {"value": value}
         buffers = StagingBuffers(single, describe_state_dict(single), pin=False, share=False)
         return buffers.stage(single, non_blocking=False)["value"]
 
     def _allocate(self, layout: StateDictLayout, state_dict: dict[str, Any]) -> StagingBuffers:
+        from tierstore_plugins.staging_buffers import StagingBuffers
+
         pin = self._want_pinned(layout.on_cuda)
         self._buffers = StagingBuffers(state_dict, layout, pin=pin, share=self.share)
         log.debug("allocated %s of staging buffers (pinned=%s, shared=%s)",
@@ -285,6 +300,8 @@ class CpuStager(Stager):
         return self._buffers
 
     def _want_pinned(self, on_cuda: bool) -> bool:
+        import torch
+
         wanted = on_cuda if self.pin is None else self.pin
         if wanted and not torch.cuda.is_available():
             if not self._warned_no_cuda:
@@ -336,6 +353,8 @@ def _describer(state_dict: dict[str, Any]) -> Callable[[Any], str]:
 
 
 def _path_of(value: Any, tensor: Any, path: list[str]) -> list[str] | None:
+    from torch.distributed.tensor import DTensor
+
     if value is tensor or (isinstance(value, DTensor) and value._local_tensor is tensor):
         return path
     if isinstance(value, dict):

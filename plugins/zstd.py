@@ -8,10 +8,10 @@ stock extension, the level is configurable: ``codecs = [{ name = "zstd", level =
 
 from __future__ import annotations
 
-from typing import IO
+import functools
+from typing import IO, Any
 
 import zstandard
-from torch.distributed.checkpoint._extension import ZStandard
 
 from tierstore.plugin import Codec, hookimpl, Option
 
@@ -21,18 +21,33 @@ def _level(value: int) -> str | None:
     return None if lo <= value <= hi and value != 0 else f"must be in {lo}..{hi}, not 0"
 
 
-class LeveledZStandard(ZStandard):
-    """DCP's ``stream.zstd`` extension, compressing at a chosen level (same frames, same
-    descriptor, so any reader of the format decodes it)."""
+@functools.cache
+def _leveled_zstandard() -> type:
+    """:class:`LeveledZStandard`, defined on first use: its base, DCP's extension, takes
+    seconds to import, which registering the plugin (every store does) should not cost."""
+    from torch.distributed.checkpoint._extension import ZStandard
 
-    def __init__(self, level: int = 3, threads: int = 0):
-        super().__init__()
-        self.level = level
-        self.threads = threads
+    class LeveledZStandard(ZStandard):
+        """DCP's ``stream.zstd`` extension, compressing at a chosen level (same frames, same
+        descriptor, so any reader of the format decodes it)."""
 
-    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        compressor = zstandard.ZstdCompressor(level=self.level, threads=self.threads)
-        return compressor.stream_writer(output, closefd=False)
+        def __init__(self, level: int = 3, threads: int = 0):
+            super().__init__()
+            self.level = level
+            self.threads = threads
+
+        def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+            compressor = zstandard.ZstdCompressor(level=self.level, threads=self.threads)
+            return compressor.stream_writer(output, closefd=False)
+
+    LeveledZStandard.__qualname__ = "LeveledZStandard"  # pickled by reference, as a global
+    return LeveledZStandard
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LeveledZStandard":
+        return _leveled_zstandard()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ZstdCodec(Codec):
@@ -49,8 +64,8 @@ class ZstdCodec(Codec):
         self.level = level
         self.threads = threads
 
-    def extension(self) -> LeveledZStandard:
-        return LeveledZStandard(self.level, self.threads)
+    def extension(self) -> Any:  # a LeveledZStandard
+        return _leveled_zstandard()(self.level, self.threads)
 
 
 @hookimpl

@@ -1,6 +1,7 @@
 """What ``tierstore`` costs before it does anything: ``--help``, ``--version``, each command's
 ``--help`` and an id that is no id answer without importing torch (seconds of a newcomer's
-first minute), and their help is plain text."""
+first minute), and their help is plain text; ``ls`` and ``status`` load no torch from the
+core."""
 
 from __future__ import annotations
 
@@ -75,3 +76,75 @@ def test_help_is_plain_text_and_lists_the_exit_statuses():
     assert "exit status:" in top
     for code in Exit:
         assert f"\n  {int(code):<5}" in top, (code, top)
+
+
+
+#: runs ``tierstore.cli.main`` on each argv (a JSON list) as :data:`_SCRIPT` does, and records
+#: each import statement in a module of the core (at its top or in a function) that loads a
+#: torch module not loaded yet; prints the answers, those imports ("file:line module") and the
+#: core's modules loaded at the end
+_CORE_IMPORTS_SCRIPT = """
+import builtins, contextlib, io, json, os, sys
+import tierstore
+core = os.path.dirname(os.path.abspath(tierstore.__file__)) + os.sep
+found = []
+plain_import = builtins.__import__
+def watching_import(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and (name == "torch" or name.startswith("torch.")) and name not in sys.modules:
+        caller = sys._getframe(1)
+        if os.path.abspath(caller.f_code.co_filename).startswith(core):
+            found.append(f"{caller.f_code.co_filename}:{caller.f_lineno} {name}")
+    return plain_import(name, globals, locals, fromlist, level)
+builtins.__import__ = watching_import
+from tierstore.cli import main
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    print(json.dumps({"argv": argv, "status": status, "out": out.getvalue(),
+                      "err": err.getvalue()}))
+print(json.dumps(found))
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("tierstore."))))
+"""
+
+#: modules of the core that import DCP or torch when they are imported: a query of tiers
+#: without codecs or replication imports none of them
+_DCP_MODULES = ("tierstore.dcp.reader", "tierstore.dcp.writer", "tierstore.dcp.contents",
+                "tierstore.dcp.spill", "tierstore.format.item_io", "tierstore.format.metadata",
+                "tierstore.format.tensor_records", "tierstore.engine.parity",
+                "tierstore.engine.replication", "tierstore.transport.transfer")
+
+
+def test_ls_and_status_of_local_tiers_load_no_torch_from_the_core(tmp_path):
+    """`tierstore ls` and `tierstore status` on a RAM and a local tier holding a checkpoint:
+    no module of the core loads torch or DCP (seconds to import) for them, neither where it
+    is imported nor in what it runs: opening a store read-only and reading its manifests needs
+    none, and DCP's adapters are built only when a reader or a writer is asked for. (The
+    plugins a store registers may still load torch, and built-in ones do: the staging, the
+    zstd codec and the local backend's page recycler.)"""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import tierstore
+
+    config = tmp_path / "tiers.toml"
+    config.write_text(f'[[tier]]\nname = "ram"\nbackend = "memory"\npath = "{tmp_path / "ram"}"\n'
+                      f'\n[[tier]]\nname = "nvme"\nbackend = "local"\n'
+                      f'path = "{tmp_path / "nvme"}"\n')
+    with tierstore.open(str(config)) as store:
+        dcp.save({"w": torch.arange(64.0)}, storage_writer=store.writer(),
+                 checkpoint_id="step-1")
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _CORE_IMPORTS_SCRIPT,
+         json.dumps([["ls", str(config), "--json"], ["status", str(config), "--json"]])],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    *answers, found, loaded = [json.loads(line) for line in proc.stdout.splitlines()]
+    ls, status = answers
+    assert ls["status"] == 0 and status["status"] == 0, answers
+    assert [(c["id"], c["tiers"]) for c in json.loads(ls["out"])] == [("step-1", ["ram", "nvme"])]
+    assert [(t["name"], t["reachable"], t["newest"]) for t in json.loads(status["out"])["tiers"]] \
+        == [("ram", True, "step-1"), ("nvme", True, "step-1")]
+    assert found == [], "the core loaded torch for ls or status:\n" + "\n".join(found)
+    assert sorted(set(_DCP_MODULES) & set(loaded)) == []

@@ -355,7 +355,7 @@ def test_keep_spares_a_checkpoint_the_open_is_still_resuming(tmp_path, monkeypat
     "DrainError: checkpoint 'step-1' is no longer complete on tier 'ram'")."""
     import threading
 
-    import tierstore.store as store_module
+    import tierstore.engine.recovery as recovery  # (the open's scan: DrainResumption)
 
     config = {"tier": [
         {"name": "ram", "backend": "memory", "path": str(tmp_path / "ram"), "keep": 1},
@@ -365,8 +365,8 @@ def test_keep_spares_a_checkpoint_the_open_is_still_resuming(tmp_path, monkeypat
     assert ids_on(tmp_path / "nvme") == []
 
     saved = threading.Event()
-    scan = store_module.queue_missing_copies
-    monkeypatch.setattr(store_module, "queue_missing_copies",
+    scan = recovery.queue_missing_copies
+    monkeypatch.setattr(recovery, "queue_missing_copies",
                         lambda tiers, drainer, *args, **kwargs:
                         scan(tiers, _LateSubmits(drainer, saved), *args, **kwargs))
     with tierstore.open(config) as store:

@@ -25,8 +25,8 @@ if TYPE_CHECKING:  # imported when first used (see __getattr__); listed here for
     from tierstore.store import Store, open
     from tierstore.tiers.reports import CheckpointInfo, VerifyReport
 
-#: names whose modules import torch and DCP (seconds): imported on first use, so that what needs
-#: none of it (``tierstore --version``, an error class) starts at once
+#: names whose modules import the whole store (and torch, for parity): imported on first use, so
+#: that what needs none of it (``tierstore --version``, an error class) starts at once
 _LAZY = {"open": "tierstore.store", "Store": "tierstore.store",
          "hookimpl": "tierstore.plugin.host", "ParityCheck": "tierstore.engine.parity",
          "CheckpointInfo": "tierstore.tiers.reports", "VerifyReport": "tierstore.tiers.reports"}

@@ -2,6 +2,10 @@
 engine's services and the DCP adapters' service bundles, built in order by :func:`assemble`
 into plain :class:`StoreParts`, and let go of in order by :func:`shut_down`.
 
+What needs torch.distributed or DCP is imported when it is built, and the adapters' bundles when
+first asked for: importing them takes seconds, and a store that only answers queries on tiers
+without replication or codecs (``tierstore ls``, ``tierstore status``) never needs them.
+
 The :class:`~tierstore.store.Store` is a facade over these parts: it holds them and hands each
 call to the part that owns it. No part holds the Store.
 """
@@ -10,15 +14,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 from concurrent import futures
-from typing import Any, Callable
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Callable
 
 from tierstore.config.spec import StoreSpec
 from tierstore.config.validate import load_config
-from tierstore.dcp.reader import ReaderServices
-from tierstore.dcp.writer import WriterServices
 from tierstore.engine.catalog import Catalog
 from tierstore.engine.claims import TierClaims, agree_job_token
 from tierstore.engine.context import Groups, StoreContext
@@ -30,7 +31,6 @@ from tierstore.engine.interval import IntervalChooser
 from tierstore.engine.listings import Listings
 from tierstore.engine.parts import KnownCommits
 from tierstore.engine.publish import Publisher
-from tierstore.engine.replication import Replicator
 from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveLedger
 from tierstore.engine.scrub import BackgroundScrub, Scrubber
@@ -39,6 +39,11 @@ from tierstore.engine.watchdog import Watchdog
 from tierstore.handoff import HandOff
 from tierstore.tiers.build import build_tiers
 from tierstore.transport.collectives import make_store_group, rank_context
+
+if TYPE_CHECKING:
+    from tierstore.dcp.reader import ReaderServices
+    from tierstore.dcp.writer import WriterServices
+    from tierstore.engine.replication import Replicator
 
 __all__ = ["StoreParts", "assemble", "shut_down"]
 
@@ -70,8 +75,25 @@ class StoreParts:
     background_scrub: BackgroundScrub | None
     hand_off: HandOff
     publisher: Publisher
-    writer_services: WriterServices
-    reader_services: ReaderServices
+
+    @functools.cached_property
+    def writer_services(self) -> WriterServices:
+        """What the store's writers use (built on first use: see the module's docstring)."""
+        from tierstore.dcp.writer import WriterServices
+
+        intervals = self.intervals
+        return WriterServices(self.ctx, self.ledger, self.stager, self.publisher, self.gc,
+                              self.replicator, self.hand_off.reopen_callable,
+                              self.hand_off.adopt_later, self.watchdog,
+                              intervals if intervals.active else None, self.claims)
+
+    @functools.cached_property
+    def reader_services(self) -> ReaderServices:
+        """What the store's readers use (built on first use: see the module's docstring)."""
+        from tierstore.dcp.reader import ReaderServices
+
+        return ReaderServices(self.ctx, self.retention, self.ledger.slot, self.catalog,
+                              self.health, self.watchdog, self.listings)
 
 
 def assemble(config: Any, process_group: Any, plugins: tuple, *, hand_off: bool,
@@ -119,7 +141,11 @@ def assemble(config: Any, process_group: Any, plugins: tuple, *, hand_off: bool,
     ledger, retention, commits = SaveLedger(), Retention(host, job.rank), KnownCommits()
     gc = GarbageCollector(host, job.rank, ledger)
     drainer = Drainer(ctx, retention, gc, commits)
-    replicator = Replicator(ctx, retention, ledger) if tiers.strategy is not None else None
+    replicator = None
+    if tiers.strategy is not None:
+        from tierstore.engine.replication import Replicator
+
+        replicator = Replicator(ctx, retention, ledger)
     health = TierHealth(host, job.rank)
     for name, why in unreachable.items():
         health.mark_down(tiers.named(name), "open()", why)
@@ -132,18 +158,12 @@ def assemble(config: Any, process_group: Any, plugins: tuple, *, hand_off: bool,
     handing = HandOff(spec, tiers, job.rank, drainer, retention, health,
                       checkpoint_process_services, listings, claims.job)
     publisher = Publisher(ctx, drainer, retention, commits, in_checkpoint_process=hand_off)
-    writer_services = WriterServices(ctx, ledger, stager, publisher, gc, replicator,
-                                     handing.reopen_callable, handing.adopt_later, watchdog,
-                                     intervals if intervals.active else None, claims)
-    reader_services = ReaderServices(ctx, retention, ledger.slot, catalog, health, watchdog,
-                                     listings)
     watchdog.start(config.watchdog, host, job.rank)
     if background_scrub is not None:
         background_scrub.start()
     return StoreParts(spec, ctx, stats, watchdog, events_log, intervals, claims, ledger,
                       retention, gc, drainer, replicator, stager, health, listings, catalog,
-                      scrubber, background_scrub, handing, publisher, writer_services,
-                      reader_services)
+                      scrubber, background_scrub, handing, publisher)
 
 
 def shut_down(parts: StoreParts, wait: bool, exit_handler: Callable[[], None]) -> None:
@@ -178,9 +198,13 @@ def shut_down(parts: StoreParts, wait: bool, exit_handler: Callable[[], None]) -
 
 def destroy_groups(*groups: Any) -> None:
     """Destroy a store's own process groups (None: no group)."""
+    made = [group for group in groups if group is not None]
+    if not made:  # none without torch.distributed, which is then not even imported
+        return
+    import torch.distributed as dist
+
     if dist.is_initialized():
-        for group in groups:
-            if group is not None:
-                dist.destroy_process_group(group)
+        for group in made:
+            dist.destroy_process_group(group)
 
 

@@ -40,8 +40,6 @@ import threading
 import time
 from typing import Any, Callable, Iterable, NoReturn
 
-import torch.distributed as dist
-
 from tierstore.engine.context import StoreContext
 from tierstore.engine.saves import SaveSlot
 from tierstore.errors import RanksLostError
@@ -173,8 +171,13 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-        if ended and self._group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._group)
+        if ended and self._group is not None:
+            # Imported here: every store imports this module, and one outside a job (that of
+            # `tierstore ls`) needs no torch.distributed, whose import takes seconds.
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(self._group)
         self._group = None
 
 

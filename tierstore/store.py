@@ -15,15 +15,12 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
+from tierstore import dcp
 from tierstore.assembly import assemble, shut_down
 from tierstore.config.spec import StoreSpec
-from tierstore.dcp.contents import describe, export
-from tierstore.dcp.reader import TierstoreReader
-from tierstore.dcp.writer import TierstoreWriter, WriterServices
 from tierstore.engine.drain import PendingCopy, finish_at_exit, report_unfinished
-from tierstore.engine.parity import ParityCheck, verify_parity
 from tierstore.engine.recovery import DrainResumption, missing_copies
 from tierstore.engine.saves import SaveLedger
 from tierstore.engine.stats import TierFigures
@@ -36,6 +33,14 @@ from tierstore.preemption import Preemption
 from tierstore.tiers.plan import RestorePlan, restore_plan
 from tierstore.tiers.reports import (CheckpointInfo, ExportResult, InspectReport, PromoteResult,
                                      ScrubReport, StoreStatus, VerifyReport)
+
+# The DCP adapters (``dcp.writer``, ``dcp.reader``, ``dcp.contents``) and parity are imported
+# when a method first uses them: importing DCP takes seconds, which a query of tiers that need
+# none (`tierstore ls`) does not wait for.
+if TYPE_CHECKING:
+    from tierstore.dcp.reader import TierstoreReader
+    from tierstore.dcp.writer import TierstoreWriter, WriterServices
+    from tierstore.engine.parity import ParityCheck
 
 __all__ = ["Store", "open"]
 
@@ -61,7 +66,6 @@ class Store:
         self._ctx, self._ledger, self._stager = parts.ctx, parts.ledger, parts.stager
         self._drainer, self._retention, self._hand_off = (parts.drainer, parts.retention,
                                                           parts.hand_off)
-        self._writer_services = parts.writer_services
         self._atexit = _exit_handler(weakref.ref(self))
         _call_at_exit(self._atexit)
         # Resuming drains writes to the slower tiers (and on ``manifest-last`` tiers wipes the
@@ -93,17 +97,17 @@ class Store:
         (a process about to exit; the next ``tierstore.open`` queues them)."""
         self._check_open()
         self._check_writable("save")
-        return TierstoreWriter(self._writer_services, emergency=emergency)
+        return dcp.writer.TierstoreWriter(self._parts.writer_services, emergency=emergency)
 
     def reader(self) -> TierstoreReader:
         """A DCP StorageReader loading from this store."""
         self._check_open()
-        return TierstoreReader(self._parts.reader_services)
+        return dcp.reader.TierstoreReader(self._parts.reader_services)
 
     def _reader_alone(self) -> TierstoreReader:
         """A reader for a load DCP runs in this process only (``inspect``, ``export``)."""
         self._check_open()
-        return TierstoreReader(self._parts.reader_services, alone=True)
+        return dcp.reader.TierstoreReader(self._parts.reader_services, alone=True)
 
     def record_step(self, step: int, seconds: float) -> None:
         """The training code finished step ``step``, which took ``seconds`` of its own (not
@@ -151,6 +155,8 @@ class Store:
         differs is rewritten. Returns what this rank found (``ok``, ``mismatch``,
         ``repaired``, ``unchecked``, ``missing``), None when no rank holds parity of it. Call
         it after ``store.wait()``, as every rank calls ``latest()``."""
+        from tierstore.engine.parity import verify_parity
+
         self._check_open()
         if repair:
             self._check_writable("repair parity")
@@ -195,7 +201,7 @@ class Store:
         cid = validate_checkpoint_id(checkpoint_id)
         holders = self._parts.catalog.complete_copies(cid, "inspect")
         whole = [m for _, m in holders if m.parts == 1] or [holders[0][1]]
-        return describe(whole[0], [t.name for t, _ in holders], self._reader_alone())
+        return dcp.contents.describe(whole[0], [t.name for t, _ in holders], self._reader_alone())
 
     def plan(self, checkpoint_id: str, world_size: int | None = None,
              ranks_per_node: int | None = None) -> RestorePlan:
@@ -234,7 +240,7 @@ class Store:
         self._check_open()
         cid = validate_checkpoint_id(checkpoint_id)
         self._parts.catalog.complete_copies(cid, "export")
-        return export(cid, fmt, path, self._reader_alone())
+        return dcp.contents.export(cid, fmt, path, self._reader_alone())
 
     # -- maintenance -------------------------------------------------------------------------
     def pin(self, checkpoint_id: str) -> None:
@@ -391,7 +397,7 @@ def _checkpoint_process_services(spec: StoreSpec, job: str | None) -> WriterServ
     store = checkpoint_process_store(
         spec, lambda s: Store(s.config, plugins=s.resolved_plugins(), hand_off=True,
                               job_token=job))
-    return store._writer_services
+    return store._parts.writer_services
 
 
 def open(config: Any, *, process_group: Any = None, plugins: Iterable[object] = (),

@@ -15,9 +15,6 @@ import os
 import threading
 from typing import Any, Iterable
 
-import torch
-import torch.distributed as dist
-
 from tierstore.errors import TierInUseError
 from tierstore.plugin import DirectoryLock
 from tierstore.tiers.tier import Tier
@@ -32,6 +29,10 @@ _TOKEN_BYTES = 8
 def agree_job_token(group: Any) -> str:
     """A token naming this job, the same on every rank of ``group`` (rank 0's, in one
     broadcast of a few bytes); a fresh one without a group. Collective."""
+    # Imported here: a store that never saves (`tierstore ls`) agrees on no token.
+    import torch
+    import torch.distributed as dist
+
     token = torch.frombuffer(bytearray(os.urandom(_TOKEN_BYTES)), dtype=torch.uint8)
     if group is not None:
         dist.broadcast(token, group=group, group_src=0)

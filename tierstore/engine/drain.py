@@ -21,11 +21,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from typing import TYPE_CHECKING, Callable
 
 from tierstore.engine.context import StoreContext
 from tierstore.engine.gc import GarbageCollector
@@ -39,14 +35,16 @@ from tierstore.engine.retention import Retention
 from tierstore.errors import DrainError, IntegrityError
 from tierstore.events import Event, EventKind, Phase
 from tierstore.format.checksum import hash_stream
-from tierstore.format.item_io import HashingWriter, decode_item, encode_to
 from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
-from tierstore.format.metadata import load_metadata
 from tierstore.format.checksum import same_digest
 from tierstore.tiers.layout import TierLayout
 from tierstore.tiers.tier import Tier
 from tierstore.transport.collectives import drop_posts, post, read_post, seen_lost
-from tierstore.transport.transfer import MessageError, decode_message, encode_message
+from tierstore.transport.messages import MessageError, decode_message, encode_message
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
 __all__ = ["DrainJob", "Drainer", "PendingCopy", "report_unfinished", "finish_at_exit",
            "own_share"]
@@ -645,6 +643,10 @@ class Drainer(BackgroundJobs[DrainJob]):
     def _source_metadata(cid: str, source: Tier, target: Tier, manifest: Manifest):
         """The source copy's ``.metadata``, checked against its manifest and unpickled with
         the allow-list (``load_metadata``)."""
+        # DCP's metadata and items are imported where a drain handles them: a store that only
+        # lists checkpoints (`tierstore ls`) builds a drainer and never needs DCP (seconds).
+        from tierstore.format.metadata import load_metadata
+
         entry = manifest.files[METADATA_NAME]
         raw = source.backend.read_bytes(f"{cid}/{METADATA_NAME}")
         if len(raw) != entry.size or not same_digest(
@@ -674,6 +676,10 @@ class Drainer(BackgroundJobs[DrainJob]):
 
     def _transcode_file(self, source: Tier, target: Tier, cid: str, staging: str, rel: str,
                         manifest: Manifest, items: list) -> tuple[str, FileEntry, dict]:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        from tierstore.format.item_io import HashingWriter, decode_item, encode_to
+
         self._host.phase(Phase.DRAIN_FILE, cid, target.name, self._rank, file=rel,
                          size=manifest.files[rel].size)
         entry = manifest.files[rel]
@@ -1108,6 +1114,8 @@ class _PartExchange:
     def receive(self):
         """The items of this part's files, from the coordinator's drain: a Metadata whose
         ``storage_data`` places items in exactly this part's data files."""
+        from torch.distributed.checkpoint.metadata import Metadata
+
         key = self._key(self._ITEMS, self._manifest.part)
         group, source, cid, token = self._group, self._source, self._cid, self._token
 
@@ -1185,6 +1193,10 @@ def _item_of(item) -> tuple[MetadataIndex, _StorageInfo]:
             or not (transforms is None or (isinstance(transforms, list)
                                            and all(isinstance(t, str) for t in transforms))):
         raise ValueError(f"an item of fields {item!r:.200}")
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     return (MetadataIndex(fqn, None if offset is None else torch.Size(offset), index),
             _StorageInfo(rel, start, length, None if transforms is None else list(transforms)))
 

@@ -13,8 +13,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
 from tierstore.format.checksum import ALGORITHM
 from tierstore.format.manifest_check import SEAL_KEY, ManifestError, check_fields
 from tierstore.format.signing import UNSIGNED, Keyring
@@ -28,6 +26,14 @@ FORMAT_VERSION = 1
 
 log = logging.getLogger("tierstore.format")
 _warned_unsealed = False
+
+
+def _torch_version() -> str:
+    """The running torch's version, for a manifest this process writes. Imported here, not at
+    the top: reading manifests (``tierstore ls``) needs no torch, whose import takes seconds."""
+    import torch
+
+    return torch.__version__
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
@@ -134,7 +140,7 @@ class Manifest:
     committed: float = field(default_factory=time.time)
     step: int | None = None
     tierstore_version: str = ""
-    torch_version: str = field(default_factory=lambda: torch.__version__)
+    torch_version: str = field(default_factory=_torch_version)
     #: set when the manifest is serialized, from its digests and the store's keys
     #: (tierstore.format.signing): "xxh3_128", or "blake3_keyed" for a signed manifest
     checksum_algorithm: str = ALGORITHM

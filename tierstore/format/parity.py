@@ -29,8 +29,10 @@ Plain functions on uint8 tensors, no collectives: the replication strategy moves
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: `tierstore ls` loads none
+    import torch
 
 __all__ = ["chunk_index", "common_length", "pack", "unpack", "encode_segments",
            "decode_segments", "reduce_scatter_xor", "reassemble"]
@@ -58,6 +60,8 @@ def common_length(sizes: Sequence[int], members: int) -> int:
 
 def pack(files: Sequence[torch.Tensor], length: int) -> torch.Tensor:
     """``files`` (uint8 tensors) one after another, zero-padded to ``length`` bytes."""
+    import torch
+
     out = torch.zeros(length, dtype=torch.uint8)
     at = 0
     for data in files:
@@ -93,6 +97,8 @@ def encode_segments(data: torch.Tensor, position: int, members: int) -> torch.Te
     """Member ``position``'s input to the encoding reduce-scatter: segment ``r`` is the chunk
     of its ``data`` (padded to the common length) in member ``r``'s parity; its own segment is
     zeros."""
+    import torch
+
     chunks = _chunks(data, members)
     out = torch.zeros(members, chunks[0].numel(), dtype=torch.uint8)
     for r in range(members):
@@ -109,6 +115,8 @@ def decode_segments(data: torch.Tensor | None, parity: torch.Tensor | None, posi
     (``position == lost``) gives zeros. Segment ``r`` of the XOR is then chunk
     ``chunk_index(r, lost)`` of the lost data, and on the replacement its parity chunk,
     rebuilt."""
+    import torch
+
     chunk = length // (members - 1)
     if position == lost:
         return torch.zeros(members * chunk, dtype=torch.uint8)
@@ -124,6 +132,8 @@ def decode_segments(data: torch.Tensor | None, parity: torch.Tensor | None, posi
 def reduce_scatter_xor(inputs: Sequence[torch.Tensor], members: int) -> list[torch.Tensor]:
     """What a reduce-scatter with XOR over the set gives each member: segment ``r`` of the XOR
     of every member's input (the reference the collective is checked against)."""
+    import torch
+
     total = torch.zeros_like(inputs[0]).view(torch.int64)
     for one in inputs:
         total.bitwise_xor_(one.view(torch.int64))
@@ -133,6 +143,8 @@ def reduce_scatter_xor(inputs: Sequence[torch.Tensor], members: int) -> list[tor
 def reassemble(got: dict[int, torch.Tensor], lost: int, members: int) -> torch.Tensor:
     """The lost member's padded data from the chunk each survivor ``r`` got (``got[r]``:
     chunk ``chunk_index(r, lost)`` of it)."""
+    import torch
+
     missing = sorted(set(range(members)) - {lost} - set(got))
     if missing:
         raise ValueError(f"the chunks of members {missing} are missing")

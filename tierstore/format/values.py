@@ -45,9 +45,6 @@ import re
 import tarfile
 from typing import Any, Iterable
 
-import torch
-from torch._weights_only_unpickler import _get_allowed_globals, _tensor_rebuild_functions
-
 from tierstore.errors import IntegrityError
 
 __all__ = ["UntrustedValue", "check_value", "check_trusted_names", "DEFAULT_GLOBALS",
@@ -60,10 +57,16 @@ _NUMPY_ARRAYS = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._
 _NUMPY_SCALARS = ("numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar")
 
 
+@functools.cache
 def _defaults() -> dict[str, bool]:
     """Allowed global -> whether what calling it returns may be BUILT (given state): classes'
     instances and rebuilt tensors and arrays may, the results of plain functions
-    (``_codecs.encode``, ``_get_layout``) and dtypes may not, as with weights_only."""
+    (``_codecs.encode``, ``_get_layout``) and dtypes may not, as with weights_only. Made on
+    first use from torch's own list: validating a config (``check_trusted_names``) imports
+    this module, and a process that only reads manifests (``tierstore ls``) needs no torch,
+    whose import takes seconds."""
+    from torch._weights_only_unpickler import _get_allowed_globals, _tensor_rebuild_functions
+
     rebuilds = {f"torch._utils.{f.__name__}" for f in _tensor_rebuild_functions()}
     rebuilds.add("torch._tensor._rebuild_from_type_v2")
     out = {name: isinstance(value, type) or name in rebuilds
@@ -75,12 +78,19 @@ def _defaults() -> dict[str, bool]:
     return out
 
 
-_DEFAULTS = _defaults()
-#: the globals a value from a tier may name without ``trusted_pickles`` ("module.Name")
-DEFAULT_GLOBALS: frozenset[str] = frozenset(_DEFAULTS)
+#: the globals a value from a tier may name without ``trusted_pickles`` ("module.Name"): made
+#: from torch's list when first asked for (see _defaults), by the module's ``__getattr__``
+DEFAULT_GLOBALS: frozenset[str]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DEFAULT_GLOBALS":
+        return frozenset(_defaults())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: dict-like defaults a pickle may add items to (SETITEM), as weights_only allows
 _DICTS = frozenset({"collections.OrderedDict", "collections.Counter"})
-_MAGIC = torch.serialization.MAGIC_NUMBER
 #: Python 2 modules that pickle's fix_imports maps and Python 3 does not have
 _PY2_ONLY = frozenset({"__builtin__"})
 _ZIP = b"PK\x03\x04"  # torch.load's own test for its zip format (serialization._is_zipfile)
@@ -400,11 +410,12 @@ class _Policy:
         # Shared by every check of this policy, on any thread: nothing a pickle does changes
         # them (BUILD on a global is refused; instances are per check).
         self.stand_ins: dict[str, type[_StandIn]] = {}
-        for name in {*_DEFAULTS, *self.trusted}:
+        defaults = _defaults()
+        for name in {*defaults, *self.trusted}:
             base = _CHECKED.get(name, _StandIn)
             extra = name in self.trusted and base is _StandIn
             self.stand_ins[name] = _StandInType(f"StandIn[{name}]", (base,), {
-                "name": name, "builds": extra or _DEFAULTS.get(name, False),
+                "name": name, "builds": extra or defaults.get(name, False),
                 "takes_items": extra or name in _DICTS, "takes_appends": extra})
 
 
@@ -459,6 +470,8 @@ class _Checker(pickle.Unpickler):
 def _check_archive(stream: io.BytesIO, key: str, policy: _Policy) -> None:
     """A ``torch.save`` zip archive: check ``data.pkl`` as read by torch's own zip reader (the
     one ``torch.load`` uses, so both see the same record)."""
+    import torch
+
     try:
         archive = torch._C.PyTorchFileReader(stream)
     except Exception:  # noqa: BLE001 - torch.load fails the same way, before any unpickling
@@ -492,7 +505,9 @@ def _check_other(stream: io.BytesIO, key: str, policy: _Policy) -> None:
         if checker.globals_met:  # what an allowed call returned may have made it fail
             raise _malformed(key, exc) from None
         return  # torch.load fails at the same byte, having built nothing
-    if checker.globals_met or (type(first) is int and first == _MAGIC):
+    from torch.serialization import MAGIC_NUMBER
+
+    if checker.globals_met or (type(first) is int and first == MAGIC_NUMBER):
         raise _refusal(key, "it is in torch.save's legacy format, which DCP never writes")
     # A pickle of plain data that is not the magic number: torch.load stops right there.
 

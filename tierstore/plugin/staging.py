@@ -24,11 +24,12 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tierstore.errors import StagingError
+
+if TYPE_CHECKING:  # torch is imported where a copy runs: `tierstore ls` loads no torch
+    import torch
 
 __all__ = ["StagingJob", "StagingStats", "StagingWorker", "CopyBatch", "check_unchanged",
            "run_copies", "split_copies", "watch"]
@@ -112,6 +113,8 @@ def check_unchanged(batch: CopyBatch, describe: Callable[[Any], str]) -> None:
 def run_copies(batches: list[CopyBatch], *, non_blocking: bool = False,
                stream: Any = None) -> None:
     """Copy every batch (``torch._foreach_copy_``), on ``stream`` when given (CUDA)."""
+    import torch
+
     batches = [b for b in batches if b.dsts]
     with torch.no_grad():
         if stream is None:

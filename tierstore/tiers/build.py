@@ -10,7 +10,6 @@ from typing import Any
 
 from tierstore.config.validate import AUTO, StoreConfig, TierConfig, check_tier_locations
 from tierstore.errors import ConfigError, PluginError
-from tierstore.format.item_io import register_extension
 from tierstore.plugin.host import PluginHost
 from tierstore.plugin.options import validate_table
 from tierstore.plugin.retry import GaveUp, cannot_connect, foreground
@@ -207,6 +206,10 @@ def _build_tier(tc: TierConfig, config: StoreConfig, host: PluginHost,
     commit_options = config.commit.options if config.commit else {}
     codecs = []
     for choice in tc.codecs:
+        # DCP's extensions are imported (seconds) for a tier with codecs only: a query of
+        # tiers without (`tierstore ls`) needs no DCP
+        from tierstore.format.item_io import register_extension
+
         codec = host.lookup("codec", choice.name).factory(**choice.options)
         register_extension(type(codec.extension()))
         codecs.append(codec)

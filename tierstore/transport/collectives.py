@@ -13,14 +13,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
-
-import torch
-import torch.distributed as dist
 
 from tierstore.errors import RanksLostError
 from tierstore.transport.messages import MessageError, decode_message, encode_message
@@ -35,6 +33,30 @@ T = TypeVar("T")
 
 #: how long a rank whose collective failed waits for the others to say they are still there
 _ROLL_CALL_S = 30.0
+
+#: ``torch.distributed``, once something here needs it (:func:`_dist`): its import takes
+#: seconds, which a process outside any job (``tierstore ls``) never has to wait for
+dist: Any = None
+
+
+def _dist() -> Any:
+    """``torch.distributed``, imported on first use. (Callers bind it to a local ``dist``,
+    so that what they call on it reads, and is checked, as a call of torch.distributed.)"""
+    global dist
+    if dist is None:
+        import torch.distributed
+
+        dist = torch.distributed
+    return dist
+
+
+def _initialized() -> bool:
+    """Whether torch.distributed has a default process group here. A process that never
+    imported torch.distributed cannot have one, and is told so without importing it."""
+    if dist is None and "torch.distributed" not in sys.modules:
+        return False
+    module = _dist()
+    return module.is_available() and module.is_initialized()
 
 
 @dataclass(frozen=True)
@@ -73,7 +95,8 @@ def _env_int(name: str, default: int) -> int:
 def rank_context(process_group: Any = None) -> RankContext:
     """The context of this process, from torch.distributed when initialized, else from torchrun's
     environment variables, else rank 0 of 1."""
-    if dist.is_available() and dist.is_initialized():
+    if _initialized():
+        dist = _dist()
         rank = dist.get_rank(process_group)
         world = dist.get_world_size(process_group)
     else:
@@ -93,8 +116,9 @@ def make_store_group(process_group: Any = None, timeout: float | None = None) ->
     its own keeps checkpoint collectives, which may run in background threads, from interleaving
     with the training's collectives on the default group.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _initialized():
         return None
+    dist = _dist()
     ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
     group = dist.new_group(ranks=ranks, backend="gloo",
                            timeout=None if timeout is None else timedelta(seconds=timeout))
@@ -134,8 +158,9 @@ def seen_lost(group: Any, ranks: list[int]) -> list[int]:
     a collective or an exchange of the store."""
     if not _lost:
         return []
-    if group is None or not dist.is_initialized():
+    if group is None or not _initialized():
         return [r for r in ranks if r in _lost]
+    dist = _dist()
     return [r for r in ranks if dist.get_global_rank(group, r) in _lost]
 
 
@@ -160,6 +185,7 @@ def _collective(group: Any, what: str, run: Callable[[], T],
         who = (f"rank(s) {missing} did not answer" if missing
                else "no rank is known to be missing (the collective itself failed)")
         # Logged too: when DCP's own collectives fail next, its error replaces this one.
+        dist = _dist()
         log.error("rank %d: %s failed: %s (%s)", dist.get_rank(), what, who, exc)
         raise RanksLostError(
             f"{what} failed: {who} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). "
@@ -170,7 +196,10 @@ def _collective(group: Any, what: str, run: Callable[[], T],
 def peers_lost(group: Any, peers: list[int], what: str, exc: BaseException) -> RanksLostError:
     """The error of a point-to-point exchange with ``peers`` (ranks of ``group``) that failed:
     one of them died or did not take part within the group's timeout."""
-    names = sorted({dist.get_global_rank(group, p) for p in peers}) if group is not None else peers
+    names = peers
+    if group is not None:
+        dist = _dist()
+        names = sorted({dist.get_global_rank(group, p) for p in peers})
     if len(names) == 1:  # the only peer of the exchange: it is the one lost
         _lost.update(names)
     return RanksLostError(
@@ -188,6 +217,7 @@ def _roll_call(group: Any, call: int, stop: Callable[[], bool] | None = None
     early, naming the ranks not heard of so far (a process told to stop, by SIGTERM under a
     preemption handler, must not spend its grace period naming them)."""
     try:
+        dist = _dist()
         store = dist.distributed_c10d._get_default_store()
         me = dist.get_rank(group)
         world = dist.get_world_size(group)
@@ -240,6 +270,9 @@ def broadcast_with_bytes(obj: Any, data: bytes | None, group: Any, src_group_ran
     message alone: both lengths, then both in one buffer. Returns ``(obj, data)``."""
     if group is None:
         return _read(read, obj, "this rank", what), data
+    import torch
+
+    dist = _dist()
     src = dist.get_rank(group) == src_group_rank
     raw = encode_message(obj) if src else b""
     blob = (data or b"") if src else b""
@@ -278,6 +311,9 @@ def all_gather_message(obj: Any, group: Any, read: Callable[[Any], Any] | None =
     naming the rank that sent it (``what``: what was expected)."""
     if group is None:
         return [_read(read, obj, "this rank", what)]
+    import torch
+
+    dist = _dist()
     raw = encode_message(obj)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -304,6 +340,9 @@ def all_reduce_max(value: int, group: Any, stop: Callable[[], bool] | None = Non
     ``stop``: see :func:`_collective`."""
     if group is None:
         return value
+    import torch
+
+    dist = _dist()
     flag = torch.tensor([value], dtype=torch.int64)
     _collective(group, "agreeing with every rank",
                 lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group), stop)
@@ -342,9 +381,12 @@ def start_all_reduce_max(value: int, group: Any) -> MaxInFlight:
     """:func:`all_reduce_max` without waiting: every rank starts it at the same point of its
     work, and collects it later with :meth:`MaxInFlight.result` (so that the collective's
     latency is hidden behind that work instead of stalling it)."""
+    import torch
+
     flag = torch.tensor([value], dtype=torch.int64)
     if group is None:
         return MaxInFlight(flag, None, None)
+    dist = _dist()
     try:
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
     except Exception as exc:  # noqa: BLE001 - a peer already gone: result() names it
@@ -365,6 +407,7 @@ class _FailedWork:
 def barrier(group: Any) -> None:
     """Wait for every rank of ``group`` (nothing without a group)."""
     if group is not None:
+        dist = _dist()
         _collective(group, "waiting for every rank", lambda: dist.barrier(group=group))
 
 
@@ -378,8 +421,9 @@ def barrier(group: Any) -> None:
 def _job_store() -> Any:
     """The job's key-value store (torchrun's, or the one init_process_group made); None
     without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _initialized():
         return None
+    dist = _dist()
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store to reach: the caller says what that means

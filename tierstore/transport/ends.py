@@ -15,9 +15,10 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where an end makes a tensor: `tierstore ls` loads none
+    import torch
 
 __all__ = ["TransferEnd", "DescriptorEnd", "MappedFile", "WrittenFile", "FileSource",
            "BufferTarget", "map_populated"]
@@ -31,6 +32,8 @@ def map_populated(fd: int, length: int, *, writable: bool, offset: int = 0) -> t
     tables filled at once; the mapping lives as long as the tensor (and its views)."""
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     region = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | _POPULATE, prot=prot, offset=offset)
+    import torch
+
     with warnings.catch_warnings():
         # A read-only mapping: torch warns that writes would fail; nothing writes to it.
         warnings.filterwarnings("ignore", message=".*not writable.*")
@@ -104,6 +107,8 @@ class MappedFile(DescriptorEnd):
         pages (mapped from the page ``offset`` is in: a range of a file, such as a parity
         chunk's piece, starts anywhere)."""
         if length == 0:
+            import torch
+
             return torch.empty(0, dtype=torch.uint8)
         lead = offset % mmap.ALLOCATIONGRANULARITY
         pages = map_populated(self._fd, length + lead, writable=False, offset=offset - lead)
@@ -160,6 +165,8 @@ class BufferTarget(TransferEnd):
     costs memory for those ranges only."""
 
     def __init__(self, size: int):
+        import torch
+
         self._tensor = torch.empty(size, dtype=torch.uint8)
         #: the file's bytes (those received; others are undefined)
         self.data = memoryview(self._tensor.numpy()) if size else memoryview(b"")
