@@ -196,10 +196,17 @@ def run_transfers(group: Any, rank: int, transfers: list[Transfer],
         prepared: Future | None = helper.submit(ends.prepare, 0, rounds[0]) if rounds else None
         for k in range(len(rounds)):
             outgoing, incoming = prepared.result()
-            works = [dist.isend(data, group_dst=p.transfer.dst, group=group)
-                     for p, data in outgoing]
-            works += [dist.irecv(data, group_src=p.transfer.src, group=group)
-                      for p, data in incoming]
+            works = []
+            # One post at a time, so that a post refused on a connection a lost peer closed
+            # names that peer (gloo's error names only an address).
+            for sending, peer, data in ([(True, p.transfer.dst, d) for p, d in outgoing]
+                                        + [(False, p.transfer.src, d) for p, d in incoming]):
+                try:
+                    works.append(dist.isend(data, group_dst=peer, group=group) if sending
+                                 else dist.irecv(data, group_src=peer, group=group))
+                except RuntimeError:
+                    failed_with.append(peer)
+                    raise
             in_flight.append((works, outgoing, incoming))
             del works, outgoing, incoming
             # The helpers prepare round k+1 and sink the last finished round meanwhile.

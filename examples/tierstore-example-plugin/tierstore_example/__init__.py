@@ -16,9 +16,18 @@ from __future__ import annotations
 from tierstore.plugin import hookimpl
 
 from .backend import ExampleDirBackend
-from .codec import ZlibCodec, ZlibStream
+from .codec import ZlibCodec
 
 __all__ = ["ExampleDirBackend", "ZlibCodec", "ZlibStream"]
+
+
+def __getattr__(name: str):
+    """``ZlibStream``, the codec's DCP extension, imported (with DCP) when first asked for."""
+    if name == "ZlibStream":
+        from .stream import ZlibStream
+
+        return ZlibStream
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @hookimpl
