@@ -116,11 +116,12 @@ _DCP_MODULES = ("tierstore.dcp.reader", "tierstore.dcp.writer", "tierstore.dcp.c
                 "tierstore.engine.replication", "tierstore.transport.transfer")
 
 
-def test_ls_and_status_of_local_tiers_load_no_torch_from_the_core(tmp_path):
-    """`tierstore ls` and `tierstore status` on a RAM and a local tier holding a checkpoint:
-    no module of the core loads torch or DCP (seconds to import) for them, neither where it
+def test_commands_that_read_no_tensor_load_no_torch(tmp_path):
+    """`tierstore ls`, `status`, `pin`, `unpin`, `verify`, `plan`, `gc` and `wait` on a RAM
+    and a local tier holding a checkpoint: no module of the core loads torch or DCP (seconds to import) for them, neither where it
     is imported nor in what it runs: opening a store read-only and reading its manifests needs
-    none, and DCP's adapters are built only when a reader or a writer is asked for. Nor do the
+    none (nor do checksums, pins and the job's token of one process), and DCP's adapters are
+    built only when a reader or a writer is asked for. Nor do the
     plugins the store registers, built-in or installed: the command starts in a fraction of a
     second instead of the seconds torch takes to import."""
     import torch
@@ -138,13 +139,16 @@ def test_ls_and_status_of_local_tiers_load_no_torch_from_the_core(tmp_path):
 
     proc = subprocess.run(
         [sys.executable, "-c", _CORE_IMPORTS_SCRIPT,
-         json.dumps([["ls", str(config), "--json"], ["status", str(config), "--json"]])],
+         json.dumps([["ls", str(config), "--json"], ["status", str(config), "--json"],
+                     *([command, str(config), "step-1"] for command in ("pin", "unpin",
+                                                                          "verify", "plan")),
+                     ["gc", str(config)], ["wait", str(config)]])],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     *answers, found, loaded, torch_modules = [json.loads(line)
                                               for line in proc.stdout.splitlines()]
-    ls, status = answers
-    assert ls["status"] == 0 and status["status"] == 0, answers
+    ls, status, *others = answers
+    assert all(answer["status"] == 0 for answer in answers), answers
     assert [(c["id"], c["tiers"]) for c in json.loads(ls["out"])] == [("step-1", ["ram", "nvme"])]
     assert [(t["name"], t["reachable"], t["newest"]) for t in json.loads(status["out"])["tiers"]] \
         == [("ram", True, "step-1"), ("nvme", True, "step-1")]

@@ -29,13 +29,14 @@ _TOKEN_BYTES = 8
 def agree_job_token(group: Any) -> str:
     """A token naming this job, the same on every rank of ``group`` (rank 0's, in one
     broadcast of a few bytes); a fresh one without a group. Collective."""
-    # Imported here: a store that never saves (`tierstore ls`) agrees on no token.
+    mine = os.urandom(_TOKEN_BYTES)
+    if group is None:  # one process (an operator's `tierstore pin`): no torch to import
+        return mine.hex()
     import torch
     import torch.distributed as dist
 
-    token = torch.frombuffer(bytearray(os.urandom(_TOKEN_BYTES)), dtype=torch.uint8)
-    if group is not None:
-        dist.broadcast(token, group=group, group_src=0)
+    token = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    dist.broadcast(token, group=group, group_src=0)
     return bytes(token.tolist()).hex()
 
 
