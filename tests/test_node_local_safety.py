@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 from helpers import free_port, run_torchrun, script_env, torchrun_command
@@ -51,6 +52,23 @@ def run_nodes_failing(root, action: str, timeout: float = 150) -> str:
     return "\n".join(outs)
 
 
+#: The actions whose job ends normally, run in one launch (tests/scripts/node_safety_worker.py
+#: runs them one after the other, each in a directory and with a store of its own).
+SHARED_LAUNCH = ("stale", "corrupt", "order", "torn", "overwrite", "damage")
+
+
+@pytest.fixture(scope="module")
+def shared_launch(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """For each action of :data:`SHARED_LAUNCH`: its root and the lines it printed (untagged),
+    from one launch of the worker on 2 nodes x 2 ranks (every rank must end OK)."""
+    root = tmp_path_factory.mktemp("node-safety")
+    out = run_nodes(root, ",".join(SHARED_LAUNCH))
+    return {action: (root / action, "\n".join(line[len(action) + 3:]
+                                               for line in out.splitlines()
+                                               if line.startswith(f"[{action}] ")))
+            for action in SHARED_LAUNCH}
+
+
 def manifest(path) -> dict:
     return json.loads((path / "tierstore.json").read_text())
 
@@ -84,8 +102,8 @@ def test_coordinator_killed_in_finish_leaves_the_previous_checkpoint_loadable(tm
 
 
 @pytest.mark.timeout(600)
-def test_two_saves_of_one_id_are_never_mixed_in_a_load(tmp_path):
-    out = run_nodes(tmp_path, "stale")
+def test_two_saves_of_one_id_are_never_mixed_in_a_load(shared_launch):
+    tmp_path, out = shared_launch["stale"]
     # Node 1's part of ck is the second (failed) save's, node 0's the first's.
     part0 = manifest(tmp_path / "ram/0/ck")
     part1 = manifest(tmp_path / "ram/1/ck")
@@ -99,8 +117,8 @@ def test_two_saves_of_one_id_are_never_mixed_in_a_load(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_a_gathered_drain_never_commits_a_part_that_failed_its_check(tmp_path):
-    out = run_nodes(tmp_path, "corrupt")
+def test_a_gathered_drain_never_commits_a_part_that_failed_its_check(shared_launch):
+    tmp_path, out = shared_launch["corrupt"]
     errors = dict(re.findall(r"RANK (\d) DRAIN ERROR: (.*)", out))
     assert "__2_0.distcp" in errors.get("2", ""), out  # the node that read the bad copy
     assert "__2_0.distcp" in errors.get("0", ""), out  # the rank that would have committed
@@ -111,11 +129,12 @@ def test_a_gathered_drain_never_commits_a_part_that_failed_its_check(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_a_node_never_writes_a_gathered_copy_before_the_committing_rank_began_it(tmp_path):
+def test_a_node_never_writes_a_gathered_copy_before_the_committing_rank_began_it(
+        shared_launch):
     # The committing rank (rank 0) begins 3 s after node 1's leader is ready: beginning on its
     # own, node 1 could find the shared prefix unprepared, like rank 0 a moment later, and each
     # would clear what the other uploaded. Node 1 must wait for rank 0's begin.
-    out = run_nodes(tmp_path, "order")
+    tmp_path, out = shared_launch["order"]
     starts = float(re.search(r"RANK 0 DRAIN STARTS ([\d.]+)", out).group(1))
     first = float(re.search(r"RANK 2 FIRST FILE ([\d.]+)", out).group(1))
     assert first >= starts, out
@@ -129,10 +148,10 @@ def test_a_node_never_writes_a_gathered_copy_before_the_committing_rank_began_it
 
 
 @pytest.mark.timeout(600)
-def test_a_part_report_read_before_it_is_whole_is_waited_for(tmp_path):
+def test_a_part_report_read_before_it_is_whole_is_waited_for(shared_launch):
     # Rank 0 finds node 1's part report cut short (as when it reads while node 1 writes it):
     # that part is not reported yet, and the copy commits once the whole report is there.
-    out = run_nodes(tmp_path, "torn")
+    tmp_path, out = shared_launch["torn"]
     for rank in range(4):
         assert f"RANK {rank} DRAINED" in out, out
     copy = manifest(tmp_path / "shared/step-1")
@@ -143,12 +162,12 @@ def test_a_part_report_read_before_it_is_whole_is_waited_for(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_an_overwrite_reaches_the_shared_tier_from_every_rank_while_the_old_part_is_there(
-        tmp_path):
+        shared_launch):
     # Each rank copies its own files of the second save of "ck" while its node's part of the
     # first save may still be in the RAM tier (the leader replaces it a moment later): a rank
     # must copy the new save's files, never refuse or take the old part. The shared tier
     # alone then restores the second save, bitwise, on every rank.
-    out = run_nodes(tmp_path, "overwrite")
+    tmp_path, out = shared_launch["overwrite"]
     for rank in range(4):
         assert f"RANK {rank} OVERWRITTEN" in out, out
     copy = manifest(tmp_path / "shared/ck")
@@ -158,11 +177,11 @@ def test_an_overwrite_reaches_the_shared_tier_from_every_rank_while_the_old_part
 
 
 @pytest.mark.timeout(600)
-def test_an_id_whose_copy_lost_a_file_or_a_node_part_can_be_saved_again(tmp_path):
+def test_an_id_whose_copy_lost_a_file_or_a_node_part_can_be_saved_again(shared_launch):
     # step-2 lost a file of node 0's part; step-3 lost node 1's whole part (a node replaced
     # with its RAM tier empty). Neither loads, so latest() is step-1, and a restarted job that
     # saves step-2 and step-3 again must replace what is left, not stop at "already exists".
-    run_nodes(tmp_path, "damage")
+    tmp_path, _ = shared_launch["damage"]
     old_token = manifest(tmp_path / "ram/1/step-2")["save_token"]
     out = run_nodes(tmp_path, "resave")
     for rank in range(4):

@@ -2,7 +2,8 @@
 RAM tier (``keep = 1``) and, for the drain scenarios, a shared ``fsspec`` ``file://`` tier
 (``manifest-last``, no rename: what an object store does).
 
-argv: ROOT ACTION. Actions:
+argv: ROOT ACTION, or ROOT ACTION,ACTION,... to run several in one launch, each in ROOT/ACTION
+and each of its lines printed as ``[ACTION] <line>``. Actions:
 
 - ``crash``: save step-1, then step-2 with rank 0 killed (SIGKILL) in ``finish``, right before
   it writes DCP's ``.metadata``: the other node has written its part of step-2 by then.
@@ -128,11 +129,51 @@ def save(store, faults, mesh, rank, cid, step, own_numel=OWN_NUMEL):
              checkpoint_id=cid, process_group=store.process_group)
 
 
+class _Tagged:
+    """stdout with every line an action printed tagged ``[ACTION] `` (several actions in one
+    launch: the test reads each one's lines apart)."""
+
+    def __init__(self, stream, tag: str):
+        self.stream, self.tag, self.at_line_start = stream, tag, True
+
+    def write(self, text: str) -> int:
+        for piece in text.splitlines(keepends=True):
+            if self.at_line_start:
+                self.stream.write(self.tag)
+            self.stream.write(piece)
+            self.at_line_start = piece.endswith("\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    root, action = sys.argv[1], sys.argv[2]
+    root, actions = sys.argv[1], sys.argv[2].split(",")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if len(actions) == 1:
+        run_action(root, actions[0], rank, mesh)
+        return 0
+    # Several actions, one after the other, each in ROOT/ACTION with a store of its own: one
+    # launch instead of one per action (a launch of 2 nodes x 2 ranks costs seconds of CPU).
+    plain = sys.stdout
+    for action in actions:
+        if rank == 0:
+            os.makedirs(os.path.join(root, action))
+        dist.barrier()
+        sys.stdout = _Tagged(plain, f"[{action}] ")
+        try:
+            run_action(os.path.join(root, action), action, rank, mesh)
+        finally:
+            sys.stdout = plain
+        dist.barrier()
+    return 0
+
+
+def run_action(root: str, action: str, rank: int, mesh) -> None:
+    """One action (see the module's docstring) on its own store, closed at the end."""
     faults = Faults(root, action, rank)
     store = tierstore.open(config(root, action), plugins=[faults])
     if action == "crash":
@@ -234,7 +275,6 @@ def main() -> int:
             print(f"RANK {rank} DRAIN ERROR: {exc}", flush=True)
         dist.barrier()
     store.close()
-    return 0
 
 
 if __name__ == "__main__":
