@@ -29,6 +29,7 @@ LONGEST_FIRST = (
     "tests/test_erasure.py::test_two_lost_nodes_of_a_set_are_named_or_read_from_a_shared_tier",
     "tests/test_restart_path.py::test_a_restart_makes_one_s3_client",
     "tests/test_restart_requests.py::test_a_restart_asks_the_object_store_the_same_few_things",
+    "tests/test_node_local_safety.py::",  # six of its tests share one launch (a module fixture)
     "tests/test_node_local.py::test_node_local_ram_tier_with_a_shared_tier_behind_it",
     "tests/test_multirank.py::test_two_ranks_save_and_load_bitwise",
     "tests/test_hostile_checkpoints.py::test_every_bit_of_a_manifest_and_a_data_file_flipped",

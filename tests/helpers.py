@@ -9,6 +9,7 @@ this module, find them too.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import prewarm
 import pytest
 from scripts.worker_common import (assert_state_dicts_equal, assert_trees_equal, empty_like,
                                    load_like, make_async_state, make_state_dict,
@@ -26,9 +28,11 @@ from scripts.worker_common import (assert_state_dicts_equal, assert_trees_equal,
 
 __all__ = ["SCRIPTS", "assert_state_dicts_equal", "assert_trees_equal", "empty_like",
            "free_port", "load_like", "make_async_state", "make_state_dict", "mutate_everything",
-           "run_script", "run_torchrun", "script_command", "script_env", "torchrun_command"]
+           "run_script", "run_torchrun", "script_command", "script_env", "start_prewarm_server",
+           "torchrun_command"]
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+PREWARM = Path(__file__).resolve().parent / "prewarm.py"
 
 # What a worker prints on a line of its own when something is wrong (run_worker's labels).
 PROBLEM_WORDS = ("MISMATCH", "PROBLEM")
@@ -45,13 +49,55 @@ def free_port() -> int:
 
 def script_env(**extra: str) -> dict[str, str]:
     """The environment of a script's process: one OpenMP thread, unbuffered output, and none of
-    the torch.distributed variables of a job this test may itself run in; ``extra`` on top."""
+    the torch.distributed variables of a job this test may itself run in; where this process
+    started a prewarmed-interpreter server (:func:`torchrun_command`), its socket; ``extra`` on
+    top."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT"):
+                 "MASTER_ADDR", "MASTER_PORT", prewarm.ENV):
         env.pop(name, None)
+    if _prewarm.get("socket"):
+        env[prewarm.ENV] = _prewarm["socket"]
     env.update(extra)
     return env
+
+
+#: This process's prewarmed-interpreter server: its process and socket, once started.
+_prewarm: dict[str, Any] = {}
+
+
+def start_prewarm_server() -> bool:
+    """Start this process's prewarmed-interpreter server (tests/prewarm.py) unless it runs;
+    whether torchrun's agents and ranks can be started from it. ``TIERSTORE_TEST_PREWARM=off``
+    in the environment turns it off (every process then imports torch itself, as a plain
+    ``torchrun`` does)."""
+    if os.environ.get(prewarm.ENV) == "off":
+        return False
+    if "process" not in _prewarm:
+        path = os.path.join(tempfile.mkdtemp(prefix="tierstore-prewarm-"), "socket")
+        env = script_env()
+        env.pop(prewarm.ENV, None)
+        proc = subprocess.Popen([sys.executable, str(PREWARM), "--serve", path], env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        _prewarm["process"] = proc
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.path.exists(path):
+            _prewarm["socket"] = path
+            atexit.register(_stop_prewarm_server)
+        else:  # (it says why on stderr; the tests run without it)
+            _stop_prewarm_server()
+    return bool(_prewarm.get("socket"))
+
+
+def _stop_prewarm_server() -> None:
+    proc = _prewarm.get("process")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    _prewarm["socket"] = None
 
 
 def script_command(script: str, *args: Any) -> list[str]:
@@ -71,13 +117,17 @@ def torchrun_command(script: str, *args: Any, nproc: int = 2, nnodes: int = 1,
     """``python -m torch.distributed.run`` running ``tests/scripts/<script>``: one node with its
     own rendezvous (``--standalone``), or node ``node_rank`` of ``nnodes`` meeting on
     127.0.0.1:``port``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    # Started from the prewarmed-interpreter server where it runs (tests/prewarm.py: torchrun
+    # itself, each rank through a launcher as torchrun's script), saving each process the
+    # seconds of importing torch.
+    options = [f"--nproc-per-node={nproc}"]
     if nnodes == 1:
-        cmd.append("--standalone")
+        options.append("--standalone")
     else:
-        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
-                f"--master-port={port}"]
-    return [*cmd, str(SCRIPTS / script), *map(str, args)]
+        options += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
+                    f"--master-port={port}"]
+    return prewarm.torchrun_command(options, str(SCRIPTS / script), *map(str, args),
+                                    warm=start_prewarm_server())
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -115,7 +165,10 @@ def _dump_stacks(procs: list[subprocess.Popen]) -> str:
     """Ask every rank below ``procs`` for its threads' stacks, before a timed-out job is
     stopped, and return them: worker_common registers faulthandler on SIGUSR1, writing to
     ``<tmp>/tierstore-test-stacks-<pid>.txt``. What the job waited for is then in the report."""
-    pids = [pid for proc in procs for pid in _descendants(proc.pid)]
+    # (started from the prewarmed-interpreter server, the job's processes are below it)
+    server = _prewarm.get("process") if _prewarm.get("socket") else None
+    pids = [pid for proc in [*procs, *([server] if server else [])]
+            for pid in _descendants(proc.pid)]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGUSR1)

@@ -32,7 +32,7 @@ from faults.races import RACE_KINDS, launch, params, plan_races, trial_dict
 from faults.scenario import Place, Scenario
 from faults.table import kind_of
 from faults.workload import Journal, run_job
-from helpers import script_env
+from helpers import script_env, start_prewarm_server
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Trials of each hostile kind in CI (a few seconds each kind).
@@ -48,6 +48,7 @@ CORE_ROWS = ("save/save_begin", "save/write_file", "save/write_metadata", "save/
 def sample(tmp_path_factory):
     """The sample's outcome: (the process, its JSON report, its Markdown table)."""
     out = tmp_path_factory.mktemp("faults")
+    start_prewarm_server()  # its torchrun launches start from this worker's prewarmed interpreter
     proc = subprocess.run(
         [sys.executable, "-m", "tests.faults", "--sample", "--json", str(out / "sample.json"),
          "--table", str(out / "table.md")],

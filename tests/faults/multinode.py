@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import prewarm
+
 from .plan import Trial
 
 __all__ = ["MULTINODE_FAULTS", "plan_multinode", "plan_parity", "run_chain", "spec_of",
@@ -75,10 +77,11 @@ def launch(check_root: str | None, job_root: str | None, spec: dict, log: str) -
     procs = []
     with open(log, "ab") as out:
         for node in range(NNODES):
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}",
-                   f"--nnodes={NNODES}", f"--node-rank={node}", "--master-addr=127.0.0.1",
-                   f"--master-port={port}", str(SCRIPT), check_root or "-", job_root or "-",
-                   json.dumps(spec)]
+            cmd = prewarm.torchrun_command(
+                [f"--nproc-per-node={NPROC}", f"--nnodes={NNODES}", f"--node-rank={node}",
+                 "--master-addr=127.0.0.1", f"--master-port={port}"],
+                str(SCRIPT), check_root or "-", job_root or "-", json.dumps(spec),
+                warm=prewarm.available())
             procs.append(subprocess.Popen(cmd, env=_env(), stdout=out, stderr=out,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         timed_out = wait_or_kill(procs, LAUNCH_TIMEOUT)

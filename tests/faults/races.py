@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import prewarm
+
 from .multinode import wait_or_kill
 from .plan import Trial
 
@@ -178,8 +180,8 @@ def launch(kind: str, shape: tuple[int, int], check: list[dict], run: list[dict]
     with open(log, "ab") as out:
         for rank in range(world):
             procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPT), plan_path], env=_env(rank, world, rank // nproc,
-                                                                   nproc, port),
+                prewarm.python_command(str(SCRIPT), plan_path, warm=prewarm.available()),
+                env=_env(rank, world, rank // nproc, nproc, port),
                 stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True))
         timed_out = wait_or_kill(procs, timeout)
     return {"codes": [p.returncode for p in procs], "timed_out": timed_out,
