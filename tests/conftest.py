@@ -18,30 +18,29 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-#: Tests that take 30 s or more on the 2-core CI machine, longest first (from `make test`'s
-#: --durations of 2026-11-30). They are scheduled first, half at the head of each xdist
-#: worker's share, so that no long test starts last and keeps one worker busy after the other
-#: ran out of work.
+#: Tests that take 10 s or more on the 2-core CI machine, longest first (from `make test`'s
+#: --durations of 2026-11-30, agents and ranks started from the prewarmed interpreter). They
+#: are scheduled first, half at the head of each xdist worker's share, so that no long test
+#: starts last and keeps one worker busy after the other ran out of work.
 LONGEST_FIRST = (
     "tests/test_fault_matrix.py::",  # its tests share the sample (a module fixture)
     "tests/test_simulate.py::test_simulate_runs_both_contenders_through_every_failure",
     "tests/test_reshard.py::test_a_2x2_checkpoint_restores_bitwise_at_other_shapes",
+    "tests/test_hostile_checkpoints.py::test_every_bit_of_a_manifest_and_a_data_file_flipped",
+    "tests/test_node_local_safety.py::",  # six of its tests share one launch (a module fixture)
+    "tests/test_simulate.py::test_repeated_rounds_interleave_the_contenders",
+    "tests/test_hangs.py::test_a_lost_rank_is_named_instead_of_waited_for[latest-hung]",
     "tests/test_erasure.py::test_two_lost_nodes_of_a_set_are_named_or_read_from_a_shared_tier",
+    "tests/test_dedup_multirank.py::test_adapter_training_saves_only_what_changed",
     "tests/test_restart_path.py::test_a_restart_makes_one_s3_client",
     "tests/test_restart_requests.py::test_a_restart_asks_the_object_store_the_same_few_things",
-    "tests/test_node_local_safety.py::",  # six of its tests share one launch (a module fixture)
-    "tests/test_node_local.py::test_node_local_ram_tier_with_a_shared_tier_behind_it",
     "tests/test_multirank.py::test_two_ranks_save_and_load_bitwise",
-    "tests/test_hostile_checkpoints.py::test_every_bit_of_a_manifest_and_a_data_file_flipped",
-    "tests/test_torchtitan.py::test_a_rank_killed_mid_run_resumes_bitwise_and_trains_as",
     "tests/test_peer.py::test_a_lost_node_comes_back_from_its_peers[clique]",
-    "tests/test_operator_cli.py::test_an_id_on_no_tier_gets_one_exit_status_and_one_hint",
-    "tests/test_cli.py::test_ls_verify_gc_pin",
-    "tests/test_operator_cli.py::test_every_command_answers_json_and_nothing_else_on_stdout",
-    "tests/test_dedup_multirank.py::test_adapter_training_saves_only_what_changed",
-    "tests/test_hangs.py::test_a_lost_rank_is_named_instead_of_waited_for[latest-hung]",
+    "tests/test_node_local.py::test_node_local_ram_tier_with_a_shared_tier_behind_it",
+    "tests/test_bench_charts.py::test_chart_from_real_json[save_load]",
     "tests/test_lightning.py::test_a_trainer_killed_mid_run_resumes_from_the_newest_checkpoint",
-    "tests/test_lightning.py::test_pytorch_lightning_fsdp1_and_fabric_strategies",
+    "tests/test_example_plugin.py::test_the_example_passes_its_conformance_tests",
+    "tests/test_torchtitan.py::test_a_rank_killed_mid_run_resumes_bitwise_and_trains_as",
 )
 
 

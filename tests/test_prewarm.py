@@ -48,6 +48,8 @@ def program(tmp_path):
 
 def start(program: str, *args: str, warm: bool = True) -> subprocess.Popen:
     if warm:
+        if os.environ.get(prewarm.ENV) == "off":
+            pytest.skip(f"the prewarmed interpreter is turned off ({prewarm.ENV}=off)")
         assert helpers.start_prewarm_server(), "the prewarmed-interpreter server did not start"
     env = helpers.script_env(PREWARM_PROBE="probe")
     if not warm:
