@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -74,20 +76,26 @@ def start_prewarm_server() -> bool:
     if os.environ.get(prewarm.ENV) == "off":
         return False
     if "process" not in _prewarm:
-        path = os.path.join(tempfile.mkdtemp(prefix="tierstore-prewarm-"), "socket")
+        directory = tempfile.mkdtemp(prefix="tierstore-prewarm-")
+        path = os.path.join(directory, "socket")
         env = script_env()
         env.pop(prewarm.ENV, None)
-        proc = subprocess.Popen([sys.executable, str(PREWARM), "--serve", path], env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        _prewarm["process"] = proc
+        # (its log, not a pipe: nobody reads it while the server runs, and a full pipe would
+        # stop whichever of its processes writes to it)
+        with open(os.path.join(directory, "server.log"), "wb") as log:
+            proc = subprocess.Popen([sys.executable, str(PREWARM), "--serve", path], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        _prewarm["process"], _prewarm["directory"] = proc, directory
         deadline = time.monotonic() + 120
         while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if os.path.exists(path):
             _prewarm["socket"] = path
             atexit.register(_stop_prewarm_server)
-        else:  # (it says why on stderr; the tests run without it)
+        else:  # the tests run without it, saying why
+            with open(os.path.join(directory, "server.log"), errors="replace") as log:
+                warnings.warn(f"the prewarmed-interpreter server did not start; every process "
+                              f"imports torch itself: {log.read()[-2000:]}", stacklevel=2)
             _stop_prewarm_server()
     return bool(_prewarm.get("socket"))
 
@@ -98,6 +106,8 @@ def _stop_prewarm_server() -> None:
         proc.kill()
         proc.wait()
     _prewarm["socket"] = None
+    if _prewarm.get("directory"):
+        shutil.rmtree(_prewarm.pop("directory"), ignore_errors=True)
 
 
 def script_command(script: str, *args: Any) -> list[str]:
