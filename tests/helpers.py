@@ -58,54 +58,64 @@ def script_env(**extra: str) -> dict[str, str]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "MASTER_ADDR", "MASTER_PORT", prewarm.ENV):
         env.pop(name, None)
-    if _prewarm.get("socket"):
-        env[prewarm.ENV] = _prewarm["socket"]
+    if _prewarm.get("sockets"):
+        env[prewarm.ENV] = _prewarm["sockets"]
     env.update(extra)
     return env
 
 
-#: This process's prewarmed-interpreter server: its process and socket, once started.
+#: Servers per pytest worker: a process that starts afresh gets a hash seed of its own (string
+#: hashes, and with them the order of sets of strings, differ between the ranks of a real job),
+#: while the processes forked from one server share its seed. Rank r is forked from server
+#: r % PREWARM_SERVERS, so the ranks of a job of up to 4 differ as they would.
+PREWARM_SERVERS = 4
+
+#: This process's prewarmed-interpreter servers: their processes, sockets and directory.
 _prewarm: dict[str, Any] = {}
 
 
 def start_prewarm_server() -> bool:
-    """Start this process's prewarmed-interpreter server (tests/prewarm.py) unless it runs;
-    whether torchrun's agents and ranks can be started from it. ``TIERSTORE_TEST_PREWARM=off``
-    in the environment turns it off (every process then imports torch itself, as a plain
+    """Start this process's prewarmed-interpreter servers (tests/prewarm.py) unless they run;
+    whether torchrun's agents and ranks can be started from them. ``TIERSTORE_TEST_PREWARM=off``
+    in the environment turns them off (every process then imports torch itself, as a plain
     ``torchrun`` does)."""
     if os.environ.get(prewarm.ENV) == "off":
         return False
-    if "process" not in _prewarm:
+    if "processes" not in _prewarm:
         directory = tempfile.mkdtemp(prefix="tierstore-prewarm-")
-        path = os.path.join(directory, "socket")
+        paths = [os.path.join(directory, f"socket-{i}") for i in range(PREWARM_SERVERS)]
         env = script_env()
         env.pop(prewarm.ENV, None)
-        # (its log, not a pipe: nobody reads it while the server runs, and a full pipe would
-        # stop whichever of its processes writes to it)
-        with open(os.path.join(directory, "server.log"), "wb") as log:
-            proc = subprocess.Popen([sys.executable, str(PREWARM), "--serve", path], env=env,
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        _prewarm["process"], _prewarm["directory"] = proc, directory
+        env.pop("PYTHONHASHSEED", None)  # (a seed of its own for each server)
+        log_path = os.path.join(directory, "servers.log")
+        # (a log, not a pipe: nobody reads it while the servers run, and a full pipe would
+        # stop whichever of their processes writes to it)
+        with open(log_path, "wb") as log:
+            procs = [subprocess.Popen([sys.executable, str(PREWARM), "--serve", path], env=env,
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                     for path in paths]
+        _prewarm.update(processes=procs, directory=directory)
         deadline = time.monotonic() + 120
-        while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+        while not all(map(os.path.exists, paths)) and time.monotonic() < deadline \
+                and all(p.poll() is None for p in procs):
             time.sleep(0.05)
-        if os.path.exists(path):
-            _prewarm["socket"] = path
+        if all(map(os.path.exists, paths)):
+            _prewarm["sockets"] = os.pathsep.join(paths)
             atexit.register(_stop_prewarm_server)
-        else:  # the tests run without it, saying why
-            with open(os.path.join(directory, "server.log"), errors="replace") as log:
-                warnings.warn(f"the prewarmed-interpreter server did not start; every process "
+        else:  # the tests run without them, saying why
+            with open(log_path, errors="replace") as log:
+                warnings.warn(f"the prewarmed-interpreter servers did not start; every process "
                               f"imports torch itself: {log.read()[-2000:]}", stacklevel=2)
             _stop_prewarm_server()
-    return bool(_prewarm.get("socket"))
+    return bool(_prewarm.get("sockets"))
 
 
 def _stop_prewarm_server() -> None:
-    proc = _prewarm.get("process")
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    _prewarm["socket"] = None
+    for proc in _prewarm.get("processes", []):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _prewarm["sockets"] = None
     if _prewarm.get("directory"):
         shutil.rmtree(_prewarm.pop("directory"), ignore_errors=True)
 
@@ -176,9 +186,8 @@ def _dump_stacks(procs: list[subprocess.Popen]) -> str:
     stopped, and return them: worker_common registers faulthandler on SIGUSR1, writing to
     ``<tmp>/tierstore-test-stacks-<pid>.txt``. What the job waited for is then in the report."""
     # (started from the prewarmed-interpreter server, the job's processes are below it)
-    server = _prewarm.get("process") if _prewarm.get("socket") else None
-    pids = [pid for proc in [*procs, *([server] if server else [])]
-            for pid in _descendants(proc.pid)]
+    servers = _prewarm.get("processes", []) if _prewarm.get("sockets") else []
+    pids = [pid for proc in [*procs, *servers] for pid in _descendants(proc.pid)]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGUSR1)

@@ -15,8 +15,9 @@ from torchrun or the test, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2) to the forked pr
 and ends as the forked process ended (its exit status, or killed by the same signal). A forked
 process whose launcher is gone (SIGKILLed) kills itself at once: nothing is left running. The
 server imports no part of tierstore, fsspec or s3fs (tests check what a rank imports), and is
-found through ``TIERSTORE_TEST_PREWARM`` (its socket); without it, or when it does not answer,
-the launcher runs the program itself, as ``python`` would.
+found through ``TIERSTORE_TEST_PREWARM`` (its socket, or several: rank r takes the r-th modulo
+their number, so that the ranks of a job do not share a hash seed); without it, or when it does
+not answer, the launcher runs the program itself, as ``python`` would.
 
     python tests/prewarm.py --serve SOCKET              # the server (tests/helpers.py starts it)
     python tests/prewarm.py -m torch.distributed.run ...  # an agent
@@ -33,7 +34,7 @@ import socket
 import struct
 import sys
 
-#: Names the server's socket in the environment of the launchers.
+#: Names the servers' sockets (joined by os.pathsep) in the environment of the launchers.
 ENV = "TIERSTORE_TEST_PREWARM"
 #: The signals a launcher passes on to the process it stands for.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -87,12 +88,14 @@ def torchrun_command(options: list[str], script: str, *args: str, warm: bool) ->
 
 def launch(argv: list[str]) -> None:
     """Run ``python *argv`` in a process forked from the server; end as it ended."""
-    path = os.environ.get(ENV)
+    # One of the servers (a list of sockets), by rank: ranks of one job get different
+    # servers, and so different hash seeds, as processes started afresh would.
+    paths = os.environ.get(ENV, "off").split(os.pathsep)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        if not path:
+        if paths == ["off"]:
             raise OSError("no server")
-        conn.connect(path)
+        conn.connect(paths[int(os.environ.get("RANK", "0")) % len(paths)])
         _send(conn, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
         started, _ = _receive(conn)
     except OSError:

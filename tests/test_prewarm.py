@@ -22,6 +22,7 @@ print("ARGV", sys.argv[1:], flush=True)
 print("CWD", os.getcwd(), flush=True)
 print("ENV", os.environ.get("PREWARM_PROBE"), flush=True)
 print("TORCH ALREADY", "torch" in sys.modules, flush=True)
+print("HASH", hash("tierstore"), flush=True)
 print("LINE", sys.stdin.readline().strip(), flush=True)
 what = sys.argv[1]
 if what == "exit":
@@ -46,12 +47,12 @@ def program(tmp_path):
     return str(path)
 
 
-def start(program: str, *args: str, warm: bool = True) -> subprocess.Popen:
+def start(program: str, *args: str, warm: bool = True, **env: str) -> subprocess.Popen:
     if warm:
         if os.environ.get(prewarm.ENV) == "off":
             pytest.skip(f"the prewarmed interpreter is turned off ({prewarm.ENV}=off)")
         assert helpers.start_prewarm_server(), "the prewarmed-interpreter server did not start"
-    env = helpers.script_env(PREWARM_PROBE="probe")
+    env = helpers.script_env(PREWARM_PROBE="probe", **env)
     if not warm:
         env.pop(prewarm.ENV, None)
     return subprocess.Popen([sys.executable, str(helpers.PREWARM), program, *args], env=env,
@@ -68,6 +69,19 @@ def test_the_program_gets_what_python_would_give_it_and_its_exit_status(program,
     # torch was imported by the server, once, and by nobody without it
     assert f"TORCH ALREADY {warm}" in out, out
     assert "LINE a line on stdin" in out, out
+
+
+def test_the_ranks_of_a_job_do_not_share_a_hash_seed(program):
+    """String hashes (and the order of sets of strings) differ between processes started
+    afresh; ranks forked from one server would share them and agree where a real job's ranks
+    do not."""
+    hashes = set()
+    for rank in range(helpers.PREWARM_SERVERS):
+        proc = start(program, "exit", "0", RANK=str(rank))
+        out, err = proc.communicate("\n", timeout=60)
+        assert proc.returncode == 0 and "TORCH ALREADY True" in out, err
+        hashes.add(next(line for line in out.splitlines() if line.startswith("HASH ")))
+    assert len(hashes) == helpers.PREWARM_SERVERS, hashes
 
 
 def test_an_exception_prints_its_traceback_and_exits_1(program):
