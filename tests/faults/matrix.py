@@ -44,6 +44,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import prewarm
 import torch
 
 import tierstore
@@ -818,6 +819,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = parse_args(argv)
     warm_up()
+    if prewarm.ENV not in os.environ:
+        # Run by hand (`make faults`): the multi-node and race launches start from prewarmed
+        # interpreters of their own, as under pytest (tests/prewarm.py).
+        from helpers import script_env, start_prewarm_server
+
+        if start_prewarm_server():
+            os.environ[prewarm.ENV] = script_env()[prewarm.ENV]
     matrix = Matrix(args)
     if args.trial is not None:
         return matrix.run_one(args.trial)
