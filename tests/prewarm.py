@@ -116,8 +116,8 @@ def launch(argv: list[str]) -> None:
     ended, _ = _receive(conn)
     status = ended["status"] if ended else 128 + signal.SIGKILL
     if status < 0:  # killed by a signal: so is the launcher
-        for signum in FORWARDED:
-            signal.signal(signum, signal.SIG_DFL)
+        for signum in {*FORWARDED, -status} - {signal.SIGKILL, signal.SIGSTOP}:
+            signal.signal(signum, signal.SIG_DFL)  # (python ignores SIGPIPE, for one)
         sys.stdout.flush()
         os.kill(os.getpid(), -status)
     sys.exit(status)

@@ -29,6 +29,9 @@ if what == "exit":
     sys.exit(int(sys.argv[2]))
 if what == "sigkill":
     os.kill(os.getpid(), signal.SIGKILL)
+if what == "sigpipe":  # (a signal python itself ignores)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
 if what == "raise":
     raise ValueError("from the program")
 if what in ("wait", "term"):
@@ -91,10 +94,11 @@ def test_an_exception_prints_its_traceback_and_exits_1(program):
     assert "ValueError: from the program" in err and "Traceback" in err, err
 
 
-def test_a_program_killed_by_a_signal_is_a_launcher_killed_by_it(program):
-    proc = start(program, "sigkill")
+@pytest.mark.parametrize("sig", ["sigkill", "sigpipe"])
+def test_a_program_killed_by_a_signal_is_a_launcher_killed_by_it(program, sig):
+    proc = start(program, sig)
     proc.communicate("\n", timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.returncode == -getattr(signal, sig.upper())
 
 
 def test_sigterm_to_the_launcher_reaches_the_program(program, tmp_path):
