@@ -60,8 +60,23 @@ def script_env(**extra: str) -> dict[str, str]:
         env.pop(name, None)
     if _prewarm.get("sockets"):
         env[prewarm.ENV] = _prewarm["sockets"]
+    env[STACKS_ENV] = _stacks_directory()
     env.update(extra)
     return env
+
+
+#: Names the directory where the ranks put their stack dumps (tests/scripts/worker_common.py).
+STACKS_ENV = "TIERSTORE_TEST_STACKS"
+_stacks: list[str] = []
+
+
+def _stacks_directory() -> str:
+    """This process's directory for its jobs' stack dumps, made on first use and removed at
+    exit with what was left there (a rank killed with SIGKILL leaves its empty file)."""
+    if not _stacks:
+        _stacks.append(tempfile.mkdtemp(prefix="tierstore-test-stacks-"))
+        atexit.register(shutil.rmtree, _stacks[0], True)
+    return _stacks[0]
 
 
 #: Servers per pytest worker: a process that starts afresh gets a hash seed of its own (string
@@ -184,7 +199,8 @@ def _descendants(pid: int) -> list[int]:
 def _dump_stacks(procs: list[subprocess.Popen]) -> str:
     """Ask every rank below ``procs`` for its threads' stacks, before a timed-out job is
     stopped, and return them: worker_common registers faulthandler on SIGUSR1, writing to
-    ``<tmp>/tierstore-test-stacks-<pid>.txt``. What the job waited for is then in the report."""
+    ``tierstore-test-stacks-<pid>.txt`` in :func:`_stacks_directory`. What the job waited for
+    is then in the report."""
     # (started from the prewarmed-interpreter server, the job's processes are below it)
     servers = _prewarm.get("processes", []) if _prewarm.get("sockets") else []
     pids = [pid for proc in [*procs, *servers] for pid in _descendants(proc.pid)]
@@ -196,7 +212,7 @@ def _dump_stacks(procs: list[subprocess.Popen]) -> str:
     time.sleep(1)
     dumps = []
     for pid in pids:
-        path = os.path.join(tempfile.gettempdir(), f"tierstore-test-stacks-{pid}.txt")
+        path = os.path.join(_stacks_directory(), f"tierstore-test-stacks-{pid}.txt")
         try:
             with open(path) as f:
                 dumps.append(f"--- stacks of process {pid}\n{f.read()}")

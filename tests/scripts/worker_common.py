@@ -31,9 +31,10 @@ from tierstore_conformance.roundtrip import _empty_like as empty_like
 # apart, so that two ranks' lines interleave ("RANK 1 ... FAILED xRANK 0 ... FAILED y").
 sys.stdout.reconfigure(line_buffering=True, write_through=False)
 # A test that times out asks every rank for its stacks (tests/helpers.py: SIGUSR1), into a file
-# of its own (the ranks of a node share stderr, where two dumps would interleave).
-_STACKS = open(os.path.join(tempfile.gettempdir(), f"tierstore-test-stacks-{os.getpid()}.txt"),
-               "w")
+# of its own (the ranks of a node share stderr, where two dumps would interleave), in the
+# directory the test's process names (removed when it ends, with the files of killed ranks).
+_STACKS = open(os.path.join(os.environ.get("TIERSTORE_TEST_STACKS") or tempfile.gettempdir(),
+                            f"tierstore-test-stacks-{os.getpid()}.txt"), "w")
 faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
 # (removed at a normal end; a dump is read and removed by the test that asked for it)
 atexit.register(lambda: _STACKS.tell() == 0 and os.unlink(_STACKS.name))
