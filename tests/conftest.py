@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import compileall
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 import tierstore
+from tierstore_simulate.run import byte_compile
 
 # The shared helpers' and the conformance kit's asserts explain themselves when they fail.
 pytest.register_assert_rewrite("helpers", "scripts.worker_common", "tierstore_conformance")
@@ -42,6 +45,18 @@ LONGEST_FIRST = (
     "tests/test_example_plugin.py::test_the_example_passes_its_conformance_tests",
     "tests/test_torchtitan.py::test_a_rank_killed_mid_run_resumes_bitwise_and_trains_as",
 )
+
+
+def pytest_sessionstart(session):
+    """Write the bytecode of the project's packages and of the tests' scripts once, before any
+    test (in the controller, before xdist starts its workers). The suite starts some 650
+    processes that import tierstore; with ``PYTHONDONTWRITEBYTECODE`` set (as on CI machines)
+    each would compile every module it imports from source."""
+    if hasattr(session.config, "workerinput"):
+        return
+    byte_compile(("tierstore", "tierstore_plugins", "tierstore_simulate",
+                  "tierstore_conformance"))
+    compileall.compile_dir(str(Path(__file__).parent), quiet=2)
 
 
 def pytest_collection_modifyitems(config, items):

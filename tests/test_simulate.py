@@ -334,3 +334,26 @@ def test_repeated_rounds_interleave_the_contenders_and_report_each_ones_median(t
             events = (out / c["name"] / f"round-{r}" / "events.jsonl").read_text()
             assert '"loaded"' not in events, (c["name"], r)
     assert "goodput per round:" in proc.stdout, proc.stdout
+
+
+def test_the_jobs_start_from_bytecode_even_where_python_writes_none(tmp_path, monkeypatch):
+    """A restart is mostly start-up, and the simulator compares restarts: the project's modules
+    are compiled before any job starts (as pip compiles an installed package), so that a job
+    started from a source checkout with PYTHONDONTWRITEBYTECODE does not compile them again in
+    every process, a cost torch's compiled modules do not have."""
+    import importlib.util
+    from pathlib import Path
+
+    from tierstore_simulate.run import _JOB_PACKAGES, byte_compile
+
+    package = tmp_path / "simulated_pkg"
+    (package / "inner").mkdir(parents=True)
+    for source in ("__init__.py", "mod.py", "inner/__init__.py", "inner/deep.py"):
+        (package / source).write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # what PYTHONDONTWRITEBYTECODE sets
+    assert byte_compile(("simulated_pkg",)) == [str(package)]
+    for source in package.rglob("*.py"):
+        assert Path(importlib.util.cache_from_source(str(source))).is_file(), source
+    # What the job imports of this project is among what the simulator compiles.
+    assert {"tierstore", "tierstore_plugins", "tierstore_simulate"} <= set(_JOB_PACKAGES)
