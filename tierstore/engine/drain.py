@@ -57,6 +57,29 @@ _RANK_REPORT = ".tierstore-rank-{}.json"
 #: longest wait between two looks of the committing rank for the other parts of a gathered
 #: copy: a look is one listing, and the wait is straight on the time to durable
 _PART_POLL_MAX_S = 0.1
+#: the first and the longest wait between two looks at a tier on this machine's filesystems
+#: (a look is a local listing or a read of a small file, cheap)
+_LOCAL_POLL_FIRST_S, _LOCAL_POLL_MAX_S = 0.005, 0.02
+
+
+class _Polls:
+    """The waits between one rank's looks at ``tier`` for what other ranks make there (a
+    node's committed part, the other ranks' reports): each wait is straight on the time to
+    durable. On a tier of this machine's filesystems a look is cheap, so the waits stay short;
+    on a remote one (an object store) each look is a request, so they grow, from ``first`` up
+    to ``most``. Only for looks that do not grow with the job: one rank's, or a node-local
+    tier's (every rank waiting for the committing rank's begin on a shared tier keeps a
+    schedule that grows to half a second)."""
+
+    def __init__(self, tier: Tier, first: float, most: float):
+        local = tier.backend.local_path("") is not None
+        self._delay = _LOCAL_POLL_FIRST_S if local else first
+        self._most = min(most, _LOCAL_POLL_MAX_S) if local else most
+
+    def wait(self) -> None:
+        """Sleep until the next look."""
+        time.sleep(self._delay)
+        self._delay = min(self._delay * 2, self._most)
 
 
 @dataclass(frozen=True)
@@ -353,7 +376,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         save is over without it."""
         source, cid, leader = job.source, job.checkpoint_id, job.source.layout.leader
         deadline = time.monotonic() + self._part_timeout
-        delay = 0.005
+        polls = _Polls(source, 0.005, _PART_POLL_MAX_S)
         over = False
         while True:
             manifest = source.read_manifest(cid)
@@ -376,8 +399,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                     f"'{source.name}', did not commit it (lost, the process is exiting, or "
                     f"past part_timeout); this rank's files were not copied to "
                     f"'{target.name}'", cid, target.name)
-            time.sleep(delay)
-            delay = min(delay * 2, _PART_POLL_MAX_S)
+            polls.wait()
 
     def _reporters(self, job: DrainJob, source: Tier) -> dict[int, str]:
         """The ranks whose reports the committing rank waits for, with their reports' names:
@@ -785,7 +807,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         this very save and clears nothing."""
         cid, token = job.checkpoint_id, job.token
         deadline = time.monotonic() + self._part_timeout
-        delay = 0.02
+        delay = 0.02  # (every rank of the job looks: its looks at a shared tier grow slowly)
         while True:
             if set(target.leftovers()) - set(target.leftovers(protect={token})):
                 return
@@ -843,7 +865,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         vouched = {rel: e.checksum for rel, e in manifest.files.items()}
         reported: set[int] = set()
         deadline = time.monotonic() + self._part_timeout
-        delay = 0.02
+        polls = _Polls(target, 0.02, _PART_POLL_MAX_S)
         while True:
             listed = target.backend.inventory(staging)
             for r, name in reporters.items():
@@ -895,8 +917,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                     f"{', '.join(sorted(missing)[:5]) or 'none'}; ranks not reported: "
                     f"{waiting or 'none'}); see those ranks' store.wait() errors",
                     cid, target.name)
-            time.sleep(delay)
-            delay = min(delay * 2, _PART_POLL_MAX_S)
+            polls.wait()
 
     def _await_reports(self, job: DrainJob, target: Tier, staging: str, source: Tier) -> None:
         """The committing rank, whose gathered copy failed: wait until every other rank has
@@ -905,7 +926,7 @@ class Drainer(BackgroundJobs[DrainJob]):
         the last upload to it."""
         reporters = self._reporters(job, source)
         deadline = time.monotonic() + self._part_timeout
-        delay = 0.02
+        polls = _Polls(target, 0.02, _PART_POLL_MAX_S)
         while True:
             listed = target.backend.inventory(staging)
             waiting = [r for r, name in reporters.items()
@@ -916,8 +937,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                 waiting = [r for r in waiting if r not in lost]
             if not waiting or self._past_exit_deadline() or time.monotonic() > deadline:
                 return
-            time.sleep(delay)
-            delay = min(delay * 2, _PART_POLL_MAX_S)
+            polls.wait()
 
     @staticmethod
     def _read_report(target: Tier, path: str) -> dict | None:
