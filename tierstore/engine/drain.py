@@ -39,7 +39,7 @@ from tierstore.format.manifest import METADATA_NAME, FileEntry, Manifest
 from tierstore.format.checksum import same_digest
 from tierstore.tiers.layout import TierLayout
 from tierstore.tiers.tier import Tier
-from tierstore.transport.collectives import drop_posts, post, read_post, seen_lost
+from tierstore.transport.collectives import all_posted, drop_posts, post, read_post, seen_lost
 from tierstore.transport.messages import MessageError, decode_message, encode_message
 
 if TYPE_CHECKING:
@@ -57,9 +57,31 @@ _RANK_REPORT = ".tierstore-rank-{}.json"
 #: longest wait between two looks of the committing rank for the other parts of a gathered
 #: copy: a look is one listing, and the wait is straight on the time to durable
 _PART_POLL_MAX_S = 0.1
+#: a gathered copy's words in the job's key-value store (see _drain_key) are asked for at waits
+#: growing to this (a question each is a small request to the store's server, from every rank
+#: that waits), and the tier itself is looked at once per _LOOK_EVERY_S meanwhile (a word that
+#: never comes: a rank that could not leave it)
+_WORD_POLL_MAX_S, _LOOK_EVERY_S = 0.2, 1.0
 #: the first and the longest wait between two looks at a tier on this machine's filesystems
 #: (a look is a local listing or a read of a small file, cheap)
 _LOCAL_POLL_FIRST_S, _LOCAL_POLL_MAX_S = 0.005, 0.02
+
+
+def _drain_key(token: str, tier: str, what: str) -> str:
+    """A word about the gathered copy of save ``token`` to ``tier`` in the job's key-value
+    store: ``begun`` (the committing rank began the copy: the others begin theirs) or
+    ``reported-<rank>`` (that rank reported its part on the tier, where the committing rank
+    reads it)."""
+    return f"tierstore/drain/{token}/{tier}/{what}"
+
+
+def _wake(key: str) -> None:
+    """Leave the word ``key`` (best effort: the ranks waiting for it look at the tier every
+    ``_WAKE_WAIT_S`` without it)."""
+    try:
+        post(key, b"1")
+    except Exception:  # noqa: BLE001 - the waiters find the tier's answer without it
+        log.debug("could not leave the wake-up %s", key, exc_info=True)
 
 
 class _Polls:
@@ -302,19 +324,24 @@ class Drainer(BackgroundJobs[DrainJob]):
     # -- the jobs ------------------------------------------------------------------------------
     def run_job(self, job: DrainJob) -> None:
         for target in job.targets:
-            try:
-                self._drain_one(job, target)
-            except BaseException as exc:
-                if isinstance(exc, DrainError) and self._overwritten(job):
-                    # A newer save of the same id replaced the source under the copy (the
-                    # bytes read are that save's, not those of the manifest the copy began
-                    # with): its own drain copies it; this one gives way.
-                    log.info("%s on tier '%s' was saved again while it was being copied to "
-                             "'%s'; the newer save's drain copies it", job.checkpoint_id,
-                             job.source.name, target.name)
-                else:
-                    self._target_failed(job, target, exc)
-            job.done.append(target.name)
+            self._drain_target(job, target)
+
+    def _drain_target(self, job: DrainJob, target: Tier) -> None:
+        """Copy ``job``'s checkpoint to ``target``; a failure is reported (an event, the
+        store's errors), never raised."""
+        try:
+            self._drain_one(job, target)
+        except BaseException as exc:
+            if isinstance(exc, DrainError) and self._overwritten(job):
+                # A newer save of the same id replaced the source under the copy (the
+                # bytes read are that save's, not those of the manifest the copy began
+                # with): its own drain copies it; this one gives way.
+                log.info("%s on tier '%s' was saved again while it was being copied to "
+                         "'%s'; the newer save's drain copies it", job.checkpoint_id,
+                         job.source.name, target.name)
+            else:
+                self._target_failed(job, target, exc)
+        job.done.append(target.name)
 
     @staticmethod
     def _overwritten(job: DrainJob) -> bool:
@@ -503,7 +530,12 @@ class Drainer(BackgroundJobs[DrainJob]):
                 f"({target.backend.describe()}), so it was not replaced there; it is complete "
                 f"on tier '{source.name}'. Save under a new id, or set [store] overwrite = true",
                 cid, target.name)
-        if rank == target.layout.leader:
+        # What interrupted saves left on the target goes before the copy where it takes room
+        # the copy may need (a filesystem), and after it on an object store, where looking
+        # for it reads every checkpoint's markers there: requests not on the time to durable.
+        collects = rank == target.layout.leader
+        collect_after = collects and target.backend.local_path("") is None
+        if collects and not collect_after:
             self._gc.collect(target, protect={job.token})
         token = job.token if gathering else uuid.uuid4().hex[:16]
         transcode = manifest.codecs != [c.name for c in target.config.codecs]
@@ -519,6 +551,9 @@ class Drainer(BackgroundJobs[DrainJob]):
             # ranks could each find it unprepared and each clear the other's uploads.
             self._wait_for_begin(job, target)
         staging = target.begin_save(cid, token)
+        if gathering and commits:
+            # The other ranks wait for this begin (see _wait_for_begin): they look now.
+            _wake(_drain_key(token, target.name, "begun"))
         marked = False  # the copy carries the part's pending marker
         try:
             if transcode:
@@ -532,6 +567,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                                                  key=lambda r: -share.files[r].size)])
             if gathering and not commits:
                 self._part_done(target, staging, _RANK_REPORT.format(rank), share, None)
+                _wake(_drain_key(token, target.name, f"reported-{rank}"))
             if commits:
                 if not transcode:
                     copy = self._target_manifest(job, source, target, manifest, gathering)
@@ -569,9 +605,13 @@ class Drainer(BackgroundJobs[DrainJob]):
                 self._safely(lambda exc=exc: self._part_done(
                     target, staging, _RANK_REPORT.format(rank), share, exc),
                     f"withdrawing this rank's part of {cid} on '{target.name}'")
+                _wake(_drain_key(token, target.name, f"reported-{rank}"))
             raise
         finally:
             target.end_writing(staging)  # this rank's part is there; rank 0 commits the rest
+            if gathering and commits:  # every other rank has begun and reported, or never will
+                drop_posts([_drain_key(token, target.name, what) for what in
+                            ["begun", *(f"reported-{r}" for r in self._reporters(job, source))]])
         seconds = time.perf_counter() - started
         host.event(Event(EventKind.DRAIN_FINISHED, cid, target.name, rank, seconds,
                          share.size_bytes, {"source": source.name, "committed": commits}))
@@ -579,6 +619,9 @@ class Drainer(BackgroundJobs[DrainJob]):
                  target.name, share.size_bytes, seconds)
         if commits:
             self._retention.apply_quietly(target)
+        if collect_after:
+            self._safely(lambda: self._gc.collect(target, protect={job.token}),
+                         f"removing what interrupted saves left on '{target.name}'")
 
     @staticmethod
     def _can_upload(source: Tier, target: Tier, cid: str, manifest: Manifest) -> bool:
@@ -801,16 +844,28 @@ class Drainer(BackgroundJobs[DrainJob]):
 
     def _wait_for_begin(self, job: DrainJob, target: Tier) -> None:
         """A rank that does not commit a gathered copy: wait until the committing rank has
-        begun it, that is until the tier holds work in progress of this save's token (a
-        staging directory, a prefix marked with it), which only the committing rank's begin
-        makes. Beginning after it, this rank's own begin finds the directory prepared for
-        this very save and clears nothing."""
+        begun it: its word in the job's key-value store says so, or the tier holds work in
+        progress of this save's token (a staging directory, a prefix marked with it), which
+        only the committing rank's begin makes. Beginning after it, this rank's own begin finds
+        the directory prepared for this very save and clears nothing."""
         cid, token = job.checkpoint_id, job.token
         deadline = time.monotonic() + self._part_timeout
-        delay = 0.02  # (every rank of the job looks: its looks at a shared tier grow slowly)
+        delay = 0.01  # (every rank of the job waits: its questions grow slowly)
+        begun = _drain_key(token, target.name, "begun")
+        next_look = time.monotonic() + _LOOK_EVERY_S  # (at once where there is no store)
         while True:
-            if set(target.leftovers()) - set(target.leftovers(protect={token})):
+            # The committing rank's word, left in this job's key-value store under the save's
+            # token right after its begin (and removed once its copy is over), is enough; the
+            # tier's own state (a look reads every checkpoint's markers there: requests to an
+            # object store, from every rank) is looked at only without the store, and once a
+            # second while the word has not come.
+            told = all_posted([begun])
+            if told:
                 return
+            if told is None or time.monotonic() >= next_look:
+                if set(target.leftovers()) - set(target.leftovers(protect={token})):
+                    return
+                next_look = time.monotonic() + _LOOK_EVERY_S
             if seen_lost(self._context.groups.main, [0]):
                 # A dead rank 0 never begins the copy: waiting out part_timeout would only
                 # hold this process (at exit, the job's restart) for nothing.
@@ -829,7 +884,7 @@ class Drainer(BackgroundJobs[DrainJob]):
                     f"tier '{target.name}' within {self._part_timeout:.0f} s; this node's part "
                     f"was not copied (see rank 0's store.wait() errors)", cid, target.name)
             time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            delay = min(delay * 2, 0.5 if told is None else _WORD_POLL_MAX_S)
 
     def _part_done(self, target: Tier, staging: str, report: str, manifest: Manifest,
                    failure: BaseException | None) -> None:
@@ -866,7 +921,18 @@ class Drainer(BackgroundJobs[DrainJob]):
         reported: set[int] = set()
         deadline = time.monotonic() + self._part_timeout
         polls = _Polls(target, 0.02, _PART_POLL_MAX_S)
+        keys = {r: _drain_key(job.token, target.name, f"reported-{r}") for r in reporters}
+        next_look = 0.0
         while True:
+            # The other ranks' words say when to look (each left right after its report): once
+            # they all reported, and once a second while they have not (a lost rank is noticed
+            # then); without the key-value store, at every wait.
+            unreported = [keys[r] for r in reporters if r not in reported]
+            told = all_posted(unreported) if unreported else None
+            if told is False and time.monotonic() < next_look:
+                polls.wait()
+                continue
+            next_look = time.monotonic() + _LOOK_EVERY_S
             listed = target.backend.inventory(staging)
             for r, name in reporters.items():
                 if r in reported or (listed is not None and name not in listed):

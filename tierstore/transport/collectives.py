@@ -26,7 +26,7 @@ from tierstore.transport.messages import MessageError, decode_message, encode_me
 __all__ = ["MaxInFlight", "start_all_reduce_max", "stop_roll_calls_when", "RankContext", "rank_context", "make_store_group",
            "all_gather_message", "broadcast_message", "broadcast_with_bytes", "barrier",
            "all_reduce_max", "peers_lost",
-           "seen_lost", "post", "read_post", "drop_posts"]
+           "seen_lost", "post", "read_post", "all_posted", "drop_posts"]
 
 log = logging.getLogger("tierstore.collectives")
 T = TypeVar("T")
@@ -448,6 +448,16 @@ def read_post(key: str) -> bytes | None:
     if store is None or not store.check([key]):
         return None
     return bytes(store.get(key))
+
+
+def all_posted(keys: list[str]) -> bool | None:
+    """Whether every key of ``keys`` holds a post; None without a job key-value store (the
+    caller finds out another way). Never blocks: a blocking wait would hold the process's one
+    connection to the store, and every other thread's use of it, until it ends."""
+    store = _job_store()
+    if store is None:
+        return None
+    return bool(store.check(keys))
 
 
 def drop_posts(keys: list[str]) -> None:
