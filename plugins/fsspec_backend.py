@@ -196,6 +196,16 @@ class FsspecBackend(Backend):
                 self._made = (fs, foreground, path.rstrip("/"))
             return self._made
 
+    def prepare(self) -> None:
+        """Import the object store's client and make its filesystems and session (no
+        request), ahead of the first drain's copy."""
+        if self._disk is not None:
+            return
+        fs, foreground, _ = self._filesystems()
+        for one in (fs, foreground):
+            if one is not None and hasattr(one, "set_session"):  # s3fs: its client, no request
+                one.connect()
+
     @property
     def root_path(self) -> str:
         """The tier's root in its filesystem's terms (``bucket/prefix`` for an object store)."""

@@ -30,6 +30,7 @@ from tierstore.engine.health import TierHealth
 from tierstore.engine.interval import IntervalChooser
 from tierstore.engine.listings import Listings
 from tierstore.engine.parts import KnownCommits
+from tierstore.engine.preparation import TierPreparation
 from tierstore.engine.publish import Publisher
 from tierstore.engine.retention import Retention
 from tierstore.engine.saves import SaveLedger
@@ -85,7 +86,8 @@ class StoreParts:
         return WriterServices(self.ctx, self.ledger, self.stager, self.publisher, self.gc,
                               self.replicator, self.hand_off.reopen_callable,
                               self.hand_off.adopt_later, self.watchdog,
-                              intervals if intervals.active else None, self.claims)
+                              intervals if intervals.active else None, self.claims,
+                              TierPreparation(list(self.ctx.tiers)))
 
     @functools.cached_property
     def reader_services(self) -> ReaderServices:

@@ -31,6 +31,7 @@ from tierstore.engine.context import StoreContext
 from tierstore.engine.existing import Holding, holdings, whole_copies
 from tierstore.engine.gc import GarbageCollector
 from tierstore.engine.interval import IntervalChooser
+from tierstore.engine.preparation import TierPreparation
 from tierstore.engine.publish import Publisher
 from tierstore.engine.replication import ReplicationJob, Replicator
 from tierstore.engine.saves import SaveLedger, save_call_watch
@@ -77,6 +78,8 @@ class WriterServices:
     intervals: IntervalChooser | None = None
     #: the job's claims on its tiers' directories, taken before its first save
     claims: TierClaims | None = None
+    #: makes the remote tiers' clients ready, in the background, once the job saves
+    preparation: TierPreparation | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,8 @@ class TierstoreWriter(StorageWriter, AsyncStager):
         services = self._services
         ctx, ledger = services.context, services.ledger
         cid = validate_checkpoint_id(checkpoint_id)
+        if services.preparation is not None:
+            services.preparation.start()  # (the first save's drains will need the clients)
         step = ledger.step_for(cid)
         # Which tiers take this save, decided here, once, on every rank (every rank resets
         # every save with the same step and the same intervals in force): the first one is

@@ -166,6 +166,12 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release clients and threads; called by ``Store.close()``."""
 
+    def prepare(self) -> None:
+        """Make ready, without a request, what the first request will need (a client made on
+        first use, its imports), so that the first copy to the tier does not wait for it.
+        Called once, in the background, when the job first saves: a restart that never
+        touches the tier never pays for it. Optional."""
+
     # -- optional capabilities -----------------------------------------------------------------
     def put_files(self, pairs: list[tuple[str, str]], sizes: dict[str, int]) -> None:
         """Upload local files: ``pairs`` of (local OS path, path on this backend); ``sizes``
