@@ -77,11 +77,11 @@ def _drain_key(token: str, tier: str, what: str) -> str:
 
 def _wake(key: str) -> None:
     """Leave the word ``key`` (best effort: the ranks waiting for it look at the tier every
-    ``_WAKE_WAIT_S`` without it)."""
+    ``_LOOK_EVERY_S`` without it)."""
     try:
         post(key, b"1")
     except Exception:  # noqa: BLE001 - the waiters find the tier's answer without it
-        log.debug("could not leave the wake-up %s", key, exc_info=True)
+        log.debug("could not leave the word %s", key, exc_info=True)
 
 
 class _Polls:
@@ -552,7 +552,7 @@ class Drainer(BackgroundJobs[DrainJob]):
             self._wait_for_begin(job, target)
         staging = target.begin_save(cid, token)
         if gathering and commits:
-            # The other ranks wait for this begin (see _wait_for_begin): they look now.
+            # The other ranks wait for this begin (see _wait_for_begin): they go on now.
             _wake(_drain_key(token, target.name, "begun"))
         marked = False  # the copy carries the part's pending marker
         try:
