@@ -141,12 +141,21 @@ class ContenderReport:
 
 def split_runs(events: Iterable[dict[str, Any]], starts: Sequence[float] = ()) -> list[Run]:
     """Rank 0's events cut into runs at each ``opened`` event; ``starts``: the process start
-    of each run in order, where known."""
+    of each run in order, where known. With them, an event after a run's start belongs to that
+    run even before its ``opened`` (a tier found unreachable while the store opens), not to the
+    run before it, whose end (and lost progress) it would stretch."""
     runs: list[Run] = []
+    later = [float(s) for s in starts[1:]]  # the starts of the runs after the first
+    unopened = False  # the last run began at its start, and its ``opened`` is still to come
     for e in sorted((e for e in events if e.get("rank", 0) == 0), key=lambda e: e["at"]):
         kind, at = e["kind"], float(e["at"])
-        if kind == "opened" or not runs:
+        if kind == "opened" and unopened:
+            runs[-1].opened, unopened = at, False
+            continue
+        started = bool(runs) and len(runs) <= len(later) and at >= later[len(runs) - 1]
+        if kind == "opened" or not runs or started:
             runs.append(Run(opened=at, end=at))
+            unopened = kind != "opened" and bool(runs[:-1])
             if kind == "opened":
                 continue
         run = runs[-1]
